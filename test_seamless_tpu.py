@@ -1,0 +1,573 @@
+"""Fast tier: no XLA runtime, no Ray cluster. A fake torch_xla (tests/fake_torch_xla.py) stands in
+for the library; tests/test_real_xla.py runs the same scenarios on the real one."""
+
+import collections
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scenarios
+import seamless_tpu as st
+from fake_torch_xla import FakeXLA
+
+try:  # imported up front: ray's import writes RAY_CLIENT_MODE, which the hygiene check would flag
+    import ray.train as ray_train
+except ImportError:
+    ray_train = None
+
+NEVER_READ = ("PJRT_COORDINATOR_ADDRESS", "PJRT_NUM_PROCESSES", "PJRT_PROCESS_INDEX", "XLA_MESH_SHAPE",
+              "XLA_DATA_PARALLEL_SIZE", "XLA_SPMD_PARTITIONING_MODE", "XLA_TPU_SPMD_OPTIMIZATION")
+
+
+@pytest.fixture(autouse=True)
+def hygiene():
+    """Fail any test that leaks env vars or leaves the module's caches and XLA state warm."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    leaked = {k: after.get(k) for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    leaked.pop("PYTEST_CURRENT_TEST", None)  # pytest's own bookkeeping
+    warm = [p.__name__ for p in st._CACHED_PROBES if p.cache_info().currsize]
+    for k in leaked:  # put things back so one leak does not fail every later test
+        if k in before:
+            os.environ[k] = before[k]
+        else:
+            del os.environ[k]
+    st._reset_caches()
+    assert not leaked, f"test leaked env vars: {leaked}"
+    assert not warm and st._XLA is None and st._MESH is None and not st._HOOKS, f"warm caches: {warm}"
+
+
+@pytest.fixture
+def fresh():
+    """The module with cold caches at the end of the test."""
+    yield st
+    st._reset_caches()
+
+
+@pytest.fixture
+def no_xla(monkeypatch, fresh):
+    monkeypatch.setitem(sys.modules, "torch_xla", None)
+    for k in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE", "TPU_ACCELERATOR_TYPE"):
+        monkeypatch.delenv(k, raising=False)
+    return st
+
+
+@pytest.fixture
+def fake(monkeypatch, fresh):
+    fx = FakeXLA().install(monkeypatch)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "xla")
+    return fx
+
+
+# --- device detection ----------------------------------------------------------------------------
+
+# (torch_xla importable, PJRT_DEVICE, TPU PCI chips, TPU_ACCELERATOR_TYPE, cuda, SEAMLESS_TPU_DEVICE) -> kind
+DETECTION = [
+    (False, None, 0, None, False, None, "cpu"),
+    (False, None, 0, None, True, None, "gpu"),
+    (False, "TPU", 4, None, False, None, "cpu"),  # no torch_xla: TPU hints alone do not count
+    (True, None, 0, None, False, None, "cpu"),
+    (True, None, 0, None, True, None, "gpu"),
+    (True, None, 4, None, True, None, "tpu"),  # TPU before GPU
+    (True, "TPU", 0, None, False, None, "tpu"),
+    (True, "tpu", 0, None, False, None, "tpu"),
+    (True, None, 0, "v5litepod-8", False, None, "tpu"),
+    (True, "CPU", 0, None, True, None, "xla"),  # XLA before GPU
+    (True, "CPU", 4, None, False, None, "xla"),  # an explicit PJRT_DEVICE beats visible chips
+    (True, "CUDA", 0, None, True, None, "xla"),
+    (True, "TPU", 4, None, True, "cpu", "cpu"),
+    (True, "TPU", 4, None, True, "GPU", "gpu"),
+    (True, "CPU", 0, None, False, "xla", "xla"),
+]
+
+
+@pytest.mark.parametrize("xla,pjrt,chips,acc,cuda,asked,want", DETECTION)
+def test_detection_matrix(monkeypatch, fresh, xla, pjrt, chips, acc, cuda, asked, want):
+    if xla:
+        FakeXLA().install(monkeypatch)
+    else:
+        monkeypatch.setitem(sys.modules, "torch_xla", None)
+    for name, value in (("PJRT_DEVICE", pjrt), ("TPU_ACCELERATOR_TYPE", acc), ("SEAMLESS_TPU_DEVICE", asked)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(st, "_tpu_chip_count", lambda: chips)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert st.device_type() == want
+    assert st.is_xla_backend() == (want in ("tpu", "xla"))
+
+
+def test_detection_has_no_side_effects(monkeypatch, fresh):
+    """device_type() finds torch_xla without importing it (its import writes env defaults)."""
+    if "torch_xla" in sys.modules:
+        pytest.skip("torch_xla already imported in this process")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.delenv("SEAMLESS_TPU_DEVICE", raising=False)
+    env = dict(os.environ)
+    kind = st.device_type()
+    assert kind == ("xla" if st._xla_installed() else "cpu")
+    assert "torch_xla" not in sys.modules and dict(os.environ) == env
+
+
+def test_no_torch_xla_errors_name_the_install_command(no_xla):
+    for kind in ("tpu", "xla"):
+        with pytest.raises(ImportError, match=r"needs torch_xla.*pip install 'torch_xla\[tpu\]==2\.9\.0'"):
+            st.get_device(kind)
+    with pytest.raises(ImportError, match=r"seamless_tpu needs torch_xla for this: pip install"):
+        st.create_xla_mesh()
+
+
+def test_tpu_requested_without_a_tpu(fake, monkeypatch):
+    monkeypatch.setattr(st, "_tpu_chip_count", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"device 'tpu' was requested but no TPU is visible: PJRT_DEVICE='CPU'"):
+        st.get_device("tpu")
+
+
+def test_bad_kind_and_missing_gpu(no_xla, monkeypatch):
+    with pytest.raises(ValueError, match=r"device must be one of .*got 'tpuu'"):
+        st.get_device("tpuu")
+    monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "cuda")
+    with pytest.raises(ValueError, match=r"SEAMLESS_TPU_DEVICE must be one of .*got 'cuda'"):
+        st.device_type()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"'gpu' was requested but torch.cuda.is_available\(\) is False"):
+        st.get_device("gpu")
+
+
+def test_cpu_device(no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert st.get_device() == torch.device("cpu") and st.get_device("cpu") == torch.device("cpu")
+
+
+# --- moving data: one container type per case ----------------------------------------------------
+
+META = torch.device("meta")  # moving to 'meta' shows every tensor really moved, on any machine
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    label: str
+    extra: list = dataclasses.field(default_factory=list)
+
+
+def moved(obj):
+    return isinstance(obj, torch.Tensor) and obj.device.type == "meta"
+
+
+def test_to_device_tensor():
+    assert moved(st.to_device(torch.ones(2), device=META))
+
+
+def test_to_device_several_return_a_tuple():
+    a, b = st.to_device(torch.ones(2), torch.zeros(3), device=META)
+    assert moved(a) and moved(b)
+
+
+def test_to_device_dict():
+    out = st.to_device({"a": torch.ones(1), "b": {"c": torch.ones(1)}}, device=META)
+    assert type(out) is dict and moved(out["a"]) and moved(out["b"]["c"])
+
+
+def test_to_device_defaultdict_keeps_factory():
+    d = collections.defaultdict(list, a=torch.ones(1))
+    out = st.to_device(d, device=META)
+    assert type(out) is collections.defaultdict and out.default_factory is list and moved(out["a"])
+
+
+def test_to_device_ordereddict_keeps_type_and_order():
+    out = st.to_device(collections.OrderedDict([("b", torch.ones(1)), ("a", torch.ones(1))]), device=META)
+    assert type(out) is collections.OrderedDict and list(out) == ["b", "a"] and moved(out["a"])
+
+
+def test_to_device_list_and_tuple():
+    out = st.to_device([torch.ones(1), (torch.ones(1), 3)], device=META)
+    assert type(out) is list and type(out[1]) is tuple and moved(out[0]) and moved(out[1][0]) and out[1][1] == 3
+
+
+def test_to_device_namedtuple():
+    out = st.to_device(Point(torch.ones(1), torch.ones(2)), device=META)
+    assert type(out) is Point and moved(out.x) and moved(out.y)
+
+
+def test_to_device_dataclass():
+    out = st.to_device(Batch(torch.ones(1), "cat", [torch.ones(1)]), device=META)
+    assert type(out) is Batch and moved(out.x) and out.label == "cat" and moved(out.extra[0])
+
+
+def test_to_device_anything_with_to():
+    out = st.to_device(torch.nn.Linear(2, 2), device=META)
+    assert moved(out.weight)
+
+
+def test_to_device_passes_other_values_through():
+    marker = object()
+    assert st.to_device("text", device=META) == "text"
+    assert st.to_device(marker, device=META) is marker
+    assert st.to_device(None, device=META) is None
+
+
+class RecordsTo:
+    def __init__(self):
+        self.calls = []
+
+    def to(self, *args, **kwargs):
+        self.calls.append(kwargs)
+        return self
+
+
+def test_non_blocking_only_for_cuda():
+    cuda, cpu = RecordsTo(), RecordsTo()
+    st._mover(torch.device("cuda", 0))(cuda)
+    st._mover(torch.device("cpu"))(cpu)
+    assert cuda.calls == [{"non_blocking": True}] and cpu.calls == [{"non_blocking": False}]
+
+
+# --- the trainer on CPU: bitwise equal to the plain loop -----------------------------------------
+
+
+@pytest.mark.parametrize("opt_name", sorted(scenarios.OPTIMIZERS))
+@pytest.mark.parametrize("option", ["option1", "option2"])
+def test_trainer_on_cpu_is_bitwise_the_plain_loop(no_xla, monkeypatch, option, opt_name):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    want = scenarios.seed_loop("eager", opt_name)
+    assert torch.equal(scenarios.seed_loop(option, opt_name), want)
+    assert want[-1] < want[0]
+
+
+def test_trainer_cpu_extras(no_xla, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = scenarios.mlp()
+    trainer = st.SeamlessTPUTrainer(model, precision="bf16")
+    assert trainer.model is model and trainer.device == torch.device("cpu") and trainer.mesh is None
+    with trainer.autocast():
+        assert model(torch.ones(2, 10)).dtype == torch.bfloat16
+    with st.SeamlessTPUTrainer(model).autocast():
+        assert model(torch.ones(2, 10)).dtype == torch.float32
+    assert trainer.compile_stats() == {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
+    optimizer = torch.optim.Adam(model.parameters())
+    path = trainer.save({"model": model, "optimizer": optimizer}, tmp_path / "ckpt.pt")
+    loaded = torch.load(path)
+    assert torch.equal(loaded["model"]["0.weight"], model[0].weight) and "param_groups" in loaded["optimizer"]
+    loader = trainer.prepare_data_loader(torch.utils.data.DataLoader(scenarios._Pairs(10), batch_size=4))
+    assert [len(b[0]) for b in loader] == [4, 4, 2], "off XLA the last batch is kept unless asked"
+    with pytest.raises(ValueError, match=r"precision must be one of \(None, 'fp32', 'bf16'\), got 'fp16'"):
+        st.SeamlessTPUTrainer(model, precision="fp16")
+    with pytest.raises(ValueError, match=r"apply to XLA devices only, but the device is cpu"):
+        st.SeamlessTPUTrainer(model, xla_spmd_config={"mesh_shape": [1]})
+
+
+# --- the trainer on the fake torch_xla: the twins of tests/test_real_xla.py ----------------------
+
+
+@pytest.mark.parametrize("scenario", scenarios.TWINS, ids=lambda f: f.__name__)
+def test_fake_xla_twin(fake, scenario):
+    if scenario is scenarios.tensor_before_spmd_is_refused:
+        scenario(make_early_tensor=lambda: setattr(fake, "locked", True))
+    else:
+        scenario()
+
+
+def test_fake_xla_spmd_precedes_every_transfer(fake):
+    trainer = st.SeamlessTPUTrainer(scenarios.mlp())
+    trainer.to_device(torch.ones(4, 10))
+    kinds = [e[0] for e in fake.events]
+    assert kinds.index("use_spmd") < kinds.index("send")
+
+
+def test_fake_sharding_text_matches_xla_format(fake):
+    mesh = sys.modules["torch_xla.distributed.spmd"].Mesh(list(range(4)), (2, 2), ("data", "model"))
+    assert fake._sharding_text(mesh, (("data", "model"), None)) == scenarios.SPEC_2D
+    assert fake._sharding_text(mesh, ("data", None)) == scenarios.SPEC_DATA_OF_2X2
+    assert fake._sharding_text(mesh, ("model", None)) == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+
+
+def test_fake_xla_2d_default_mesh_shards_batch_over_all_axes(monkeypatch, fresh):
+    FakeXLA(num_devices=16, process_count=4).install(monkeypatch)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    trainer = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla")
+    assert (tuple(trainer.mesh.mesh_shape), trainer.mesh.axis_names) == ((4, 4), ("data", "model"))
+    x = trainer.to_device(torch.ones(16, 10))
+    assert sys.modules["torch_xla"]._XLAC._get_xla_sharding_spec(x).startswith("{devices=[16,1]")
+
+
+def test_fake_xla_explicit_model_axis_keeps_batch_on_data(fake):
+    trainer = st.SeamlessTPUTrainer(scenarios.mlp(), xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2})
+    assert st._BATCH_AXES == ("data",)
+    assert scenarios.sharding(trainer.to_device(torch.ones(4, 10))) == scenarios.SPEC_DATA_OF_2X2
+
+
+def test_fake_xla_cpu_backward_first_is_a_clear_error(fake, monkeypatch):
+    def broken(self, *a, **k):
+        raise RuntimeError("0 <= device.index() && device.index() < device_ready_queues_.size() INTERNAL ASSERT FAILED")
+
+    monkeypatch.setattr(torch.Tensor, "backward", broken)
+    with pytest.raises(RuntimeError, match=r"a backward\(\) ran on CPU in this process before XLA was initialised"):
+        st.get_device()
+
+
+def test_fake_xla_sets_pjrt_device_only_when_unset(fake, monkeypatch):
+    monkeypatch.delenv("PJRT_DEVICE")
+    st.get_device("xla")
+    assert os.environ.pop("PJRT_DEVICE") == "CPU"  # popped: the hygiene fixture would flag it
+    st._reset_caches()
+    monkeypatch.setenv("PJRT_DEVICE", "CUDA")
+    st.get_device("xla")
+    assert os.environ["PJRT_DEVICE"] == "CUDA"
+
+
+# --- mesh rules and bad input --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("devices,processes,shape,names", [
+    (8, 1, (8,), ("data",)),
+    (4, 1, (4,), ("data",)),
+    (16, 4, (4, 4), ("data", "model")),
+    (16, 2, (2, 8), ("data", "model")),
+])
+def test_mesh_table(devices, processes, shape, names):
+    assert st.mesh_shape_for(devices, processes) == (shape, names)
+
+
+@pytest.mark.parametrize("config,shape,names", [
+    ({"mesh_shape": [2, 2], "data_parallel_size": 2, "model_parallel_size": 2}, (2, 2), ("data", "model")),
+    ({"mesh_shape": [4]}, (4,), ("data",)),
+    ({"mesh_shape": [1, 2, 2], "axis_names": ["data", "fsdp", "model"]}, (1, 2, 2), ("data", "fsdp", "model")),
+    ({"data_parallel_size": 2}, (2, 2), ("data", "model")),
+    ({"model_parallel_size": 4}, (1, 4), ("data", "model")),
+])
+def test_explicit_spmd_config_wins(config, shape, names):
+    assert st.mesh_shape_for(4, 1, xla_spmd_config=config) == (shape, names)
+
+
+@pytest.mark.parametrize("config,error,text", [
+    ({"mesh_shape": [2, 3]}, ValueError, "mesh_shape (2, 3) holds 6 devices but the runtime has 4"),
+    ({"data_parallel_size": 3, "model_parallel_size": 2}, ValueError, "3 x 2 != 4 devices"),
+    ({"data_parallel_size": 3}, ValueError, "data_parallel_size x model_parallel_size must equal the device count"),
+    ({"mesh_shape": [2, 2], "axis_names": ["data"]}, ValueError, "1 names ('data',) for mesh_shape (2, 2)"),
+    ({"mesh_shape": [2, 2], "axis_names": ["x", "x"]}, ValueError, "unique non-empty strings, got ('x', 'x')"),
+    ({"mesh_shape": [0, 4]}, ValueError, "mesh_shape entry must be a positive int, got 0"),
+    ({"mesh_shape": [-2, -2]}, ValueError, "must be a positive int, got -2"),
+    ({"mesh_shape": [2.0, 2]}, TypeError, "mesh_shape entry must be an int, got 2.0"),
+    ({"mesh_shape": "2x2"}, TypeError, "mesh_shape must be a list of positive ints, got '2x2'"),
+    ({"mesh_shape": [2, 2], "data_parallel_size": 4}, ValueError, "contradicts itself: data_parallel_size=4 but mesh axis 'data' has size 2"),
+    ({"mesh_shape": [2, 2], "data_parallel_size": 4, "model_parallel_size": 2}, ValueError, "data_parallel_size=4"),
+    ({"mesh_shape": [2, 2, 1]}, ValueError, "a 3-D mesh_shape needs explicit axis_names"),
+    ({"partitioning_mode": "auto"}, ValueError, "unknown keys ['partitioning_mode']; valid keys are"),
+    ({"data_parallel_size": True}, TypeError, "data_parallel_size must be an int, got True"),
+])
+def test_bad_spmd_config(config, error, text):
+    with pytest.raises(error) as info:
+        st.mesh_shape_for(4, 1, xla_spmd_config=config)
+    assert text in str(info.value)
+
+
+@pytest.mark.parametrize("args,error,text", [
+    ((0, 1), ValueError, "num_devices must be a positive int, got 0"),
+    ((4, 3), ValueError, "4 devices over 3 processes"),
+    (("4", 1), TypeError, "num_devices must be an int, got '4'"),
+])
+def test_bad_counts(args, error, text):
+    with pytest.raises(error, match=text):
+        st.mesh_shape_for(*args)
+
+
+@pytest.mark.parametrize("topology,dims", [("2x2", (2, 2)), ("2x2x1", (2, 2, 1)), ("4x4x8", (4, 4, 8)), ("1x1", (1, 1))])
+def test_parse_topology(topology, dims):
+    assert st.parse_topology(topology) == dims
+
+
+@pytest.mark.parametrize("topology,error", [
+    ("2", ValueError), ("2x", ValueError), ("x2", ValueError), ("2x0", ValueError), ("2*2", ValueError),
+    ("", ValueError), ("1x2x3x4", ValueError), (" 2x2", ValueError), ("-2x2", ValueError),
+    (4, TypeError), (None, TypeError), ((2, 2), TypeError),
+])
+def test_bad_topology(topology, error):
+    with pytest.raises(error, match=r"topology .*got"):
+        st.parse_topology(topology)
+
+
+def test_topology_checked_against_device_count():
+    assert st.mesh_shape_for(4, 1, topology="2x2") == ((4,), ("data",))
+    assert st.mesh_shape_for(8, 1, topology="2x2") == ((8,), ("data",))  # v7: 2 devices per chip
+    with pytest.raises(ValueError, match=r"topology '2x2' has 4 chips but the runtime has 6 devices"):
+        st.mesh_shape_for(6, 1, topology="2x2")
+
+
+def test_mesh_that_does_not_fit_is_a_value_error_not_an_assert(fake):
+    scenarios.bad_mesh_raises_value_error()
+
+
+# --- the Ray hook's pure parts: env contract and scaling check -----------------------------------
+
+
+def worker_env(rank=1):
+    return st._xla_worker_env(rank=rank, world_size=2, local_rank=0, local_world_size=1, node_rank=rank,
+                              master_addr="10.0.0.1", master_port=1234, hostnames=["10.0.0.1", "10.0.0.2"])
+
+
+def test_worker_env_contract():
+    env = worker_env()
+    assert env == {
+        "PJRT_DEVICE": "TPU", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "RANK": "1", "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "NODE_RANK": "1", "TPU_WORKER_ID": "1",
+        "TPU_WORKER_HOSTNAMES": "10.0.0.1,10.0.0.2",
+    }
+    assert not set(NEVER_READ) & set(env)
+
+
+def test_user_env_survives(monkeypatch):
+    monkeypatch.setenv("TPU_WORKER_ID", "7")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    for k in worker_env():
+        if k not in ("TPU_WORKER_ID", "PJRT_DEVICE"):
+            monkeypatch.delenv(k, raising=False)
+    try:
+        applied = st._setdefault_env(worker_env())
+        assert os.environ["TPU_WORKER_ID"] == "7" and os.environ["PJRT_DEVICE"] == "CPU"
+        assert "TPU_WORKER_ID" not in applied and applied["RANK"] == "1"
+    finally:
+        for k in set(worker_env()) - {"TPU_WORKER_ID", "PJRT_DEVICE"}:
+            os.environ.pop(k, None)
+
+
+def test_tpu_scaling_check():
+    st._check_tpu_scaling(1, 4, "2x2")
+    st._check_tpu_scaling(4, 4, "4x4")
+    st._check_tpu_scaling(2, 1, None)
+    with pytest.raises(ValueError, match=r"num_workers=2 x TPU per worker=4 = 8 chips, but topology '2x2' has 4 chips"):
+        st._check_tpu_scaling(2, 4, "2x2")
+    with pytest.raises(ValueError, match=r"topology must look like"):
+        st._check_tpu_scaling(1, 4, "2by2")
+
+
+class FakeContext:
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def get_world_rank(self):
+        return self.rank
+
+    def get_world_size(self):
+        return self.size
+
+    def get_local_rank(self):
+        return 0
+
+    def get_local_world_size(self):
+        return 1
+
+    def get_node_rank(self):
+        return self.rank
+
+
+class FakeWorkerGroup:
+    """Ray's worker group as the backend sees it (execute, execute_single, len). Each worker
+    keeps its own env and module state, as separate processes would; order is not rank order."""
+
+    def __init__(self, monkeypatch, envs):
+        self.monkeypatch, self.envs, self.order = monkeypatch, envs, [1, 0]
+        self.state, self.meshes = {}, {}
+
+    def __len__(self):
+        return len(self.envs)
+
+    def _run(self, rank, fn, *args, **kwargs):
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.envs[rank])
+        for probe in st._CACHED_PROBES:
+            probe.cache_clear()
+        st._XLA, st._MESH, st._BATCH_AXES = self.state.get(rank, (None, None, None))
+        self.monkeypatch.setattr(st, "_train_context", lambda: FakeContext(rank, len(self)))
+        self.monkeypatch.setattr(st, "_node_ip", lambda: f"10.0.0.{rank + 1}")
+        try:
+            out = fn(*args, **kwargs)
+            self.meshes[rank] = st.get_xla_mesh()
+            return out
+        finally:
+            self.state[rank] = (st._XLA, st._MESH, st._BATCH_AXES)
+            self.envs[rank] = dict(os.environ)
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def execute(self, fn, *args, **kwargs):
+        return [self._run(rank, fn, *args, **kwargs) for rank in self.order]
+
+    def execute_single(self, rank, fn, *args, **kwargs):
+        return self._run(rank, fn, *args, **kwargs)
+
+
+@pytest.mark.skipif(ray_train is None, reason="needs ray[train]")
+def test_ray_backend_with_fake_worker_group(fake, monkeypatch):
+    base = {"PATH": os.environ.get("PATH", "")}
+    group = FakeWorkerGroup(monkeypatch, {0: dict(base), 1: dict(base, TPU_WORKER_ID="7", PJRT_DEVICE="CPU")})
+    backend = st._XlaSpmdBackend()
+    config = st.TorchConfig(backend="xla_tpu")
+    for attempt in range(2):  # a restarted worker group runs the hook again
+        backend.on_start(group, config)
+        assert group.envs[0]["TPU_WORKER_ID"] == "0" and group.envs[1]["TPU_WORKER_ID"] == "7"
+        assert group.envs[0]["PJRT_DEVICE"] == "TPU" and group.envs[1]["PJRT_DEVICE"] == "CPU"
+        for rank in (0, 1):
+            env = group.envs[rank]
+            assert env["TPU_WORKER_HOSTNAMES"] == "10.0.0.1,10.0.0.2", "worker IPs in rank order"
+            assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2" and env["MASTER_ADDR"] == "10.0.0.1"
+            assert int(env["MASTER_PORT"]) > 0 and not set(NEVER_READ) & set(env)
+            assert tuple(group.meshes[rank].mesh_shape) == (4,)
+        backend.on_shutdown(group, config)
+        assert group.meshes == {0: None, 1: None}
+        for rank in (0, 1):  # back to what the user gave, for the next attempt
+            group.envs[rank] = dict(base, **({"TPU_WORKER_ID": "7", "PJRT_DEVICE": "CPU"} if rank else {}))
+    st._reset_caches()
+
+
+# --- vendoring: one file, no torch_xla, no ray ---------------------------------------------------
+
+
+def test_vendored_copy_imports_without_torch_xla_or_ray(tmp_path):
+    pkg = tmp_path / "myproj" / "_vendor"
+    pkg.mkdir(parents=True)
+    (tmp_path / "myproj" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "seamless_tpu.py").write_text(open(st.__file__).read())
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch_xla"] = None
+        sys.modules["ray"] = None
+        import torch
+        from myproj._vendor.seamless_tpu import to_device, SeamlessTPUTrainer
+        import myproj._vendor.seamless_tpu as m
+        assert m.device_type() == "cpu", m.device_type()
+        model = torch.nn.Linear(2, 1)
+        trainer = SeamlessTPUTrainer(model)
+        x = trainer.to_device(torch.ones(3, 2))
+        assert to_device(x).device.type == "cpu"
+        for attr, words in (("TorchConfig", "pip install 'ray[train]'"), ("TorchTrainer", "ray")):
+            try:
+                getattr(m, attr)
+            except ImportError as e:
+                assert words in str(e), str(e)
+            else:
+                raise AssertionError(attr)
+        try:
+            m.get_device("xla")
+        except ImportError as e:
+            assert "pip install 'torch_xla[tpu]==2.9.0'" in str(e)
+        assert sys.modules["torch_xla"] is None and sys.modules["ray"] is None
+        assert not [k for k in sys.modules if k.startswith(("torch_xla.", "ray."))]
+        print("vendored OK")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE")}
+    env["PYTHONPATH"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "vendored OK" in out.stdout, out.stderr[-2000:]

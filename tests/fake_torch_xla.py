@@ -1,0 +1,209 @@
+"""A small fake of torch_xla 2.9 for the fast test tier.
+
+Its "XLA device" is the CPU, so the shim's XLA code paths run on plain tensors. It records what the
+shim calls (EVENTS) and models just enough behaviour to assert on: sharding-spec text in XLA's own
+format, a compile cache keyed on the shapes fed since the last sync, and the SPMD config lock.
+
+Every callable here keeps torch_xla 2.9's signature, and every behaviour it claims is checked
+against the real library by tests/test_real_xla.py (same scenarios, same assertions), so the fake
+cannot drift silently. FAKE_API lists what the signature check compares.
+"""
+
+import types
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+FAKE_API = {
+    "torch_xla": ("device", "devices", "device_count", "sync"),
+    "torch_xla.runtime": ("use_spmd", "is_spmd", "global_runtime_device_count", "process_count", "process_index", "device_type"),
+    "torch_xla.core.xla_model": ("send_cpu_data_to_device",),
+    "torch_xla.distributed.spmd": ("Mesh", "ShardingSpec", "mark_sharding", "set_global_mesh", "get_global_mesh"),
+    "torch_xla.distributed.parallel_loader": ("MpDeviceLoader",),
+    "torch_xla.debug.metrics": ("counter_value", "metric_data"),
+}
+
+
+class FakeXLA:
+    """State of one fake torch_xla 'process'."""
+
+    def __init__(self, num_devices=4, process_count=1, pjrt_device="CPU"):
+        self.num_devices, self.nprocs, self.pjrt_device = num_devices, process_count, pjrt_device
+        self.events = []
+        self.spmd = False
+        self.locked = False  # set True to simulate an XLA tensor made before SPMD
+        self.counters = {}
+        self.transfers = 0
+        self.pending_shapes = []
+        self.graphs = set()
+        self.shardings = {}  # id(tensor) -> sharding text
+        self.global_mesh = None
+        self.modules = self._build()
+
+    # -- helpers used by the fake modules --
+    def _count(self, name, n=1):
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _sharding_text(self, mesh, partition_spec):
+        """The text XLA prints for `partition_spec` on `mesh`, e.g. {devices=[4,1]0,1,2,3}."""
+        names = list(mesh.axis_names or range(len(mesh.mesh_shape)))
+        logical = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
+        tiles, used = [], []
+        for entry in partition_spec:
+            axes = [] if entry is None else (list(entry) if isinstance(entry, tuple) else [entry])
+            idx = [names.index(a) if isinstance(a, str) else a for a in axes]
+            used += idx
+            tiles.append(int(np.prod([mesh.mesh_shape[i] for i in idx])) if idx else 1)
+        rest = [i for i in range(len(names)) if i not in used]
+        order = logical.transpose(used + rest).reshape(-1)
+        replicate = int(np.prod([mesh.mesh_shape[i] for i in rest])) if rest else 1
+        if replicate == len(order):
+            return "{replicated}"
+        dims = tiles + ([replicate] if replicate > 1 else [])
+        text = "{devices=[" + ",".join(map(str, dims)) + "]" + ",".join(map(str, order))
+        return text + (" last_tile_dim_replicate}" if replicate > 1 else "}")
+
+    def _build(self):
+        fx = self
+        torch_xla = types.ModuleType("torch_xla")
+        runtime = types.ModuleType("torch_xla.runtime")
+        core = types.ModuleType("torch_xla.core")
+        xm = types.ModuleType("torch_xla.core.xla_model")
+        distributed = types.ModuleType("torch_xla.distributed")
+        spmd = types.ModuleType("torch_xla.distributed.spmd")
+        pl = types.ModuleType("torch_xla.distributed.parallel_loader")
+        debug = types.ModuleType("torch_xla.debug")
+        metrics = types.ModuleType("torch_xla.debug.metrics")
+
+        def device(index: int = None) -> torch.device:
+            return torch.device("cpu")
+
+        def devices():
+            return [torch.device("cpu")]
+
+        def device_count() -> int:
+            return 1 if fx.spmd else fx.num_devices // fx.nprocs
+
+        def sync(wait: bool = False, reset_scope: bool = True):
+            fx.events.append(("sync",))
+            if fx.pending_shapes:
+                key = tuple(fx.pending_shapes)
+                fx._count("CachedCompile" if key in fx.graphs else "UncachedCompile")
+                fx.graphs.add(key)
+                fx._count("ExecuteReplicated")
+            fx.pending_shapes = []
+
+        xlac = types.SimpleNamespace(
+            _xla_get_spmd_config_is_locked=lambda: fx.locked and not fx.spmd,
+            _get_xla_sharding_spec=lambda t: fx.shardings.get(id(t), ""),
+        )
+        torch_xla.device, torch_xla.devices, torch_xla.device_count, torch_xla.sync = device, devices, device_count, sync
+        torch_xla._XLAC = xlac
+
+        def use_spmd(auto: bool = False):
+            fx.events.append(("use_spmd", xlac._xla_get_spmd_config_is_locked()))
+            fx.spmd = True
+
+        def is_spmd():
+            return fx.spmd
+
+        runtime.use_spmd, runtime.is_spmd = use_spmd, is_spmd
+        runtime.global_runtime_device_count = lambda: fx.num_devices
+        runtime.process_count = lambda: fx.nprocs
+        runtime.process_index = lambda: 0
+        runtime.device_type = lambda: fx.pjrt_device
+
+        class Mesh:
+            def __init__(self, device_ids, mesh_shape, axis_names=None):
+                device_ids = np.asarray(device_ids)
+                if len(device_ids) != fx.num_devices or int(np.prod(mesh_shape)) != len(device_ids):
+                    raise AssertionError(f"Number of device IDs ({len(device_ids)}) must match mesh size ({int(np.prod(mesh_shape))})")
+                self.device_ids, self.mesh_shape, self.axis_names = device_ids, tuple(mesh_shape), axis_names
+
+            def shape(self):
+                return OrderedDict(zip(self.axis_names or range(len(self.mesh_shape)), self.mesh_shape))
+
+        class ShardingSpec:
+            def __init__(self, mesh, partition_spec, minibatch=False):
+                self.mesh, self.partition_spec, self.minibatch = mesh, tuple(partition_spec), minibatch
+
+            def can_apply(self, t):
+                return len(t.shape) == len(self.partition_spec)
+
+            def xla_spec(self, t):
+                return fx._sharding_text(self.mesh, self.partition_spec) if self.can_apply(t) else None
+
+        def mark_sharding(t, mesh, partition_spec):
+            if len(t.shape) != len(partition_spec):
+                raise AssertionError(f"Partition spec length ({len(partition_spec)}) should be equal to the input rank ({len(t.shape)}).")
+            fx.events.append(("mark_sharding", tuple(t.shape), tuple(partition_spec)))
+            fx.shardings[id(t)] = fx._sharding_text(mesh, partition_spec)
+            return t
+
+        def set_global_mesh(mesh):
+            fx.global_mesh = mesh
+
+        def get_global_mesh():
+            return fx.global_mesh
+
+        spmd.Mesh, spmd.ShardingSpec, spmd.mark_sharding = Mesh, ShardingSpec, mark_sharding
+        spmd.set_global_mesh, spmd.get_global_mesh = set_global_mesh, get_global_mesh
+
+        def send_cpu_data_to_device(datas, device, input_sharding=None):
+            def convert(t):
+                out = t.clone()
+                fx.events.append(("send", tuple(t.shape)))
+                fx.pending_shapes.append(tuple(t.shape))
+                spec = input_sharding.xla_spec(t) if input_sharding else None
+                if spec:
+                    fx.shardings[id(out)] = spec
+                return out
+
+            if type(datas) is torch.Tensor:
+                datas = [datas]
+            return _map_tensors(datas, convert)
+
+        xm.send_cpu_data_to_device = send_cpu_data_to_device
+
+        class MpDeviceLoader:
+            def __init__(self, loader, device, **kwargs):
+                self._loader, self._device, self._sharding = loader, device, kwargs.get("input_sharding")
+
+            def __iter__(self):
+                for batch in self._loader:
+                    yield send_cpu_data_to_device(batch, self._device, self._sharding)
+
+            def __len__(self):
+                return len(self._loader)
+
+        pl.MpDeviceLoader = MpDeviceLoader
+
+        def counter_value(name):
+            return fx.counters.get(name)
+
+        def metric_data(name):
+            if name == "TransferFromDeviceTime" and fx.transfers:
+                return (fx.transfers, 0.0, [])
+            return None
+
+        metrics.counter_value, metrics.metric_data = counter_value, metric_data
+
+        torch_xla.runtime, torch_xla.core, torch_xla.distributed, torch_xla.debug = runtime, core, distributed, debug
+        core.xla_model, distributed.spmd, distributed.parallel_loader, debug.metrics = xm, spmd, pl, metrics
+        return {m.__name__: m for m in (torch_xla, runtime, core, xm, distributed, spmd, pl, debug, metrics)}
+
+    def install(self, monkeypatch):
+        for name, module in self.modules.items():
+            monkeypatch.setitem(__import__("sys").modules, name, module)
+        return self
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj

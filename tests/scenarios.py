@@ -1,0 +1,370 @@
+"""XLA scenarios that assert numbers. Each runs in a fresh process on real torch_xla
+(tests/test_real_xla.py: PJRT_DEVICE=CPU CPU_NUM_DEVICES=4, SEAMLESS_TPU_DEVICE=xla).
+
+TWINS also run in-process on the fake torch_xla (test_seamless_tpu.py) with the same assertions:
+what the fake claims, the real library must show.
+"""
+
+import logging
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import seamless_tpu as st
+
+SPEC_2D = "{devices=[4,1]0,1,2,3}"
+SPEC_1D = "{devices=[4]0,1,2,3}"
+SPEC_DATA_OF_2X2 = "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
+
+
+def _xla():
+    import torch_xla
+
+    return torch_xla
+
+
+def sharding(t):
+    return _xla()._XLAC._get_xla_sharding_spec(t)
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+
+def data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 10, generator=g), torch.randn(n, 1, generator=g)
+
+
+class Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        if "compiled" in record.getMessage():
+            self.records.append(record)
+
+    def __enter__(self):
+        logging.getLogger(st.__name__).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(st.__name__).removeHandler(self)
+
+
+# --- twins: fake and real ------------------------------------------------------------------------
+
+
+def spmd_first_one_sync_per_step_shard_by_rank():
+    torch_xla = _xla()
+    xr = sys.modules["torch_xla.runtime"]
+    locked_at_use_spmd, syncs = [], []
+    real_use_spmd, real_sync = xr.use_spmd, torch_xla.sync
+    xr.use_spmd = lambda *a, **k: (locked_at_use_spmd.append(torch_xla._XLAC._xla_get_spmd_config_is_locked()), real_use_spmd(*a, **k))[1]
+    torch_xla.sync = lambda *a, **k: (syncs.append(1), real_sync(*a, **k))[1]
+    try:
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = st.SeamlessTPUTrainer(model)
+        assert locked_at_use_spmd == [False], locked_at_use_spmd
+        assert st.device_type() == "xla"
+        assert tuple(trainer.mesh.mesh_shape) == (4,) and tuple(trainer.mesh.axis_names) == ("data",)
+        assert st.get_xla_mesh() is trainer.mesh
+        x, y = data(8)
+        labels = torch.arange(8)
+        x, y, labels, batch = trainer.to_device(x, y[:, 0], labels, {"x": x, "y": y[:, 0]})
+        assert (sharding(x), sharding(y), sharding(labels)) == (SPEC_2D, SPEC_1D, SPEC_1D)
+        assert (sharding(batch["x"]), sharding(batch["y"])) == (SPEC_2D, SPEC_1D)
+        for step in range(3):  # gradient accumulation: two backward passes, one step
+            before = len(syncs)
+            optimizer.zero_grad()
+            for _ in range(2):
+                F.mse_loss(model(x)[:, 0], y).backward()
+            assert len(syncs) == before, f"a backward pass synced in step {step}"
+            optimizer.step()
+            assert len(syncs) == before + 1, f"step {step} synced {len(syncs) - before} times"
+    finally:
+        xr.use_spmd, torch_xla.sync = real_use_spmd, real_sync
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __init__(self, n, as_dict=False):
+        self.x, self.y = data(n)
+        self.as_dict = as_dict
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i, 0]} if self.as_dict else (self.x[i], self.y[i, 0])
+
+
+def loader_shards_every_tensor():
+    trainer = st.SeamlessTPUTrainer(mlp())
+    for as_dict in (False, True):
+        loader = trainer.prepare_data_loader(torch.utils.data.DataLoader(_Pairs(10, as_dict), batch_size=4))
+        batches = list(loader)
+        assert len(batches) == 2 and len(loader) == 2, "the last, smaller batch is dropped on XLA"
+        for batch in batches:
+            x, y = (batch["x"], batch["y"]) if as_dict else batch
+            assert tuple(x.shape) == (4, 10) and tuple(y.shape) == (4,)
+            assert (sharding(x), sharding(y)) == (SPEC_2D, SPEC_1D)
+    kept = trainer.prepare_data_loader(torch.utils.data.DataLoader(_Pairs(10), batch_size=4), drop_last=False)
+    assert [tuple(b[0].shape) for b in kept] == [(4, 10), (4, 10), (2, 10)]
+
+
+def watchdog_warns_once_on_shape_changes():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = st.SeamlessTPUTrainer(model)
+    loader = trainer.prepare_data_loader(torch.utils.data.DataLoader(_Pairs(40), batch_size=8))
+    with Warnings() as caught:
+        for _ in range(2):
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.mse_loss(model(x)[:, 0], y).backward()
+                optimizer.step()
+    assert caught.records == [], "a stable loop must not warn"
+    with Warnings() as caught:
+        for n in range(4, 40, 4):  # a new batch size every step: a new graph every step
+            x, y = trainer.to_device(*data(n))
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    assert len(caught.records) == 1, [r.getMessage() for r in caught.records]
+    assert "changing" in caught.records[0].getMessage() or "change" in caught.records[0].getMessage()
+    met = sys.modules["torch_xla.debug.metrics"]
+    stats = trainer.compile_stats()
+    assert stats["compiles"] == met.counter_value("UncachedCompile") > 2
+    assert stats["executions"] == met.counter_value("ExecuteReplicated") > 0
+
+
+def bad_mesh_raises_value_error():
+    st.get_device()
+    for config, words in (
+        ({"mesh_shape": [3]}, ("(3,)", "4")),
+        ({"mesh_shape": [2, 2], "axis_names": ["data"]}, ("axis_names", "(2, 2)")),
+        ({"mesh_shape": [2, 2], "data_parallel_size": 4}, ("contradicts", "data_parallel_size=4")),
+    ):
+        try:
+            st.create_xla_mesh(xla_spmd_config=config)
+        except ValueError as e:
+            assert all(w in str(e) for w in words), (str(e), words)
+        else:
+            raise AssertionError(f"no ValueError for {config}")
+    try:
+        st.create_xla_mesh(num_devices=8)
+    except ValueError as e:
+        assert "num_devices=8" in str(e) and "4 devices" in str(e), str(e)
+    else:
+        raise AssertionError("no ValueError for num_devices=8")
+
+
+def tensor_before_spmd_is_refused(make_early_tensor=None):
+    early = make_early_tensor() if make_early_tensor else torch.zeros(2, device=_xla().device())
+    try:
+        st.SeamlessTPUTrainer(mlp())
+    except RuntimeError as e:
+        assert "before seamless_tpu switched on SPMD" in str(e), str(e)
+    else:
+        raise AssertionError("a tensor made before SPMD was not refused")
+    return early
+
+
+TWINS = (
+    spmd_first_one_sync_per_step_shard_by_rank,
+    loader_shards_every_tensor,
+    watchdog_warns_once_on_shape_changes,
+    bad_mesh_raises_value_error,
+    tensor_before_spmd_is_refused,
+)
+
+# --- real torch_xla only -------------------------------------------------------------------------
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+}
+
+
+def seed_loop(option, opt_name, steps=20, **trainer_kwargs):
+    """The seeds' loops, unchanged: the optimizer exists before the model moves."""
+    model = mlp()
+    optimizer = OPTIMIZERS[opt_name](model.parameters())
+    x, y = data()
+    if option == "eager":
+        pass
+    elif option == "option1":
+        trainer = st.SeamlessTPUTrainer(model, **trainer_kwargs)
+        x, y = trainer.to_device(x, y)
+    elif option == "option2":
+        x, y = st.to_device(x, y)
+        model = model.to(x.device)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack([loss.cpu() for loss in losses])
+
+
+def assert_close(got, want, tol, what):
+    diff = (got - want).abs().max().item()
+    assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol}"
+    print(f"{what}: max |diff| {diff:.3g}")
+
+
+def seed_loops_match_eager():
+    st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd (REFERENCE.md)
+    assert st.device_type() == "xla" and st.is_xla_backend()
+    mesh = st.get_xla_mesh()
+    assert (tuple(mesh.mesh_shape), tuple(mesh.axis_names)) == ((4,), ("data",))
+    for opt_name in OPTIMIZERS:
+        want = seed_loop("eager", opt_name)
+        assert want[-1] < want[0] * 0.9, "the reference loop must actually train"
+        for option in ("option1", "option2"):
+            assert_close(seed_loop(option, opt_name), want, 1e-5, f"{option}/{opt_name}")
+
+
+def no_recompiles_over_epochs():
+    met = sys.modules.get("torch_xla.debug.metrics") or __import__("torch_xla.debug.metrics", fromlist=["_"])
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    trainer = st.SeamlessTPUTrainer(model)
+    loader = trainer.prepare_data_loader(torch.utils.data.DataLoader(_Pairs(70), batch_size=8, shuffle=True))
+    counts = []
+    for _ in range(3):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.mse_loss(model(x)[:, 0], y).backward()
+            optimizer.step()
+            counts.append(met.counter_value("UncachedCompile"))
+    assert len(counts) == 3 * 8, "70 samples / 8 -> 8 fixed-size batches per epoch"
+    assert counts[1] == counts[-1], f"compiles grew after warm-up: {counts}"
+    stats = trainer.compile_stats()
+    assert stats["compiles"] == met.counter_value("UncachedCompile")
+    assert stats["cached_compiles"] == (met.counter_value("CachedCompile") or 0)
+    assert stats["executions"] == met.counter_value("ExecuteReplicated")
+    print("UncachedCompile per step:", counts)
+
+
+def no_host_transfers_per_step():
+    met = __import__("torch_xla.debug.metrics", fromlist=["_"])
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    trainer = st.SeamlessTPUTrainer(model)
+    loader = trainer.prepare_data_loader(torch.utils.data.DataLoader(_Pairs(96), batch_size=8))
+    transfers = []
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.mse_loss(model(x)[:, 0], y).backward()
+        optimizer.step()
+        transfers.append(trainer.compile_stats()["device_to_host_transfers"])
+    assert transfers[2] == transfers[-1], f"device->host transfers grew in steady state: {transfers}"
+    print("TransferFromDeviceTime count per step:", transfers)
+
+
+def mesh_2d_model_parallel_matches_eager():
+    st.get_device()
+    config = {"mesh_shape": [2, 2], "axis_names": ["data", "model"], "model_parallel_size": 2}
+    want = seed_loop("eager", "sgd_momentum")
+    model = mlp()
+    optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
+    trainer = st.SeamlessTPUTrainer(model, xla_spmd_config=config)
+    assert tuple(trainer.mesh.mesh_shape) == (2, 2)
+    xs = __import__("torch_xla.distributed.spmd", fromlist=["_"])
+    xs.mark_sharding(model[0].weight, trainer.mesh, ("model", None))  # seed 002, "Advanced SPMD Usage"
+    assert sharding(model[0].weight) == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}", sharding(model[0].weight)
+    x, y = trainer.to_device(*data())
+    assert sharding(x) == SPEC_DATA_OF_2X2, "model parallelism asked for: the batch goes over 'data' only"
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    assert_close(torch.stack([loss.cpu() for loss in losses]), want, 1e-5, "2x2 mesh, model-sharded Linear")
+
+
+def checkpoint_round_trip(tmp=None):
+    import tempfile
+
+    st.get_device()
+    tmp = tmp or tempfile.mkdtemp()
+    path = os.path.join(tmp, "ckpt.pt")
+    x_cpu, y_cpu = data()
+
+    def train(model, optimizer, trainer, steps):
+        x, y = trainer.to_device(x_cpu, y_cpu)
+        out = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            out.append(loss.detach())
+        return [loss.cpu() for loss in out]
+
+    model = mlp()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    trainer = st.SeamlessTPUTrainer(model)
+    uninterrupted = train(model, optimizer, trainer, 10)
+
+    model = mlp()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    trainer = st.SeamlessTPUTrainer(model)
+    first = train(model, optimizer, trainer, 5)
+    trainer.save({"model": model, "optimizer": optimizer.state_dict()}, path)
+    on_device = {k: v.cpu() for k, v in model.state_dict().items()}
+    loaded = torch.load(path, map_location="cpu")
+    for k, v in loaded["model"].items():
+        assert v.device.type == "cpu" and torch.equal(v, on_device[k]), k
+
+    model = mlp(seed=123)  # different init: everything must come from the checkpoint
+    model.load_state_dict(loaded["model"])
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    optimizer.load_state_dict(loaded["optimizer"])
+    trainer = st.SeamlessTPUTrainer(model, optimizer)
+    resumed = first + train(model, optimizer, trainer, 5)
+    assert_close(torch.stack(resumed), torch.stack(uninterrupted), 1e-6, "resume from checkpoint")
+
+
+def bf16_close_to_fp32():
+    st.get_device()
+    fp32 = seed_loop("option1", "adam", steps=10)
+    model = mlp()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    trainer = st.SeamlessTPUTrainer(model, precision="bf16")
+    x, y = trainer.to_device(*data())
+    losses = []
+    for _ in range(10):
+        optimizer.zero_grad()
+        with trainer.autocast():
+            out = model(x)
+            assert out.dtype == torch.bfloat16
+            loss = F.mse_loss(out.float(), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    bf16 = torch.stack([loss.cpu() for loss in losses])
+    rel = ((bf16 - fp32).abs() / fp32.abs()).max().item()
+    assert rel < 2e-2, f"bf16 vs fp32 relative diff {rel:.3g}"
+    print(f"bf16 vs fp32: max relative diff {rel:.3g}")
+
+
+def run(name):
+    logging.basicConfig(level=logging.INFO)
+    globals()[name]()
+    print(f"scenario {name}: OK")
+
+
+if __name__ == "__main__":
+    run(sys.argv[1])
