@@ -80,7 +80,7 @@ def _import(name):
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise ImportError(f"seamless_tpu needs {root} for this: {_INSTALL[root]}") from e
+        raise ImportError(f"seamless_tpu needs {root} for this: {_INSTALL.get(root, 'pip install ' + root)}") from e
 
 
 @functools.lru_cache(maxsize=None)
@@ -427,7 +427,7 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     make it this process's mesh (get_xla_mesh())."""
     xr = _import("torch_xla.runtime")
     xs = _import("torch_xla.distributed.spmd")
-    np = _import_numpy()
+    np = _import("numpy")  # a torch_xla dependency, so present whenever torch_xla is
     _activate_xla(_auto_xla_kind())
     runtime_devices = xr.global_runtime_device_count()
     if num_devices is not None and num_devices != runtime_devices:
@@ -438,12 +438,6 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     _set_mesh(mesh, explicit=bool(xla_spmd_config))
     _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _BATCH_AXES)
     return mesh
-
-
-def _import_numpy():
-    import numpy  # a torch_xla dependency; only needed once torch_xla is
-
-    return numpy
 
 
 def _set_mesh(mesh, explicit):
@@ -646,7 +640,9 @@ class SeamlessTPUTrainer:
         weakref.finalize(self, self._hook.remove)
 
     def _saw_ddp_forward(self, module, args):
-        self._ddp_forward_seen = True
+        # DDP's reducer only runs for forwards that will be backpropagated (not eval, not no_sync).
+        if torch.is_grad_enabled() and module.require_backward_grad_sync:
+            self._ddp_forward_seen = True
 
     def _sync_unreduced_grads(self, optimizer):
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -756,13 +752,17 @@ def _rebuild_loader(loader, drop_last, device):
 
 
 class _DeviceLoader:
-    """Iterates a loader with batches already on the trainer's device; advances sampler epochs."""
+    """Iterates a loader with batches already on the trainer's device; advances sampler epochs
+    (call set_epoch(n) when resuming at epoch n, so shuffles match an uninterrupted run)."""
 
     def __init__(self, loader, trainer):
         self.loader, self._trainer, self._epoch = loader, trainer, 0
 
     def __len__(self):
         return len(self.loader)
+
+    def set_epoch(self, epoch):
+        self._epoch = epoch
 
     def __iter__(self):
         sampler = getattr(self.loader, "sampler", None)

@@ -1,0 +1,453 @@
+"""What seamless_tpu costs, measured side by side in one run.
+
+    ./dev.sh bench            # full run: writes bench/RESULTS.md and bench/step_times.png
+    ./dev.sh bench --smoke    # a few steps of everything (CI), writes nothing unless --out is given
+
+Every variant lives in its own worker process (the shim installs global optimizer hooks that
+must not touch the hand-written loop; accelerate and Fabric keep process-wide state). The driver
+interleaves blocks of steps between the variants of one comparison (A B A B ...), after warm-up,
+with torch.set_num_threads pinned the same everywhere, and runs each comparison twice, so the
+noise of a shared 2-core machine shows in the numbers instead of hiding in them. Every figure is a
+ratio against the hand-written loop measured in the same run.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+THREADS = 1
+XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+
+
+# --- worker side: one variant, one workload ------------------------------------------------------
+
+
+def build(workload):
+    import torch
+
+    torch.manual_seed(0)
+    if workload == "mlp":
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+
+        def loss_fn(m, x, y):
+            return torch.nn.functional.cross_entropy(m(x), y)
+    else:
+        layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, dropout=0.0, batch_first=True)
+        model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        x, y = torch.randn(16, 128, 256), torch.randn(16, 128, 256)
+
+        def loss_fn(m, x, y):
+            return torch.nn.functional.mse_loss(m(x), y)
+    return model, x, y, loss_fn
+
+
+class Variant:
+    """Sets up one way of writing the loop; step() runs one optimizer step; wait() drains the device."""
+
+    def __init__(self, name, workload):
+        import torch
+
+        torch.set_num_threads(THREADS)
+        self.name, self.torch = name, torch
+        model, x, y, self.loss_fn = build(workload)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.wait, self.metrics = (lambda: None), None
+        if name == "plain":
+            pass
+        elif name == "shim":
+            import seamless_tpu as st
+
+            trainer = st.SeamlessTPUTrainer(model)
+            x, y = trainer.to_device(x, y)
+            self.trainer = trainer
+            if st.is_xla_backend():
+                self._xla_waits()
+        elif name == "handwritten_xla":
+            import numpy as np
+            import torch_xla
+            import torch_xla.distributed.spmd as xs
+            import torch_xla.runtime as xr
+
+            xr.use_spmd()
+            device = torch_xla.device()
+            mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (xr.global_runtime_device_count(),), ("data",))
+            torch.__future__.set_swap_module_params_on_conversion(True)  # keep the optimizer's params
+            model.to(device)
+            x, y = x.to(device), y.to(device)
+            xs.mark_sharding(x, mesh, ("data",) + (None,) * (x.dim() - 1))
+            xs.mark_sharding(y, mesh, ("data",) + (None,) * (y.dim() - 1))
+            self.sync = torch_xla.sync
+            self._xla_waits()
+        elif name == "accelerate":
+            from accelerate import Accelerator
+
+            self.accelerator = Accelerator(cpu=True)
+            model, optimizer = self.accelerator.prepare(model, optimizer)
+        elif name == "fabric":
+            from lightning.fabric import Fabric
+
+            self.fabric = Fabric(accelerator="cpu", devices=1)
+            model, optimizer = self.fabric.setup(model, optimizer)
+        self.model, self.optimizer, self.x, self.y = model, optimizer, x, y
+
+    def _xla_waits(self):
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+
+        self.wait, self.metrics = xm.wait_device_ops, met
+
+    def step(self):
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.model, self.x, self.y)
+        if self.name == "accelerate":
+            self.accelerator.backward(loss)
+        elif self.name == "fabric":
+            self.fabric.backward(loss)
+        else:
+            loss.backward()
+        self.optimizer.step()
+        if self.name == "handwritten_xla":
+            self.sync()
+
+    def counters(self):
+        if self.metrics is None:
+            return {}
+        transfers = self.metrics.metric_data("TransferFromDeviceTime")
+        return {"compiles": self.metrics.counter_value("UncachedCompile") or 0, "transfers": transfers[0] if transfers else 0}
+
+
+def compiles_over_epochs(name, samples=70, batch=8, epochs=3):
+    """Comparison 3: UncachedCompile per step over 3 epochs of a dataset that batches unevenly."""
+    import numpy as np
+    import torch
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.utils.data.TensorDataset(torch.randn(samples, 64), torch.randint(0, 10, (samples,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True)
+    if name == "shim":
+        import seamless_tpu as st
+
+        loader = st.SeamlessTPUTrainer(model).prepare_data_loader(loader)
+        batches = loader
+    else:  # the loop most people write first: no drop_last
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        device = torch_xla.device()
+        mesh = xs.Mesh(np.arange(4), (4,), ("data",))
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        model.to(device)
+
+        def batches_fn():
+            for x, y in loader:
+                x, y = x.to(device), y.to(device)
+                xs.mark_sharding(x, mesh, ("data", None))
+                xs.mark_sharding(y, mesh, ("data",))
+                yield x, y
+
+        batches = None
+    counts = []
+    for _ in range(epochs):
+        for x, y in (batches if batches is not None else batches_fn()):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if name != "shim":
+                torch_xla.sync()
+            counts.append(met.counter_value("UncachedCompile") or 0)
+    return counts
+
+
+def worker_main(name, workload):
+    """Line protocol on stdin/stdout: 'warm N', 'run N' (-> seconds and counter deltas), 'compiles', 'quit'."""
+    variant = None
+    out = sys.stdout
+    sys.stdout = sys.stderr  # libraries' prints must not corrupt the protocol
+    for line in sys.stdin:
+        cmd, *arg = line.split()
+        if cmd == "quit":
+            break
+        if cmd == "compiles":
+            reply = {"counts": compiles_over_epochs(name)}
+        else:
+            variant = variant or Variant(name, workload)
+            n = int(arg[0])
+            before = variant.counters()
+            variant.wait()
+            start = time.perf_counter()
+            for _ in range(n):
+                variant.step()
+            variant.wait()
+            seconds = time.perf_counter() - start
+            after = variant.counters()
+            reply = {"step_s": seconds / n, "delta": {k: after[k] - before[k] for k in after}}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+# --- driver side ---------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, name, workload, env=None):
+        self.name = name
+        env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+        env.pop("SEAMLESS_TPU_DEVICE", None)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--workload", workload],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+    def ask(self, cmd):
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark worker {self.name!r} died on {cmd!r}")
+        return json.loads(line)
+
+    def close(self):
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def interleaved(workers, warm, blocks, steps):
+    """Warm every variant, then alternate blocks of `steps` steps: A B C A B C ..."""
+    for w in workers:
+        w.ask(f"run {warm}")
+    times = {w.name: [] for w in workers}
+    deltas = {w.name: [] for w in workers}
+    for _ in range(blocks):
+        for w in workers:
+            reply = w.ask(f"run {steps}")
+            times[w.name].append(reply["step_s"])
+            deltas[w.name].append(reply["delta"])
+    return times, deltas
+
+
+def summary(samples):
+    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+    return {"median": statistics.median(samples), "iqr": q[2] - q[0]}
+
+
+def compare(title, workload, names, baseline, env, warm, blocks, steps, repeats):
+    rows = []
+    for repeat in range(repeats):
+        workers = [Worker(n, workload, env) for n in names]
+        try:
+            times, deltas = interleaved(workers, warm, blocks, steps)
+        finally:
+            for w in workers:
+                w.close()
+        base = statistics.median(times[baseline])
+        for n in names:
+            s = summary(times[n])
+            transfers = [d.get("transfers") for d in deltas[n] if "transfers" in d]
+            compiles = [d.get("compiles") for d in deltas[n] if "compiles" in d]
+            rows.append({"comparison": title, "workload": workload, "run": repeat + 1, "variant": n,
+                         "median_ms": s["median"] * 1e3, "iqr_ms": s["iqr"] * 1e3, "ratio": s["median"] / base,
+                         "samples_ms": [t * 1e3 for t in times[n]],
+                         "transfers_per_step": (sum(transfers) / (len(transfers) * steps)) if transfers else None,
+                         "compiles_in_steady_state": sum(compiles) if compiles else None})
+    return rows
+
+
+def import_cost(repeats):
+    """Comparison 5: milliseconds to import each module in a fresh interpreter after torch."""
+    code = "import time, torch; t = time.perf_counter(); import {m}; print(time.perf_counter() - t)"
+    modules = {"seamless_tpu": "seamless_tpu", "accelerate": "accelerate", "lightning.fabric": "lightning.fabric"}
+    results = {k: [] for k in modules}
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for _ in range(repeats):
+        for name, module in modules.items():
+            out = subprocess.run([sys.executable, "-c", code.format(m=module)], env=env, capture_output=True, text=True, check=True)
+            results[name].append(float(out.stdout.strip().splitlines()[-1]) * 1e3)
+    return results
+
+
+def ray_fit_times(repeats):
+    """Comparison 6: wall time of a 2-worker CPU fit, seamless_tpu.TorchConfig vs Ray's stock gloo."""
+    code = r'''
+import os, sys, tempfile, time, json
+import ray, torch
+from ray.train import RunConfig, ScalingConfig
+kind = sys.argv[1]
+def loop(config):
+    import time, json, torch
+    import seamless_tpu as st
+    first = time.time()
+    model = torch.nn.Linear(64, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = st.SeamlessTPUTrainer(model)
+    x, y = trainer.to_device(torch.randn(64, 64), torch.randint(0, 10, (64,)))
+    for _ in range(50):
+        opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
+    with open(config["out"], "a") as f:
+        f.write(json.dumps({"train_start": first, "train_end": time.time()}) + "\n")
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+out = tempfile.mktemp()
+start = time.time()
+if kind == "seamless":
+    import seamless_tpu as st
+    trainer = st.TorchTrainer(loop, train_loop_config={"out": out}, torch_config=st.TorchConfig(), scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=tempfile.mkdtemp()))
+else:
+    from ray.train.torch import TorchConfig, TorchTrainer
+    trainer = TorchTrainer(loop, train_loop_config={"out": out}, torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=tempfile.mkdtemp()))
+fit_start = time.time()
+trainer.fit()
+end = time.time()
+spans = [json.loads(l) for l in open(out)]
+print("RESULT", json.dumps({"fit_s": end - fit_start, "to_first_step_s": min(s["train_start"] for s in spans) - fit_start,
+                            "train_s": max(s["train_end"] for s in spans) - min(s["train_start"] for s in spans)}))
+ray.shutdown()
+'''
+    env = dict(os.environ, PYTHONPATH=ROOT, RAY_AUTH_MODE="disabled", RAY_TRAIN_ENABLE_PRINT_PATCH="0")
+    results = {"seamless": [], "ray_gloo": []}
+    for _ in range(repeats):
+        for kind in ("seamless", "ray_gloo"):
+            out = subprocess.run([sys.executable, "-c", code, kind], env=env, capture_output=True, text=True, timeout=600)
+            line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
+            if out.returncode or not line:
+                raise RuntimeError(f"ray fit ({kind}) failed:\n{out.stderr[-3000:]}")
+            results[kind].append(json.loads(line[0][len("RESULT "):]))
+    return results
+
+
+def versions():
+    out = {"python": platform.python_version()}
+    for name in ("torch", "torch_xla", "ray", "accelerate", "lightning"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = "not installed"
+    return out
+
+
+def chart(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = []
+    for r in rows:
+        key = (r["comparison"], r["workload"])
+        if key not in groups:
+            groups.append(key)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], groups):
+        sel = [r for r in rows if (r["comparison"], r["workload"]) == key]
+        labels = [f"{r['variant']}\nrun {r['run']}" for r in sel]
+        ax.boxplot([r["samples_ms"] for r in sel], showfliers=True)
+        ax.set_xticks(range(1, len(sel) + 1), labels, fontsize=7, rotation=30)
+        ax.set_title(f"{key[0]}: {key[1]}", fontsize=9)
+        ax.set_ylabel("ms per step (block medians)")
+    fig.suptitle("seamless_tpu step time per variant (interleaved blocks, 2-core shared machine)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="a few steps of everything, for CI")
+    p.add_argument("--out", default=None, help="Markdown results (default: bench/RESULTS.md, none in --smoke)")
+    p.add_argument("--png", default=None, help="chart (default: bench/step_times.png, none in --smoke)")
+    p.add_argument("--skip-ray", action="store_true")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--workload", default="mlp", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.workload)
+    smoke = args.smoke
+    out = args.out or (None if smoke else os.path.join(ROOT, "bench", "RESULTS.md"))
+    png = args.png or (None if smoke else os.path.join(ROOT, "bench", "step_times.png"))
+    warm, blocks, steps, repeats = (3, 3, 2, 1) if smoke else (10, 15, 10, 2)
+    started = time.time()
+    rows = []
+    for workload in ("mlp", "transformer"):
+        rows += compare("xla_spmd_4dev", workload, ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV,
+                        warm, blocks, max(1, steps // (2 if workload == "transformer" else 1)), repeats)
+        rows += compare("eager_cpu", workload, ["plain", "shim", "accelerate", "fabric"], "plain", None,
+                        warm, blocks, steps, repeats)
+    compiles = {}
+    for name in ("shim", "handwritten_xla"):
+        w = Worker(name, "mlp", XLA_ENV)
+        try:
+            compiles[name] = w.ask("compiles")["counts"]
+        finally:
+            w.close()
+    imports = import_cost(3 if smoke else 7)
+    ray_times = None if args.skip_ray else ray_fit_times(1 if smoke else 3)
+    report = render(rows, compiles, imports, ray_times, smoke, time.time() - started)
+    print(report["text"])
+    if out:
+        with open(out, "w") as f:
+            f.write(report["markdown"])
+    if png:
+        chart(rows, png)
+
+
+def render(rows, compiles, imports, ray_times, smoke, elapsed):
+    v = versions()
+    md = [f"# seamless_tpu benchmark results{' (smoke run)' if smoke else ''}", "",
+          f"- date: {datetime.date.today().isoformat()}; wall time {elapsed / 60:.1f} min",
+          f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; torch threads pinned to {THREADS}",
+          "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+          "- method: each variant in its own process; blocks of steps interleaved A B A B after warm-up; "
+          "block medians, IQR = spread; every comparison run twice (run 1, run 2)", "",
+          "## Step time (ratio = variant median / baseline median, same run)", "",
+          "| comparison | workload | run | variant | median ms/step | IQR ms | ratio | device->host transfers/step | compiles in steady state |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = "" if r["transfers_per_step"] is None else f"{r['transfers_per_step']:.2f}"
+        c = "" if r["compiles_in_steady_state"] is None else str(r["compiles_in_steady_state"])
+        md.append(f"| {r['comparison']} | {r['workload']} | {r['run']} | {r['variant']} | {r['median_ms']:.3f} | {r['iqr_ms']:.3f} | {r['ratio']:.3f} | {t} | {c} |")
+    md += ["", "## Compilations over 3 epochs (70 samples, batch 8: the last batch has 6)", ""]
+    for name, counts in compiles.items():
+        after = counts[-1] - counts[min(1, len(counts) - 1)]
+        md.append(f"- {name}: {len(counts)} steps, UncachedCompile after step 2 = {counts[min(1, len(counts) - 1)]}, at the end = {counts[-1]} (growth after warm-up: {after})")
+    md += ["", "## Import cost after torch (fresh interpreters, ms)", "", "| module | median | min | max |", "|---|---|---|---|"]
+    for name, samples in imports.items():
+        md.append(f"| {name} | {statistics.median(samples):.1f} | {min(samples):.1f} | {max(samples):.1f} |")
+    if ray_times:
+        md += ["", "## Ray Train: 2-worker CPU fit (s), interleaved", "", "| backend config | fit | to first step | training |", "|---|---|---|---|"]
+        for kind, runs in ray_times.items():
+            for r in runs:
+                md.append(f"| {kind} | {r['fit_s']:.1f} | {r['to_first_step_s']:.1f} | {r['train_s']:.2f} |")
+    headline = []
+    for comparison, variant in (("xla_spmd_4dev", "shim"), ("eager_cpu", "shim"), ("eager_cpu", "accelerate"), ("eager_cpu", "fabric")):
+        for workload in ("mlp", "transformer"):
+            ratios = [r["ratio"] for r in rows if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)]
+            base = "hand-written torch_xla" if comparison.startswith("xla") else "plain PyTorch"
+            headline.append(f"{comparison} {workload}: {variant} / {base} = " + ", ".join(f"{x:.3f}" for x in ratios))
+    for name, counts in compiles.items():
+        headline.append(f"compiles after warm-up over 3 epochs: {name} +{counts[-1] - counts[min(1, len(counts) - 1)]}")
+    shim_x = [r["transfers_per_step"] for r in rows if r["comparison"] == "xla_spmd_4dev" and r["variant"] == "shim"]
+    hand_x = [r["transfers_per_step"] for r in rows if r["comparison"] == "xla_spmd_4dev" and r["variant"] == "handwritten_xla"]
+    headline.append(f"device->host transfers per steady step: shim {max(shim_x):.2f}, hand-written {max(hand_x):.2f}")
+    headline.append("import after torch (median ms): " + ", ".join(f"{k} {statistics.median(s):.1f}" for k, s in imports.items()))
+    if ray_times:
+        med = {k: statistics.median(r["fit_s"] for r in runs) for k, runs in ray_times.items()}
+        headline.append(f"ray 2-worker fit: seamless / stock gloo = {med['seamless'] / med['ray_gloo']:.3f} ({med['seamless']:.1f} s vs {med['ray_gloo']:.1f} s)")
+    md += ["", "## Headline ratios", ""] + [f"- {h}" for h in headline] + [""]
+    text = "\n".join(["seamless_tpu benchmark" + (" (smoke)" if smoke else ""), *headline])
+    return {"markdown": "\n".join(md), "text": text}
+
+
+if __name__ == "__main__":
+    main()

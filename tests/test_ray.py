@@ -1,0 +1,219 @@
+"""Ray tier: seamless_tpu's TorchTrainer/TorchConfig on a real local Ray 2.60 cluster (2 CPUs,
+4 simulated TPU resources). One cluster for the module; every test is bounded, because Ray waits
+forever on resources it cannot get instead of failing."""
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+import scenarios  # noqa: E402
+import seamless_tpu as st  # noqa: E402
+from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray_loops import ENV_KEYS, EPOCHS  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+XLA_ON_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+NEVER_READ = ENV_KEYS[10:]
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
+           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0"}
+needs_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_example_ray_two_workers(tmp_path):
+    """Runs first, before this module's cluster exists: the example starts its own."""
+    env = dict(os.environ, **RAY_ENV, PYTHONPATH=PYTHONPATH)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "example_train.py"), "--ray", "--num-workers", "2", "--epochs", "2"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    finals = dict(re.findall(r"worker (\d) final loss ([0-9.]+)", text))
+    assert set(finals) == {"0", "1"}, text[-4000:]
+    assert all(0 < float(v) < 1.2 for v in finals.values())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in RAY_ENV.items():
+            mp.setenv(k, v)
+        ray.init(num_cpus=2, resources={"TPU": 4}, include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": PYTHONPATH}})
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
+def fit(loop, tmp_path, trainer_cls=None, worker_env=None, config=None, failures=0, **kwargs):
+    from ray_loops import RecordReports
+
+    (tmp_path / "out").mkdir(exist_ok=True)
+    run = RunConfig(storage_path=str(tmp_path / "ray"), worker_runtime_env={"env_vars": worker_env or {}},
+                    failure_config=FailureConfig(max_failures=failures), callbacks=[RecordReports(str(tmp_path / "out"))])
+    trainer_cls = trainer_cls or st.TorchTrainer
+    trainer = trainer_cls(loop, train_loop_config={"out": str(tmp_path / "out"), **(config or {})}, run_config=run, **kwargs)
+    return trainer.fit()
+
+
+def read(tmp_path, name):
+    with open(tmp_path / "out" / f"{name}.json") as f:
+        return json.load(f)
+
+
+def read_lines(tmp_path, name):
+    with open(tmp_path / "out" / f"{name}.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_cpu_fallback_two_workers_ddp(cluster, tmp_path):
+    from ray_loops import ddp_cpu
+
+    fit(ddp_cpu, tmp_path, scaling_config=ScalingConfig(num_workers=2))
+    r0, r1 = read(tmp_path, "ddp_0"), read(tmp_path, "ddp_1")
+    assert r0["device_type"] == r1["device_type"] == "cpu"
+    assert r0["ddp"] == "DistributedDataParallel"
+    assert r0["weights"] == r1["weights"], "ranks must end with bitwise-equal weights"
+    for e0, e1 in zip(r0["seen"], r1["seen"]):
+        assert not set(e0) & set(e1) and sorted(e0 + e1) == list(range(40)), "disjoint samples covering the dataset"
+    assert r0["seen"][0] != r0["seen"][1], "the sampler's epoch advances"
+
+
+@needs_xla
+def test_xla_worker_matches_eager_and_keeps_user_env(cluster, tmp_path):
+    from ray_loops import xla_seed_loop
+
+    fit(xla_seed_loop, tmp_path, torch_config=st.TorchConfig(backend="xla_tpu"),
+        worker_env=dict(XLA_ON_CPU, TPU_WORKER_ID="7"), scaling_config=ScalingConfig(num_workers=1))
+    r = read(tmp_path, "xla_0")
+    assert r["is_xla"] and r["device_type"] == "xla" and (r["mesh"], r["axes"]) == ([4], ["data"])
+    want = scenarios.seed_loop("eager", "adam")
+    assert (torch.tensor(r["losses"]) - want).abs().max().item() <= 1e-5
+    assert r["env"]["TPU_WORKER_ID"] == "7" and r["env"]["PJRT_DEVICE"] == "CPU", "user-set values are untouched"
+
+
+@needs_xla
+def test_two_xla_workers_env_contract(cluster, tmp_path):
+    from ray_loops import xla_seed_loop
+
+    fit(xla_seed_loop, tmp_path, torch_config=st.TorchConfig(backend="xla"), worker_env=XLA_ON_CPU,
+        scaling_config=ScalingConfig(num_workers=2))
+    envs = [read(tmp_path, f"xla_{rank}") for rank in (0, 1)]
+    ip = ray.util.get_node_ip_address()
+    for rank, r in enumerate(envs):
+        env = r["env"]
+        assert r["mesh"] == [4], "CPU PJRT cannot join processes: each worker has its own 4-device world"
+        assert env["TPU_WORKER_ID"] == str(rank) and env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["LOCAL_RANK"] in ("0", "1") and env["MASTER_ADDR"] == ip and int(env["MASTER_PORT"]) > 0
+        assert env["TPU_WORKER_HOSTNAMES"] == f"{ip},{ip}" and env["PJRT_DEVICE"] == "CPU"
+        assert all(env[k] is None for k in NEVER_READ), {k: env[k] for k in NEVER_READ}
+    assert envs[0]["env"]["MASTER_PORT"] == envs[1]["env"]["MASTER_PORT"]
+
+
+@needs_xla
+def test_use_tpu_routes_to_the_xla_backend(cluster, tmp_path):
+    from ray_loops import device_type_only
+
+    fit(device_type_only, tmp_path, worker_env=XLA_ON_CPU, scaling_config=ScalingConfig(num_workers=1, use_tpu=True))
+    assert read(tmp_path, "routed") == {"device_type": "xla", "mesh": [4]}
+
+
+def test_plain_ray_use_tpu_needs_torch_tpu(cluster, tmp_path):
+    """Why this module exists: Ray's own use_tpu path wants torch_tpu, which cannot share an env with torch_xla."""
+    from ray.train.torch import TorchTrainer as RayTorchTrainer
+    from ray_loops import device_type_only
+
+    with pytest.raises(Exception, match="torch_tpu is not available"):
+        fit(device_type_only, tmp_path, trainer_cls=RayTorchTrainer, worker_env=XLA_ON_CPU,
+            scaling_config=ScalingConfig(num_workers=1, use_tpu=True))
+
+
+def crash_run(tmp_path, name, **kwargs):
+    from ray_loops import crash_resume
+
+    path = tmp_path / name
+    path.mkdir()
+    fit(crash_resume, path, failures=1, **kwargs)
+    return path
+
+
+def assert_resumed(crashed, clean, tol):
+    assert os.path.exists(crashed / "out" / "crashed"), "the worker really died"
+    reports = read_lines(crashed, "reports")
+    epochs = [r["epochs"][0] for r in reports]
+    assert epochs == list(range(EPOCHS)), f"each epoch reported exactly once (as registered by Ray): {epochs}"
+    assert all(len(set(r["epochs"])) == 1 and r["checkpoint"] for r in reports)
+    starts = read_lines(crashed, "starts")
+    assert len({s["pid"] for s in starts}) == len(starts) == 2 * len(read_lines(clean, "starts")), "a new group was started"
+    got, want = read(crashed, "final")["weights"], read(clean, "final")["weights"]
+    diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+    assert diff <= tol, f"resumed weights differ from an uninterrupted run by {diff}"
+    return starts
+
+
+def test_crash_and_resume_cpu(cluster, tmp_path):
+    scaling = ScalingConfig(num_workers=2)
+    clean = crash_run(tmp_path, "clean", scaling_config=scaling)
+    crashed = crash_run(tmp_path, "crashed", scaling_config=scaling, config={"crash": True})
+    assert_resumed(crashed, clean, tol=0.0)
+
+
+@needs_xla
+def test_crash_and_resume_xla(cluster, tmp_path):
+    kwargs = dict(torch_config=st.TorchConfig(backend="xla_tpu"), worker_env=XLA_ON_CPU, scaling_config=ScalingConfig(num_workers=1))
+    clean = crash_run(tmp_path, "clean", **kwargs)
+    crashed = crash_run(tmp_path, "crashed", config={"crash": True}, **kwargs)
+    starts = assert_resumed(crashed, clean, tol=1e-6)
+    assert [s["mesh"] for s in starts] == [[4], [4]] and [s["worker_id"] for s in starts] == ["0", "0"], "hook ran again"
+
+
+def test_topology_contradiction_fails_before_workers_start():
+    with pytest.raises(ValueError, match=r"num_workers=2 x TPU per worker=4 = 8 chips, but topology '2x2' has 4 chips"):
+        st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E"))
+    with pytest.raises(ValueError, match=r"topology '4x4' has 16 chips"):
+        st.TorchTrainer(lambda: None, torch_config=st.TorchConfig(backend="xla_tpu"),
+                        scaling_config=ScalingConfig(num_workers=1, use_tpu=True, topology="4x4", resources_per_worker={"TPU": 4}))
+
+
+def test_use_gpu_and_use_tpu_still_rejected():
+    with pytest.raises(ValueError, match=r"Cannot specify both `use_gpu=True` and `use_tpu=True`"):
+        st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1, use_gpu=True, use_tpu=True))
+
+
+def test_torch_config_routing_and_validation():
+    from ray.train.torch.config import _TorchBackend
+
+    assert st.TorchConfig(backend="xla_tpu").backend_cls is st._XlaSpmdBackend
+    assert st.TorchConfig(backend="xla").backend_cls is st._XlaSpmdBackend
+    assert st.TorchConfig(backend="gloo").backend_cls is _TorchBackend
+    assert st.TorchConfig().train_func_context is ray.train.torch.TorchConfig().train_func_context
+    with pytest.raises(ValueError, match=r"xla_spmd_config needs backend='xla_tpu', got backend='gloo'"):
+        st.TorchConfig(backend="gloo", xla_spmd_config={"mesh_shape": [4]})
+    with pytest.raises(ValueError, match=r"contradicts itself: data_parallel_size=4"):
+        st.TorchConfig(backend="xla_tpu", xla_spmd_config={"mesh_shape": [2, 2], "data_parallel_size": 4})
+    trainer = st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1, use_tpu=True))
+    assert trainer.backend_config.backend == "xla_tpu"
+
+
+def test_xla_backend_without_torch_xla_fails_clearly(cluster, tmp_path):
+    blocker = tmp_path / "block" / "torch_xla"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch_xla is blocked for this test')\n")
+    from ray_loops import device_type_only
+
+    env = dict(XLA_ON_CPU, PYTHONPATH=os.pathsep.join([str(blocker.parent), PYTHONPATH]))
+    with pytest.raises(Exception) as info:
+        fit(device_type_only, tmp_path, torch_config=st.TorchConfig(backend="xla_tpu"), worker_env=env,
+            scaling_config=ScalingConfig(num_workers=1))
+    assert "seamless_tpu needs torch_xla for this: pip install 'torch_xla[tpu]==2.9.0'" in str(info.value)
+    assert not glob.glob(str(tmp_path / "out" / "*.json")), "the train function never ran"
