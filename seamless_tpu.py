@@ -258,7 +258,7 @@ def to_device(*objs, device=None):
 
 _XLA = None  # the activated XLA device; None until get_device() first resolves to tpu/xla
 _MESH = None  # the process mesh: get_xla_mesh()
-_BATCH_AXES = None  # mesh axes that dim 0 of every input is sharded over
+_SHARDING = None  # how inputs are sharded over _MESH: dim 0 over its batch axes
 _HOOKS = []  # global optimizer hooks installed on XLA activation
 
 
@@ -436,15 +436,13 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config)
     mesh = xs.Mesh(np.arange(runtime_devices), shape, names)
     _set_mesh(mesh, explicit=bool(xla_spmd_config))
-    _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _BATCH_AXES)
+    _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _SHARDING.axes)
     return mesh
 
 
 def _set_mesh(mesh, explicit):
-    global _MESH, _BATCH_AXES
-    names = tuple(mesh.axis_names or range(len(mesh.mesh_shape)))
-    batch = tuple(n for n in names if n not in MODEL_AXES) if explicit else names
-    _MESH, _BATCH_AXES = mesh, (batch or names)
+    global _MESH, _SHARDING
+    _MESH, _SHARDING = mesh, _BatchSharding.for_mesh(mesh, explicit)
     _import("torch_xla.distributed.spmd").set_global_mesh(mesh)
 
 
@@ -454,8 +452,8 @@ def get_xla_mesh():
 
 
 def _clear_mesh():
-    global _MESH, _BATCH_AXES
-    _MESH = _BATCH_AXES = None
+    global _MESH, _SHARDING
+    _MESH = _SHARDING = None
 
 
 def _partition_spec(ndim, axes):
@@ -478,6 +476,14 @@ class _BatchSharding:
         self.mesh, self.axes, self.minibatch = mesh, axes, minibatch
         self._by_rank = {}
 
+    @classmethod
+    def for_mesh(cls, mesh, explicit=True):
+        """All axes of a mesh derived from the counts; all but the model axes of one the user chose."""
+        names = tuple(mesh.axis_names or range(len(mesh.mesh_shape)))
+        batch = tuple(n for n in names if n not in MODEL_AXES) if explicit else names
+        # Multi-host SPMD: each host feeds only its slice of the global batch.
+        return cls(mesh, batch or names, minibatch=_import("torch_xla.runtime").process_count() > 1)
+
     def spec_for(self, ndim):
         return _partition_spec(ndim, self.axes)
 
@@ -490,13 +496,9 @@ class _BatchSharding:
 
 
 def _batch_sharding(mesh=None):
-    mesh = mesh if mesh is not None else _MESH
-    if mesh is None:
-        return None
-    # Multi-host SPMD: each host feeds only its slice of the global batch.
-    minibatch = _import("torch_xla.runtime").process_count() > 1
-    axes = _BATCH_AXES if mesh is _MESH else tuple(n for n in mesh.axis_names if n not in MODEL_AXES)
-    return _BatchSharding(mesh, axes, minibatch)
+    if mesh is None or mesh is _MESH:
+        return _SHARDING
+    return _BatchSharding.for_mesh(mesh)
 
 
 def _to_xla(tensor, device, sharding):
@@ -666,7 +668,7 @@ class SeamlessTPUTrainer:
         to keep it.
         """
         drop_last = self.drop_last if drop_last is None else drop_last
-        drop_last = (_is_xla(self.device)) if drop_last is None else drop_last
+        drop_last = _is_xla(self.device) if drop_last is None else drop_last
         loader = _rebuild_loader(loader, drop_last, self.device)
         return _DeviceLoader(loader, self)
 

@@ -303,7 +303,7 @@ def test_fake_xla_2d_default_mesh_shards_batch_over_all_axes(monkeypatch, fresh)
 
 def test_fake_xla_explicit_model_axis_keeps_batch_on_data(fake):
     trainer = st.SeamlessTPUTrainer(scenarios.mlp(), xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2})
-    assert st._BATCH_AXES == ("data",)
+    assert st._SHARDING.axes == ("data",)
     assert scenarios.sharding(trainer.to_device(torch.ones(4, 10))) == scenarios.SPEC_DATA_OF_2X2
 
 
@@ -488,7 +488,7 @@ class FakeWorkerGroup:
         os.environ.update(self.envs[rank])
         for probe in st._CACHED_PROBES:
             probe.cache_clear()
-        st._XLA, st._MESH, st._BATCH_AXES = self.state.get(rank, (None, None, None))
+        st._XLA, st._MESH, st._SHARDING = self.state.get(rank, (None, None, None))
         self.monkeypatch.setattr(st, "_train_context", lambda: FakeContext(rank, len(self)))
         self.monkeypatch.setattr(st, "_node_ip", lambda: f"10.0.0.{rank + 1}")
         try:
@@ -496,7 +496,7 @@ class FakeWorkerGroup:
             self.meshes[rank] = st.get_xla_mesh()
             return out
         finally:
-            self.state[rank] = (st._XLA, st._MESH, st._BATCH_AXES)
+            self.state[rank] = (st._XLA, st._MESH, st._SHARDING)
             self.envs[rank] = dict(os.environ)
             os.environ.clear()
             os.environ.update(saved)

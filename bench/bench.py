@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
 
 
 # --- worker side: one variant, one workload ------------------------------------------------------
@@ -209,21 +210,25 @@ class Worker:
         self.name = name
         env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
         env.pop("SEAMLESS_TPU_DEVICE", None)
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--workload", workload],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
     def ask(self, cmd):
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"benchmark worker {self.name!r} died on {cmd!r}")
+            self.log.seek(0)
+            raise RuntimeError(f"benchmark worker {self.name!r} died on {cmd!r}:\n{self.log.read()[-3000:]}")
         return json.loads(line)
 
     def close(self):
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        self.log.close()
 
 
 def interleaved(workers, warm, blocks, steps):
@@ -272,7 +277,7 @@ def import_cost(repeats):
     code = "import time, torch; t = time.perf_counter(); import {m}; print(time.perf_counter() - t)"
     modules = {"seamless_tpu": "seamless_tpu", "accelerate": "accelerate", "lightning.fabric": "lightning.fabric"}
     results = {k: [] for k in modules}
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT, **EAGER_ENV)
     for _ in range(repeats):
         for name, module in modules.items():
             out = subprocess.run([sys.executable, "-c", code.format(m=module)], env=env, capture_output=True, text=True, check=True)
@@ -329,11 +334,13 @@ ray.shutdown()
 
 
 def versions():
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": platform.python_version()}
     for name in ("torch", "torch_xla", "ray", "accelerate", "lightning"):
         try:
-            out[name] = __import__(name).__version__
-        except ImportError:
+            out[name] = version(name)  # metadata only: importing torch_xla here would start nothing good
+        except PackageNotFoundError:
             out[name] = "not installed"
     return out
 
@@ -382,7 +389,7 @@ def main(argv=None):
     for workload in ("mlp", "transformer"):
         rows += compare("xla_spmd_4dev", workload, ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV,
                         warm, blocks, max(1, steps // (2 if workload == "transformer" else 1)), repeats)
-        rows += compare("eager_cpu", workload, ["plain", "shim", "accelerate", "fabric"], "plain", None,
+        rows += compare("eager_cpu", workload, ["plain", "shim", "accelerate", "fabric"], "plain", EAGER_ENV,
                         warm, blocks, steps, repeats)
     compiles = {}
     for name in ("shim", "handwritten_xla"):

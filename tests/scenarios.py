@@ -5,6 +5,7 @@ TWINS also run in-process on the fake torch_xla (test_seamless_tpu.py) with the 
 what the fake claims, the real library must show.
 """
 
+import contextlib
 import logging
 import os
 import sys
@@ -205,10 +206,16 @@ def seed_loop(option, opt_name, steps=20, **trainer_kwargs):
     elif option == "option2":
         x, y = st.to_device(x, y)
         model = model.to(x.device)
+    return run_steps(model, optimizer, x, y, steps)
+
+
+def run_steps(model, optimizer, x, y, steps, autocast=None):
+    """The plain loop; losses stay on the device until the end (no host sync per step)."""
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
+        with autocast or contextlib.nullcontext():
+            loss = F.mse_loss(model(x).float(), y)
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
@@ -284,14 +291,7 @@ def mesh_2d_model_parallel_matches_eager():
     assert sharding(model[0].weight) == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}", sharding(model[0].weight)
     x, y = trainer.to_device(*data())
     assert sharding(x) == SPEC_DATA_OF_2X2, "model parallelism asked for: the batch goes over 'data' only"
-    losses = []
-    for _ in range(20):
-        optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-    assert_close(torch.stack([loss.cpu() for loss in losses]), want, 1e-5, "2x2 mesh, model-sharded Linear")
+    assert_close(run_steps(model, optimizer, x, y, 20), want, 1e-5, "2x2 mesh, model-sharded Linear")
 
 
 def checkpoint_round_trip(tmp=None):
@@ -303,15 +303,7 @@ def checkpoint_round_trip(tmp=None):
     x_cpu, y_cpu = data()
 
     def train(model, optimizer, trainer, steps):
-        x, y = trainer.to_device(x_cpu, y_cpu)
-        out = []
-        for _ in range(steps):
-            optimizer.zero_grad()
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-            out.append(loss.detach())
-        return [loss.cpu() for loss in out]
+        return list(run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), steps))
 
     model = mlp()
     optimizer = OPTIMIZERS["adam"](model.parameters())
@@ -344,17 +336,9 @@ def bf16_close_to_fp32():
     optimizer = OPTIMIZERS["adam"](model.parameters())
     trainer = st.SeamlessTPUTrainer(model, precision="bf16")
     x, y = trainer.to_device(*data())
-    losses = []
-    for _ in range(10):
-        optimizer.zero_grad()
-        with trainer.autocast():
-            out = model(x)
-            assert out.dtype == torch.bfloat16
-            loss = F.mse_loss(out.float(), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-    bf16 = torch.stack([loss.cpu() for loss in losses])
+    with trainer.autocast():
+        assert model(x).dtype == torch.bfloat16
+    bf16 = run_steps(model, optimizer, x, y, 10, autocast=trainer.autocast())
     rel = ((bf16 - fp32).abs() / fp32.abs()).max().item()
     assert rel < 2e-2, f"bf16 vs fp32 relative diff {rel:.3g}"
     print(f"bf16 vs fp32: max relative diff {rel:.3g}")
