@@ -8,12 +8,16 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+"$PY" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 13))' || {
+  echo "dev.sh: needs Python 3.10-3.13 (torch_xla 2.9.0 has wheels for those only); got $("$PY" -V 2>&1)." \
+       "Set PYTHON=python3.12 (for example)." >&2; exit 2; }
 key=$({ "$PY" -c 'import sys; print(sys.version_info[:2])'; cat requirements-dev.txt; } | sha256sum | cut -c1-12)
 VENV=${SEAMLESS_TPU_VENV:-$HOME/.cache/seamless_tpu/venv-$key}
 if [ ! -f "$VENV/.complete" ]; then
   echo "dev.sh: creating $VENV" >&2
   rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
+  # Debian/Ubuntu ship venv separately (python3-venv); virtualenv from pip does the same job.
+  "$PY" -m venv "$VENV" 2>/dev/null || { "$PY" -m pip install -q --user virtualenv && "$PY" -m virtualenv -q "$VENV"; }
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
   touch "$VENV/.complete"

@@ -175,6 +175,26 @@ def compiles_over_epochs(name, samples=70, batch=8, epochs=3):
     return counts
 
 
+def shim_overhead(variant, reps=20000):
+    """The shim's own Python work per optimizer step, timed in isolation (no device work):
+    on XLA its two hooks minus torch_xla.sync(); off XLA, how many global hooks exist at all."""
+    from torch.optim import optimizer as optim_module
+
+    import seamless_tpu as st
+
+    hooks = len(optim_module._global_optimizer_pre_hooks) + len(optim_module._global_optimizer_post_hooks)
+    if not st.is_xla_backend():
+        return {"global_optimizer_hooks": hooks, "us_per_step": 0.0}
+    met, opt = variant.metrics, variant.optimizer
+    start = time.perf_counter()
+    for _ in range(reps):
+        st._xla_step_pre_hook(opt, (), {})
+        if st._on_xla(opt):  # the post-hook, without its sync
+            st._WATCHDOG.steps[opt] = st._WATCHDOG.steps.get(opt, 0)
+            met.counter_value("UncachedCompile")
+    return {"global_optimizer_hooks": hooks, "us_per_step": (time.perf_counter() - start) / reps * 1e6}
+
+
 def worker_main(name, workload):
     """Line protocol on stdin/stdout: 'warm N', 'run N' (-> seconds and counter deltas), 'compiles', 'quit'."""
     variant = None
@@ -186,6 +206,9 @@ def worker_main(name, workload):
             break
         if cmd == "compiles":
             reply = {"counts": compiles_over_epochs(name)}
+        elif cmd == "overhead":
+            variant = variant or Variant(name, workload)
+            reply = shim_overhead(variant)
         else:
             variant = variant or Variant(name, workload)
             n = int(arg[0])
@@ -232,13 +255,15 @@ class Worker:
 
 
 def interleaved(workers, warm, blocks, steps):
-    """Warm every variant, then alternate blocks of `steps` steps: A B C A B C ..."""
+    """Warm every variant, then alternate blocks of `steps` steps, rotating who goes first
+    (A B C, B C A, C A B, ...) so no variant always runs right after the same neighbour."""
     for w in workers:
         w.ask(f"run {warm}")
     times = {w.name: [] for w in workers}
     deltas = {w.name: [] for w in workers}
-    for _ in range(blocks):
-        for w in workers:
+    for block in range(blocks):
+        k = block % len(workers)
+        for w in workers[k:] + workers[:k]:
             reply = w.ask(f"run {steps}")
             times[w.name].append(reply["step_s"])
             deltas[w.name].append(reply["delta"])
@@ -361,7 +386,7 @@ def chart(rows, path):
         sel = [r for r in rows if (r["comparison"], r["workload"]) == key]
         labels = [f"{r['variant']}\nrun {r['run']}" for r in sel]
         ax.boxplot([r["samples_ms"] for r in sel], showfliers=True)
-        ax.set_xticks(range(1, len(sel) + 1), labels, fontsize=7, rotation=30)
+        ax.set_xticks(range(1, len(sel) + 1), labels, fontsize=7, rotation=45, ha="right")
         ax.set_title(f"{key[0]}: {key[1]}", fontsize=9)
         ax.set_ylabel("ms per step (block medians)")
     fig.suptitle("seamless_tpu step time per variant (interleaved blocks, 2-core shared machine)", fontsize=10)
@@ -398,18 +423,30 @@ def main(argv=None):
             compiles[name] = w.ask("compiles")["counts"]
         finally:
             w.close()
+    overhead = {}
+    for label, env in (("xla", XLA_ENV), ("eager_cpu", EAGER_ENV)):
+        w = Worker("shim", "mlp", env)
+        try:
+            overhead[label] = w.ask("overhead")
+        finally:
+            w.close()
     imports = import_cost(3 if smoke else 7)
     ray_times = None if args.skip_ray else ray_fit_times(1 if smoke else 3)
-    report = render(rows, compiles, imports, ray_times, smoke, time.time() - started)
+    report = render(rows, compiles, overhead, imports, ray_times, smoke, time.time() - started)
     print(report["text"])
     if out:
+        findings = ""
+        if os.path.exists(out):  # the hand-written analysis below the numbers survives a re-run
+            with open(out) as f:
+                old = f.read()
+            findings = old[old.index("\n## Findings"):] if "\n## Findings" in old else ""
         with open(out, "w") as f:
-            f.write(report["markdown"])
+            f.write(report["markdown"] + findings)
     if png:
         chart(rows, png)
 
 
-def render(rows, compiles, imports, ray_times, smoke, elapsed):
+def render(rows, compiles, overhead, imports, ray_times, smoke, elapsed):
     v = versions()
     md = [f"# seamless_tpu benchmark results{' (smoke run)' if smoke else ''}", "",
           f"- date: {datetime.date.today().isoformat()}; wall time {elapsed / 60:.1f} min",
@@ -428,6 +465,9 @@ def render(rows, compiles, imports, ray_times, smoke, elapsed):
     for name, counts in compiles.items():
         after = counts[-1] - counts[min(1, len(counts) - 1)]
         md.append(f"- {name}: {len(counts)} steps, UncachedCompile after step 2 = {counts[min(1, len(counts) - 1)]}, at the end = {counts[-1]} (growth after warm-up: {after})")
+    md += ["", "## The shim's own work per step (timed in isolation)", ""]
+    for label, o in overhead.items():
+        md.append(f"- {label}: {o['us_per_step']:.2f} us per optimizer step; global optimizer hooks installed: {o['global_optimizer_hooks']}")
     md += ["", "## Import cost after torch (fresh interpreters, ms)", "", "| module | median | min | max |", "|---|---|---|---|"]
     for name, samples in imports.items():
         md.append(f"| {name} | {statistics.median(samples):.1f} | {min(samples):.1f} | {max(samples):.1f} |")
@@ -447,6 +487,7 @@ def render(rows, compiles, imports, ray_times, smoke, elapsed):
     shim_x = [r["transfers_per_step"] for r in rows if r["comparison"] == "xla_spmd_4dev" and r["variant"] == "shim"]
     hand_x = [r["transfers_per_step"] for r in rows if r["comparison"] == "xla_spmd_4dev" and r["variant"] == "handwritten_xla"]
     headline.append(f"device->host transfers per steady step: shim {max(shim_x):.2f}, hand-written {max(hand_x):.2f}")
+    headline.append("shim's own work per step: " + ", ".join(f"{k} {o['us_per_step']:.2f} us ({o['global_optimizer_hooks']} global hooks)" for k, o in overhead.items()))
     headline.append("import after torch (median ms): " + ", ".join(f"{k} {statistics.median(s):.1f}" for k, s in imports.items()))
     if ray_times:
         med = {k: statistics.median(r["fit_s"] for r in runs) for k, runs in ray_times.items()}
