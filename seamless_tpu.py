@@ -927,8 +927,9 @@ def _build_ray_classes():
 
 def _spmd_config_devices(config):
     """A device count that an xla_spmd_config can be checked against before any device exists."""
-    if config.get("mesh_shape") is not None and hasattr(config["mesh_shape"], "__iter__"):
-        return math.prod(int(d) for d in config["mesh_shape"])
+    shape = config.get("mesh_shape")
+    if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
+        return math.prod(shape)  # anything else: _mesh_from_config names what is wrong with it
     dp, mp = config.get("data_parallel_size") or 1, config.get("model_parallel_size") or 1
     return dp * mp
 

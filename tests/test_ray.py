@@ -199,6 +199,8 @@ def test_torch_config_routing_and_validation():
     assert st.TorchConfig().train_func_context is ray.train.torch.TorchConfig().train_func_context
     with pytest.raises(ValueError, match=r"xla_spmd_config needs backend='xla_tpu', got backend='gloo'"):
         st.TorchConfig(backend="gloo", xla_spmd_config={"mesh_shape": [4]})
+    with pytest.raises(TypeError, match=r"mesh_shape must be a list of positive ints, got '2x2'"):
+        st.TorchConfig(backend="xla_tpu", xla_spmd_config={"mesh_shape": "2x2"})
     with pytest.raises(ValueError, match=r"contradicts itself: data_parallel_size=4"):
         st.TorchConfig(backend="xla_tpu", xla_spmd_config={"mesh_shape": [2, 2], "data_parallel_size": 4})
     trainer = st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1, use_tpu=True))
