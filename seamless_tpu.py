@@ -188,13 +188,19 @@ def get_device(kind=None):
     return torch.device("cpu")
 
 
+def _torch_dist_ranks():
+    """(world size, rank) of torch.distributed, or (1, 0) when it is not running."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
 def _is_main_process():
     if _XLA is not None:
         return _import("torch_xla.runtime").process_index() == 0
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
+    size, rank = _torch_dist_ranks()
+    return rank == 0 if size > 1 else os.environ.get("RANK", "0") == "0"
 
 
 def _log(msg, *args):
@@ -620,8 +626,7 @@ class SeamlessTPUTrainer:
         self.model = model
         self._ddp_forward_seen = False
         self._hook = None
-        dist = torch.distributed
-        if not _is_xla(self.device) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if not _is_xla(self.device) and _torch_dist_ranks()[0] > 1:
             self._wrap_ddp(model)
 
     def _wrap_ddp(self, model):
@@ -686,9 +691,8 @@ class SeamlessTPUTrainer:
         cpu = _apply(_state_dicts(obj), lambda t: t.detach().to("cpu"))
         if _is_main_process():
             torch.save(cpu, path)
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # nobody reads the file before it is complete
+        if _torch_dist_ranks()[0] > 1:
+            torch.distributed.barrier()  # nobody reads the file before it is complete
         return path
 
     def compile_stats(self):
@@ -720,14 +724,11 @@ def _rebuild_loader(loader, drop_last, device):
     data = torch.utils.data
     if not isinstance(loader, data.DataLoader):
         return loader
-    dist = torch.distributed
-    distributed = not _is_xla(device) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if _is_xla(device) and _import("torch_xla.runtime").process_count() > 1:
-        replicas, rank = _import("torch_xla.runtime").process_count(), _import("torch_xla.runtime").process_index()
-    elif distributed:
-        replicas, rank = dist.get_world_size(), dist.get_rank()
+    if _is_xla(device):  # SPMD: one process per host, each loading its own slice
+        xr = _import("torch_xla.runtime")
+        replicas, rank = xr.process_count(), xr.process_index()
     else:
-        replicas, rank = 1, 0
+        replicas, rank = _torch_dist_ranks()
     if loader.batch_size is None:  # a custom batch_sampler: not ours to rebuild
         if replicas > 1:
             logger.warning("seamless_tpu: loader has a custom batch_sampler; it is used as is, without a DistributedSampler")
