@@ -21,8 +21,7 @@ try:  # imported up front: ray's import writes RAY_CLIENT_MODE, which the hygien
 except ImportError:
     ray_train = None
 
-NEVER_READ = ("PJRT_COORDINATOR_ADDRESS", "PJRT_NUM_PROCESSES", "PJRT_PROCESS_INDEX", "XLA_MESH_SHAPE",
-              "XLA_DATA_PARALLEL_SIZE", "XLA_SPMD_PARTITIONING_MODE", "XLA_TPU_SPMD_OPTIMIZATION")
+NEVER_READ = scenarios.NEVER_READ
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,9 @@ import torch.nn.functional as F
 
 import seamless_tpu as st
 
+# Env vars the seeds set but torch_xla 2.9 never reads (REFERENCE.md): we must never set them.
+NEVER_READ = ("PJRT_COORDINATOR_ADDRESS", "PJRT_NUM_PROCESSES", "PJRT_PROCESS_INDEX", "XLA_MESH_SHAPE",
+              "XLA_DATA_PARALLEL_SIZE", "XLA_SPMD_PARTITIONING_MODE", "XLA_TPU_SPMD_OPTIMIZATION")
 SPEC_2D = "{devices=[4,1]0,1,2,3}"
 SPEC_1D = "{devices=[4]0,1,2,3}"
 SPEC_DATA_OF_2X2 = "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"

@@ -18,12 +18,12 @@ ray = pytest.importorskip("ray")
 import scenarios  # noqa: E402
 import seamless_tpu as st  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
-from ray_loops import ENV_KEYS, EPOCHS  # noqa: E402
+from ray_loops import EPOCHS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
 XLA_ON_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
-NEVER_READ = ENV_KEYS[10:]
+NEVER_READ = scenarios.NEVER_READ
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
            "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0"}
 needs_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
