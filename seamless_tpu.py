@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import glob
@@ -44,7 +45,9 @@ import os
 import re
 import socket
 import sys
+import threading
 import weakref
+import collections
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -68,7 +71,8 @@ _INSTALL = {
     "ray": "pip install 'ray[train]'",
 }
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as PCI devices of this vendor on TPU VMs
-_TOPOLOGY_RE = re.compile(r"^[0-9]+(x[0-9]+){1,2}$")
+_TOPOLOGY_RE = re.compile(r"[0-9]+(x[0-9]+){1,2}")  # used with fullmatch: '$' would allow a trailing newline
+MAX_TOPOLOGY_CHIPS = 65536  # the largest TPU slices hold under 10k chips; more is a typo
 
 # --- lazy imports and probes ---------------------------------------------------------------------
 
@@ -93,7 +97,8 @@ def _xla_installed():
 
 
 @functools.lru_cache(maxsize=None)
-def _tpu_chip_count():
+def _tpu_chips():
+    """Evidence of TPU chips on this host, as (what, count); (None, 0) if there is none."""
     count = 0
     for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
@@ -101,53 +106,119 @@ def _tpu_chip_count():
                 count += f.read().strip() == _GOOGLE_PCI_VENDOR
         except OSError:  # devices can vanish between glob and open; they are not ours to count
             continue
-    return count
+    if count:
+        return "Google PCI devices", count
+    # Containers may hide /sys but pass the chips through: v2-v4 as /dev/accel*, later as VFIO groups.
+    for pattern in ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*"):
+        nodes = glob.glob(pattern)
+        if nodes:
+            return pattern, len(nodes)
+    return None, 0
 
 
-def _tpu_present():
-    pjrt = os.environ.get("PJRT_DEVICE")
-    if pjrt:
-        return pjrt.upper() == "TPU"
-    return _tpu_chip_count() > 0 or bool(os.environ.get("TPU_ACCELERATOR_TYPE"))
+def _tpu_chip_count():
+    return _tpu_chips()[1]
 
 
 @functools.lru_cache(maxsize=None)
+def _initial_environ():
+    """The environment this process started with (Linux), which no library import can have edited."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            pairs = [item.partition(b"=") for item in f.read().split(b"\0") if item]
+    except OSError:  # not Linux: fall back to what _note_user_pjrt saw before torch_xla loaded
+        return {}
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
+
+
+_PJRT_SEEN = set()  # PJRT_DEVICE values seen while torch_xla was not loaded: the user's own
+_ENV_WE_SET = {}  # env values this module (the Ray hook, XLA activation) wrote on the user's behalf
+
+
+def _note_user_pjrt():
+    if "torch_xla" not in sys.modules and os.environ.get("PJRT_DEVICE"):
+        _PJRT_SEEN.add(os.environ["PJRT_DEVICE"])
+
+
+def _user_pjrt_device():
+    """PJRT_DEVICE as the user chose it, or None ('' counts as unset).
+
+    Importing torch_xla (which transformers, accelerate and others do whenever it is installed)
+    writes a default PJRT_DEVICE (CPU, CUDA, TPU, ...). Such a value is torch_xla's guess, not the
+    user's choice: it counts only if it was there before torch_xla was imported.
+    """
+    _note_user_pjrt()
+    value = os.environ.get("PJRT_DEVICE") or None
+    if value is None or "torch_xla" not in sys.modules:
+        return value
+    if value in _PJRT_SEEN or _ENV_WE_SET.get("PJRT_DEVICE") == value or _initial_environ().get("PJRT_DEVICE") == value:
+        return value
+    return None
+
+
+_note_user_pjrt()
+
+
+def _tpu_present():
+    pjrt = _user_pjrt_device()
+    if pjrt:
+        return pjrt.upper() == "TPU"
+    return _tpu_chip_count() > 0
+
+
 def _auto_kind():
+    # Not cached: the answer must follow the user's env, and it costs a few dict lookups.
+    if _XLA is not None:
+        return _XLA_KIND
     if _xla_installed():
         if _tpu_present():
             return "tpu"
-        if os.environ.get("PJRT_DEVICE"):
+        if _user_pjrt_device():
             return "xla"
     if torch.cuda.is_available():
         return "gpu"
     return "cpu"
 
 
-_CACHED_PROBES = (_import, _xla_installed, _tpu_chip_count, _auto_kind)
+_CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
 
 # --- device detection ----------------------------------------------------------------------------
 
 
+def _as_request(kind):
+    """A kind name stays a name; any other string torch.device accepts ('cuda:0', 'cpu') becomes a device."""
+    if not isinstance(kind, str) or kind.lower() in DEVICE_KINDS:
+        return kind
+    try:
+        return torch.device(kind)
+    except (RuntimeError, ValueError):  # torch's own 'Expected one of cpu, cuda, ...' error
+        return kind  # _resolve_kind names the rule
+
+
 def _resolve_kind(kind=None):
     """Turn a requested kind (or SEAMLESS_TPU_DEVICE, or auto) into one of tpu/xla/gpu/cpu, or raise."""
+    where = "device" if kind is not None else ENV_DEVICE
+    kind = _as_request(kind if kind is not None else (os.environ.get(ENV_DEVICE) or "auto"))
     if isinstance(kind, torch.device):
         if kind.type == "xla":
-            return _auto_xla_kind()
+            return _XLA_KIND if _XLA is not None else _auto_xla_kind()
+        if kind.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {str(kind)!r} was requested but torch.cuda.is_available() is False; use 'auto' or 'cpu'")
         return "gpu" if kind.type == "cuda" else "cpu"
-    requested = kind if kind is not None else (os.environ.get(ENV_DEVICE) or "auto")
-    if not isinstance(requested, str) or requested.lower() not in DEVICE_KINDS:
-        where = "device" if kind is not None else ENV_DEVICE
-        raise ValueError(f"{where} must be one of {DEVICE_KINDS}, got {requested!r}")
-    requested = requested.lower()
+    if not isinstance(kind, str) or kind.lower() not in DEVICE_KINDS:
+        raise ValueError(f"{where} must be one of {DEVICE_KINDS} or a torch.device string like 'cuda:0', got {kind!r}")
+    requested = kind.lower()
     if requested == "auto":
         return _auto_kind()
     if requested in XLA_KINDS and not _xla_installed():
         raise ImportError(f"device {requested!r} needs torch_xla, which is not installed: {_INSTALL['torch_xla']}")
     if requested == "tpu" and not _tpu_present():
+        hint = os.environ.get("TPU_ACCELERATOR_TYPE")
         raise RuntimeError(
-            "device 'tpu' was requested but no TPU is visible: PJRT_DEVICE="
-            f"{os.environ.get('PJRT_DEVICE')!r}, TPU PCI devices found: {_tpu_chip_count()}. "
-            "Run on a TPU VM (or set PJRT_DEVICE=TPU there), or ask for 'xla' / 'auto'."
+            f"device 'tpu' was requested but no TPU chip is visible (PJRT_DEVICE={_user_pjrt_device()!r}, "
+            f"TPU_ACCELERATOR_TYPE={hint!r}; no Google PCI device, /dev/accel* or /dev/vfio/* found). "
+            + ("TPU_ACCELERATOR_TYPE names a TPU, but this host has no chip: run on the TPU VM itself, or " if hint else "Run on a TPU VM, or ")
+            + "ask for 'xla' / 'auto'."
         )
     if requested == "gpu" and not torch.cuda.is_available():
         raise RuntimeError("device 'gpu' was requested but torch.cuda.is_available() is False; use 'auto' or 'cpu'")
@@ -173,9 +244,10 @@ def get_device(kind=None):
     A torch.device is passed through. On XLA this is the moment SPMD is switched on (before any
     XLA tensor can exist) and the process mesh is built.
     """
-    if isinstance(kind, torch.device) and kind.type != "xla":
-        return kind
+    request = _as_request(kind if kind is not None else os.environ.get(ENV_DEVICE) or None)
     kind = _resolve_kind(kind)
+    if isinstance(request, torch.device) and request.type != "xla":
+        return request
     if kind in XLA_KINDS:
         device = _activate_xla(kind)
         if _MESH is None:
@@ -213,27 +285,52 @@ def _log(msg, *args):
 
 
 def _apply(obj, on_tensor, on_other=None):
-    """Map `on_tensor` over every tensor in a nested batch; containers keep their types."""
+    """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means.
+
+    Objects with their own .to go to `on_other` (when given) and are never rebuilt from their
+    parts: PackedSequence, HF BatchEncoding, modules. Containers keep their types where they can be
+    rebuilt, else become the plain dict/list/tuple. Dataclasses are copied field by field without
+    running __init__ or __post_init__. Everything else passes through unchanged.
+    """
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
+    if on_other is not None and callable(getattr(obj, "to", None)) and not isinstance(obj, type):
+        moved = on_other(obj)
+        return obj if moved is None else moved  # in-place movers (.to returns None) stay themselves
+
+    def recurse(v):
+        return _apply(v, on_tensor, on_other)
+
     if isinstance(obj, Mapping):
-        items = {k: _apply(v, on_tensor, on_other) for k, v in obj.items()}
+        items = {k: recurse(v) for k, v in obj.items()}
         if isinstance(obj, defaultdict):
             return type(obj)(obj.default_factory, items)
-        try:
-            return type(obj)(items)
-        except TypeError:  # mappings that cannot be built from a dict (e.g. MappingProxyType)
-            return items
+        return _rebuild(type(obj), items, dict)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_apply(v, on_tensor, on_other) for v in obj))
+        values = [recurse(v) for v in obj]
+        try:
+            return type(obj)(*values)
+        except TypeError:  # a namedtuple subclass with its own constructor
+            return tuple(values)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_apply(v, on_tensor, on_other) for v in obj)
+        return _rebuild(type(obj), [recurse(v) for v in obj], list if isinstance(obj, list) else tuple)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _apply(getattr(obj, f.name), on_tensor, on_other) for f in dataclasses.fields(obj) if f.init}
-        return dataclasses.replace(obj, **changes)
-    if on_other is not None and callable(getattr(obj, "to", None)):
-        return on_other(obj)
+        new = copy.copy(obj)  # no __init__: __post_init__, InitVar and init=False fields stay as they are
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, recurse(getattr(obj, f.name)))  # frozen ones too
+        return new
     return obj
+
+
+def _rebuild(cls, items, plain):
+    """cls(items), or the plain container when cls cannot be built from one (MappingProxyType, a
+    list subclass with required arguments)."""
+    if cls is plain:
+        return plain(items)
+    try:
+        return cls(items)
+    except TypeError:
+        return plain(items)
 
 
 def _mover(device, sharding=None):
@@ -245,8 +342,16 @@ def _mover(device, sharding=None):
 
 def _move(objs, device, sharding=None):
     on_tensor = _mover(device, sharding)
-    moved = tuple(_apply(o, on_tensor, lambda m: m.to(device)) for o in objs)
+    moved = tuple(_apply(o, on_tensor, lambda m: _own_to(m, device)) for o in objs)
     return moved[0] if len(moved) == 1 else moved
+
+
+def _own_to(obj, device):
+    if _is_xla(device) and not isinstance(obj, torch.nn.Module) and not _WARNED.get("own_to"):
+        _WARNED["own_to"] = True
+        logger.warning("seamless_tpu: %s is moved by its own .to(), so its tensors are replicated on every "
+                       "device instead of split over the mesh; pass dict(batch) to have them sharded", type(obj).__name__)
+    return obj.to(device)
 
 
 def to_device(*objs, device=None):
@@ -263,9 +368,11 @@ def to_device(*objs, device=None):
 # --- mesh and SPMD -------------------------------------------------------------------------------
 
 _XLA = None  # the activated XLA device; None until get_device() first resolves to tpu/xla
+_XLA_KIND = None  # 'tpu' or 'xla': what _XLA was activated as
 _MESH = None  # the process mesh: get_xla_mesh()
 _SHARDING = None  # how inputs are sharded over _MESH: dim 0 over its batch axes
 _HOOKS = []  # global optimizer hooks installed on XLA activation
+_WARNED = {}  # one-time warnings already given in this process
 
 
 def _positive_int(name, value):
@@ -280,11 +387,13 @@ def parse_topology(topology):
     """'2x2' -> (2, 2), '2x2x1' -> (2, 2, 1): a TPU slice's chip layout."""
     if not isinstance(topology, str):
         raise TypeError(f"topology must be a str like '2x2' or '2x2x1', got {topology!r} ({type(topology).__name__})")
-    if not _TOPOLOGY_RE.match(topology):
+    if not _TOPOLOGY_RE.fullmatch(topology):
         raise ValueError(f"topology must look like 'AxB' or 'AxBxC' with positive ints (e.g. '2x2', '4x4x4'), got {topology!r}")
     dims = tuple(int(d) for d in topology.split("x"))
     if 0 in dims:
         raise ValueError(f"topology dimensions must be positive, got {topology!r}")
+    if math.prod(dims) > MAX_TOPOLOGY_CHIPS:
+        raise ValueError(f"topology {topology!r} has {math.prod(dims)} chips, more than any TPU slice (at most {MAX_TOPOLOGY_CHIPS}); check the string")
     return dims
 
 
@@ -297,7 +406,10 @@ def _default_axis_names(ndim):
 
 def _mesh_from_config(config, num_devices):
     if not isinstance(config, Mapping):
-        raise TypeError(f"xla_spmd_config must be a dict, got {config!r}")
+        raise TypeError(f"xla_spmd_config must be a dict like {{'mesh_shape': [2, 2]}}, got {config!r} ({type(config).__name__})")
+    for key in config:
+        if not isinstance(key, str):
+            raise TypeError(f"xla_spmd_config keys must be strings from {SPMD_CONFIG_KEYS}, got the key {key!r} ({type(key).__name__})")
     unknown = sorted(set(config) - set(SPMD_CONFIG_KEYS))
     if unknown:
         raise ValueError(f"xla_spmd_config has unknown keys {unknown}; valid keys are {SPMD_CONFIG_KEYS}")
@@ -325,6 +437,8 @@ def _mesh_from_config(config, num_devices):
     else:
         shape = (num_devices,)
     names = config.get("axis_names")
+    if isinstance(names, (str, bytes)) or (names is not None and not hasattr(names, "__iter__")):
+        raise TypeError(f"axis_names must be a list of strings, one per mesh dimension (e.g. ['data', 'model']), got {names!r}")
     names = _default_axis_names(len(shape)) if names is None else tuple(names)
     if len(names) != len(shape):
         raise ValueError(f"axis_names must name each mesh dimension: {len(names)} names {names!r} for mesh_shape {shape!r}")
@@ -335,12 +449,17 @@ def _mesh_from_config(config, num_devices):
             f"mesh_shape {shape!r} holds {math.prod(shape)} devices but the runtime has {num_devices}; "
             "the product of mesh_shape must equal the device count"
         )
-    sizes = dict(zip(names, shape))
-    for key, axis, size in (("data_parallel_size", "data", dp), ("model_parallel_size", "model", mp)):
-        if size is not None and axis in sizes and sizes[axis] != size:
-            raise ValueError(f"xla_spmd_config contradicts itself: {key}={size} but mesh axis {axis!r} has size {sizes[axis]} in mesh_shape {shape!r}")
-    if dp is not None and mp is not None and dp * mp != num_devices:
-        raise ValueError(f"data_parallel_size x model_parallel_size must equal the device count: {dp} x {mp} != {num_devices}")
+    # The sizes must describe this mesh as the trainer uses it, whatever the axes are called:
+    # axes named in MODEL_AXES carry the model, all others split the batch.
+    model_size = math.prod(n for name, n in zip(names, shape) if name in MODEL_AXES)
+    actual = {"data_parallel_size": math.prod(shape) // model_size, "model_parallel_size": model_size}
+    for key, size in (("data_parallel_size", dp), ("model_parallel_size", mp)):
+        if size is not None and size != actual[key]:
+            raise ValueError(
+                f"xla_spmd_config contradicts itself: {key}={size}, but mesh_shape {shape!r} with axis_names "
+                f"{names!r} has data-parallel size {actual['data_parallel_size']} (axes not named {MODEL_AXES}) "
+                f"and model-parallel size {actual['model_parallel_size']} (axes named {MODEL_AXES}); drop {key} or fix the mesh"
+            )
     return shape, names
 
 
@@ -363,7 +482,7 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
                 "the device count must be the chip count (or a multiple: 2 devices per chip on v7). "
                 "Check the slice you are on or drop the topology"
             )
-    if xla_spmd_config:
+    if xla_spmd_config is not None:
         return _mesh_from_config(xla_spmd_config, num_devices)
     if num_processes == 1:
         return (num_devices,), ("data",)
@@ -376,40 +495,51 @@ def _enable_spmd():
     xr = _import("torch_xla.runtime")
     if xr.is_spmd():
         return
-    # A locked SPMD config means an XLA tensor already exists; torch_xla would "replicate" it,
-    # which segfaulted on PJRT CPU (REFERENCE.md). Refuse instead.
+    # Measured on torch_xla 2.9 (PJRT CPU, 4 devices): a tensor made before use_spmd() segfaults
+    # on use, and so does a bare torch_xla.device() call (accelerate's PartialState() makes one):
+    # the next MLP backward dies with exit 139. Both lock the SPMD config; the counter says which.
     if torch_xla._XLAC._xla_get_spmd_config_is_locked():
+        created = _import("torch_xla.debug.metrics").counter_value("CreateXlaTensor") or 0
+        what = (f"{created} XLA tensor(s) were created" if created else
+                "an XLA device was requested (torch_xla.device() or xm.xla_device(); accelerate's "
+                "PartialState() and Accelerator() call it)")
         raise RuntimeError(
-            "an XLA tensor was created before seamless_tpu switched on SPMD, and torch_xla cannot "
-            "move it safely (it can segfault). Create the SeamlessTPUTrainer, or call "
-            "seamless_tpu.get_device(), before creating any tensor on torch_xla.device()."
+            f"{what} before seamless_tpu switched on SPMD. torch_xla 2.9 cannot switch to SPMD after "
+            "that: training then segfaults. Create the SeamlessTPUTrainer, or call "
+            "seamless_tpu.get_device(), first, before anything touches an XLA device."
         )
     xr.use_spmd()
 
 
+_ACTIVATION = threading.RLock()  # first use may come from several threads (loader workers, servers)
+
+
 def _activate_xla(kind):
-    """First XLA use in this process: SPMD on, autograd ready, optimizer hooks in. Idempotent."""
-    global _XLA
-    if _XLA is not None:
-        return _XLA
-    if "PJRT_DEVICE" not in os.environ:  # torch_xla would pick (and write) one itself
-        os.environ["PJRT_DEVICE"] = "TPU" if kind == "tpu" else "CPU"
-        _log("seamless_tpu: set PJRT_DEVICE=%s", os.environ["PJRT_DEVICE"])
-    torch_xla = _import("torch_xla")
-    xr = _import("torch_xla.runtime")
-    _enable_spmd()
-    # The device count must be known before the first backward on XLA, or autograd has no queue
-    # for the device (INTERNAL ASSERT device_ready_queues_); the query also starts the runtime.
-    xr.global_runtime_device_count()
-    device = torch_xla.device()
-    _check_autograd_ready(device)
-    # model.to(xla) would otherwise make new Parameter objects and strand an optimizer built
-    # before the move: the loop would run and silently never train.
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    _HOOKS.append(register_optimizer_step_pre_hook(_xla_step_pre_hook))
-    _HOOKS.append(register_optimizer_step_post_hook(_xla_step_post_hook))
-    _XLA = device
-    return device
+    """First XLA use in this process: SPMD on, autograd ready, optimizer hooks in. Idempotent,
+    also when several threads get here at once."""
+    global _XLA, _XLA_KIND
+    with _ACTIVATION:
+        if _XLA is not None:
+            return _XLA
+        if _user_pjrt_device() is None:  # unset, '', or torch_xla's own guess: ours to choose
+            pjrt = "TPU" if kind == "tpu" else (os.environ.get("PJRT_DEVICE") or "CPU")
+            _ENV_WE_SET["PJRT_DEVICE"] = os.environ["PJRT_DEVICE"] = pjrt
+            _log("seamless_tpu: set PJRT_DEVICE=%s", pjrt)
+        torch_xla = _import("torch_xla")
+        xr = _import("torch_xla.runtime")
+        _enable_spmd()
+        # The device count must be known before the first backward on XLA, or autograd has no
+        # queue for the device (INTERNAL ASSERT device_ready_queues_); the query starts the runtime.
+        xr.global_runtime_device_count()
+        device = torch_xla.device()
+        _check_autograd_ready(device)
+        # model.to(xla) would otherwise make new Parameter objects and strand an optimizer built
+        # before the move: the loop would run and silently never train.
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        _HOOKS.append(register_optimizer_step_pre_hook(_xla_step_pre_hook))
+        _HOOKS.append(register_optimizer_step_post_hook(_xla_step_post_hook))
+        _XLA, _XLA_KIND = device, kind
+        return device
 
 
 def _check_autograd_ready(device):
@@ -510,9 +640,11 @@ def _batch_sharding(mesh=None):
 def _to_xla(tensor, device, sharding):
     if sharding is None or tensor.dim() == 0:
         return tensor.to(device)
-    if tensor.device.type == "cpu":
+    if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not tensor.requires_grad:
         # Sharded straight from host memory: no replicated copy to reshard later.
-        return _import("torch_xla.core.xla_model").send_cpu_data_to_device(tensor, device, sharding)[0]
+        return _import("torch_xla.core.xla_model").send_cpu_data_to_device([tensor], device, sharding)[0]
+    # Subclasses (nn.Parameter, tv_tensors) and tensors with an autograd history move by their own
+    # .to(), which keeps their type and graph as it does anywhere, then are resharded in place.
     tensor = tensor.to(device)
     _import("torch_xla.distributed.spmd").mark_sharding(tensor, sharding.mesh, sharding.spec_for(tensor.dim()))
     return tensor
@@ -555,10 +687,8 @@ def _is_xla(device):
 
 
 def _on_xla(optimizer):
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            return _is_xla(p.device)
-    return False
+    # Any XLA parameter needs the sync, or its graph grows without bound; the first usually answers.
+    return any(_is_xla(p.device) for group in optimizer.param_groups for p in group["params"])
 
 
 def _xla_step_pre_hook(optimizer, args, kwargs):
@@ -720,38 +850,113 @@ def _state_dicts(obj):
     return obj
 
 
-def _rebuild_loader(loader, drop_last, device):
-    data = torch.utils.data
-    if not isinstance(loader, data.DataLoader):
-        return loader
+def _loader_ranks(device):
     if _is_xla(device):  # SPMD: one process per host, each loading its own slice
         xr = _import("torch_xla.runtime")
-        replicas, rank = xr.process_count(), xr.process_index()
-    else:
-        replicas, rank = _torch_dist_ranks()
-    if loader.batch_size is None:  # a custom batch_sampler: not ours to rebuild
+        return xr.process_count(), xr.process_index()
+    return _torch_dist_ranks()
+
+
+def _plain_sampler(sampler):
+    """Samplers whose meaning torch's DistributedSampler reproduces exactly (its fast path)."""
+    data = torch.utils.data
+    if type(sampler) is data.RandomSampler:
+        return not sampler.replacement and sampler._num_samples is None
+    return type(sampler) is data.SequentialSampler
+
+
+def _rebuild_loader(loader, drop_last, device):
+    """`loader` split over the ranks, with fixed batch shapes where asked.
+
+    Each rank gets its share of exactly what the user's sampling yields: RandomSampler and
+    SequentialSampler take the DistributedSampler fast path; any other sampler, batch sampler or
+    IterableDataset is split by batches (_ShardedBatches).
+    """
+    data = torch.utils.data
+    replicas, rank = _loader_ranks(device)
+    if not isinstance(loader, data.DataLoader):
         if replicas > 1:
-            logger.warning("seamless_tpu: loader has a custom batch_sampler; it is used as is, without a DistributedSampler")
+            logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of it", type(loader).__name__)
         return loader
-    sampler = loader.sampler
-    if replicas > 1:
-        shuffle = isinstance(sampler, data.RandomSampler)
-        sampler = data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
-    if replicas == 1 and drop_last == loader.drop_last:
+    iterable = isinstance(loader.dataset, data.IterableDataset)
+    own_batches = loader.batch_size is None  # a user batch_sampler (or an iterable yielding batches)
+    if replicas == 1 and (drop_last == loader.drop_last or own_batches):
         return loader
-    per_epoch = len(sampler) if hasattr(sampler, "__len__") else None
-    if drop_last and per_epoch is not None and per_epoch % loader.batch_size:
-        _log("seamless_tpu: dropping the last %d of %d samples per epoch to keep batch shapes fixed "
-             "(prepare_data_loader(loader, drop_last=False) keeps them)", per_epoch % loader.batch_size, per_epoch)
     kwargs = dict(
-        batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=drop_last,
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
         persistent_workers=loader.persistent_workers,
     )
     if loader.num_workers:
         kwargs.update(prefetch_factor=loader.prefetch_factor, multiprocessing_context=loader.multiprocessing_context)
-    return data.DataLoader(loader.dataset, **kwargs)
+    if iterable:
+        rebuilt = data.DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=drop_last and not own_batches, **kwargs)
+        return _ShardedBatches(rebuilt, replicas, rank, drop_last) if replicas > 1 else rebuilt
+    if own_batches:
+        return data.DataLoader(loader.dataset, batch_sampler=_ShardedBatches(loader.batch_sampler, replicas, rank, drop_last), **kwargs)
+    sampler = loader.sampler
+    if replicas > 1 and _plain_sampler(sampler):
+        shuffle = isinstance(sampler, data.RandomSampler)
+        sampler = data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
+        replicas = 1  # split already
+    per_epoch = len(sampler) if hasattr(sampler, "__len__") else None
+    if drop_last and per_epoch is not None and per_epoch % loader.batch_size:
+        _log("seamless_tpu: dropping the last %d of %d samples per epoch to keep batch shapes fixed "
+             "(prepare_data_loader(loader, drop_last=False) keeps them)", per_epoch % loader.batch_size, per_epoch)
+    if replicas == 1:
+        return data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+    batches = _ShardedBatches(data.BatchSampler(sampler, loader.batch_size, drop_last), replicas, rank, drop_last)
+    return data.DataLoader(loader.dataset, batch_sampler=batches, **kwargs)
+
+
+class _ShardedBatches:
+    """Rank r of n takes batches r, r+n, r+2n, ... of `batches` (a batch sampler, or a loader over
+    an IterableDataset), so together the ranks see what the user's sampling yields, each batch
+    once. Every rank gets the same number of batches, or a collective would hang: an incomplete
+    last round is dropped (drop_last) or completed from the epoch's first batches, as
+    DistributedSampler pads."""
+
+    def __init__(self, batches, replicas, rank, drop_last):
+        self.batches, self.replicas, self.rank, self.drop_last = batches, replicas, rank, drop_last
+
+    def __len__(self):
+        n = len(self.batches)  # TypeError for a stream of unknown length, as DataLoader raises
+        return n // self.replicas if self.drop_last else -(-n // self.replicas)
+
+    def __iter__(self):
+        first, round_ = [], []
+        for batch in self.batches:
+            if len(first) < self.replicas:
+                first.append(batch)
+            round_.append(batch)
+            if len(round_) == self.replicas:
+                yield round_[self.rank]
+                round_ = []
+        if round_ and not self.drop_last:
+            round_ += [first[i % len(first)] for i in range(self.replicas - len(round_))]
+            yield round_[self.rank]
+
+    def set_epoch(self, epoch):
+        _set_epoch(self.batches, epoch)
+
+
+def _set_epoch(loader, epoch):
+    """Reseed every part of a loader that shuffles by epoch: DistributedSampler, user samplers and
+    batch samplers, datasets (HF streaming datasets shuffle by epoch)."""
+    parts = [loader] + [getattr(loader, name, None) for name in ("sampler", "batch_sampler", "dataset")]
+    for part in {id(p): p for p in parts if p is not None}.values():
+        if callable(getattr(part, "set_epoch", None)):
+            part.set_epoch(epoch)
+
+
+class _Slot:
+    """Stands in a batch for a tensor that MpDeviceLoader moves in its background thread."""
+
+    def __init__(self, box, index):
+        self.box, self.index = box, index
+
+    def to(self, device):
+        return self.box[0][self.index]
 
 
 class _DeviceLoader:
@@ -768,16 +973,41 @@ class _DeviceLoader:
         self._epoch = epoch
 
     def __iter__(self):
-        sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self._epoch)
+        _set_epoch(self.loader, self._epoch)
         self._epoch += 1
         trainer = self._trainer
-        if _is_xla(trainer.device):
-            pl = _import("torch_xla.distributed.parallel_loader")
-            # Background host->device transfer, sharded on the way in.
-            return iter(pl.MpDeviceLoader(self.loader, trainer.device, input_sharding=_batch_sharding(trainer.mesh)))
-        return (trainer.to_device(batch) for batch in self.loader)
+        if not _is_xla(trainer.device):
+            return (trainer.to_device(batch) for batch in self.loader)
+        return self._xla_batches(trainer.device, _batch_sharding(trainer.mesh))
+
+    def _xla_batches(self, device, sharding):
+        # MpDeviceLoader moves and shards the plain host tensors in a background thread. The batch
+        # around them is rebuilt here by to_device's rules, so a batch means the same on every path.
+        templates = collections.deque()
+
+        def plain_tensors():  # runs in MpDeviceLoader's thread, ahead of the consumer
+            for batch in self.loader:
+                tensors, box = [], []
+
+                def take(t):
+                    if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu":
+                        return t  # moved by to_device's rules below
+                    tensors.append(t)
+                    return _Slot(box, len(tensors) - 1)
+
+                templates.append((_apply(batch, take, lambda obj: obj), box))
+                yield tensors
+
+        on_tensor = _mover(device, sharding)
+
+        def on_other(obj):
+            return obj.to(device) if isinstance(obj, _Slot) else _own_to(obj, device)
+
+        pl = _import("torch_xla.distributed.parallel_loader")
+        for moved in pl.MpDeviceLoader(plain_tensors(), device, input_sharding=sharding):
+            template, box = templates.popleft()
+            box.append(moved)
+            yield _apply(template, on_tensor, on_other)
 
 
 # --- the Ray hook --------------------------------------------------------------------------------
@@ -800,9 +1030,14 @@ def _xla_worker_env(*, rank, world_size, local_rank, local_world_size, node_rank
 
 
 def _setdefault_env(env):
-    """Set what the user has not set; return what was set. User values always win."""
-    applied = {k: v for k, v in env.items() if k not in os.environ}
+    """Set what the user has not set ('' counts as unset, torch_xla's PJRT_DEVICE guess too);
+    return what was set. User values always win."""
+    def users(k):
+        return _user_pjrt_device() if k == "PJRT_DEVICE" else os.environ.get(k)
+
+    applied = {k: v for k, v in env.items() if not users(k)}
     os.environ.update(applied)
+    _ENV_WE_SET.update(applied)
     return applied
 
 
@@ -849,7 +1084,6 @@ def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config):
         master_addr=master_addr, master_port=master_port, hostnames=hostnames,
     )
     applied = _setdefault_env(env)
-    _auto_kind.cache_clear()  # PJRT_DEVICE may be new: detection must see it
     logger.info("seamless_tpu: worker %s set %s", env["RANK"], applied)
     if os.environ.get("TPU_VISIBLE_CHIPS") and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
         logger.warning("seamless_tpu: TPU_VISIBLE_CHIPS=%s limits this SPMD worker to part of its host; "
@@ -896,6 +1130,8 @@ def _build_ray_classes():
         def __post_init__(self):
             getattr(super(), "__post_init__", lambda: None)()
             if self.xla_spmd_config is not None:
+                if not isinstance(self.xla_spmd_config, Mapping):
+                    raise TypeError(f"TorchConfig(xla_spmd_config=...) must be a dict like {{'mesh_shape': [2, 2]}}, got {self.xla_spmd_config!r}")
                 if self.backend not in XLA_BACKENDS:
                     raise ValueError(f"xla_spmd_config needs backend='xla_tpu', got backend={self.backend!r}")
                 _mesh_from_config(self.xla_spmd_config, _spmd_config_devices(self.xla_spmd_config))
@@ -944,11 +1180,14 @@ def __getattr__(name):
 
 def _reset_caches():
     """For tests: forget probes, the XLA activation, the mesh and the installed hooks."""
-    global _XLA, _WATCHDOG
+    global _XLA, _XLA_KIND, _WATCHDOG
     for probe in _CACHED_PROBES:
         probe.cache_clear()
     while _HOOKS:
         _HOOKS.pop().remove()
-    _XLA = None
+    _ENV_WE_SET.clear()
+    _PJRT_SEEN.clear()
+    _WARNED.clear()
+    _XLA = _XLA_KIND = None
     _WATCHDOG = _Watchdog()
     _clear_mesh()

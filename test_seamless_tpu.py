@@ -68,7 +68,9 @@ def fake(monkeypatch, fresh):
 
 # --- device detection ----------------------------------------------------------------------------
 
-# (torch_xla importable, PJRT_DEVICE, TPU PCI chips, TPU_ACCELERATOR_TYPE, cuda, SEAMLESS_TPU_DEVICE) -> kind
+# (torch_xla importable, PJRT_DEVICE, TPU chips, TPU_ACCELERATOR_TYPE, cuda, SEAMLESS_TPU_DEVICE) -> kind.
+# PJRT_DEVICE "lib:X" is X written by torch_xla's own import (transformers imports it); a plain
+# value is the user's, there when the process started.
 DETECTION = [
     (False, None, 0, None, False, None, "cpu"),
     (False, None, 0, None, True, None, "gpu"),
@@ -78,31 +80,101 @@ DETECTION = [
     (True, None, 4, None, True, None, "tpu"),  # TPU before GPU
     (True, "TPU", 0, None, False, None, "tpu"),
     (True, "tpu", 0, None, False, None, "tpu"),
-    (True, None, 0, "v5litepod-8", False, None, "tpu"),
-    (True, "CPU", 0, None, True, None, "xla"),  # XLA before GPU
+    (True, None, 0, "v5litepod-8", False, None, "cpu"),  # a hint without a chip is no TPU
+    (True, None, 4, "v5litepod-8", False, None, "tpu"),
+    (True, "CPU", 0, None, True, None, "xla"),  # XLA before GPU, when the user asked for it
     (True, "CPU", 4, None, False, None, "xla"),  # an explicit PJRT_DEVICE beats visible chips
     (True, "CUDA", 0, None, True, None, "xla"),
+    (True, "lib:CPU", 0, None, False, None, "cpu"),  # torch_xla's guess is not the user's choice
+    (True, "lib:CPU", 0, None, True, None, "gpu"),
+    (True, "lib:CUDA", 0, None, True, None, "gpu"),
+    (True, "lib:CPU", 4, None, False, None, "tpu"),
+    (True, "", 0, None, True, None, "gpu"),  # '' means unset
+    (True, "", 4, None, False, None, "tpu"),
     (True, "TPU", 4, None, True, "cpu", "cpu"),
     (True, "TPU", 4, None, True, "GPU", "gpu"),
     (True, "CPU", 0, None, False, "xla", "xla"),
+    (True, "lib:CPU", 0, None, False, "xla", "xla"),
+    (True, None, 0, None, True, "cuda:0", "gpu"),  # any torch.device string
+    (True, None, 0, None, False, "cpu:0", "cpu"),
 ]
+
+
+def set_detection_env(monkeypatch, xla, pjrt, chips, acc, cuda, asked):
+    """The user's env is what the process started with; 'lib:' values appear only after torch_xla loads."""
+    user = {}
+    for name, value in (("PJRT_DEVICE", pjrt), ("TPU_ACCELERATOR_TYPE", acc), ("SEAMLESS_TPU_DEVICE", asked)):
+        monkeypatch.delenv(name, raising=False)
+        if value is not None and not value.startswith("lib:"):
+            user[name] = value
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(st, "_initial_environ", lambda: user)
+    if xla:
+        FakeXLA().install(monkeypatch)
+        if pjrt and pjrt.startswith("lib:"):
+            monkeypatch.setenv("PJRT_DEVICE", pjrt[4:])
+    else:
+        monkeypatch.setitem(sys.modules, "torch_xla", None)
+    monkeypatch.setattr(st, "_tpu_chip_count", lambda: chips)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
 
 
 @pytest.mark.parametrize("xla,pjrt,chips,acc,cuda,asked,want", DETECTION)
 def test_detection_matrix(monkeypatch, fresh, xla, pjrt, chips, acc, cuda, asked, want):
-    if xla:
-        FakeXLA().install(monkeypatch)
-    else:
-        monkeypatch.setitem(sys.modules, "torch_xla", None)
-    for name, value in (("PJRT_DEVICE", pjrt), ("TPU_ACCELERATOR_TYPE", acc), ("SEAMLESS_TPU_DEVICE", asked)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    monkeypatch.setattr(st, "_tpu_chip_count", lambda: chips)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    set_detection_env(monkeypatch, xla, pjrt, chips, acc, cuda, asked)
     assert st.device_type() == want
     assert st.is_xla_backend() == (want in ("tpu", "xla"))
+
+
+def test_detection_does_not_depend_on_import_order(monkeypatch, fresh):
+    """The same answer before and after torch_xla's import writes PJRT_DEVICE=CPU."""
+    set_detection_env(monkeypatch, True, None, 0, None, True, None)
+    monkeypatch.delitem(sys.modules, "torch_xla")
+    before = st.device_type()
+    FakeXLA().install(monkeypatch)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # what 'import transformers' leaves behind
+    assert before == st.device_type() == "gpu"
+
+
+def test_user_pjrt_set_in_the_script_before_torch_xla_counts(monkeypatch, fresh):
+    set_detection_env(monkeypatch, True, None, 0, None, True, None)
+    monkeypatch.delitem(sys.modules, "torch_xla")
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # os.environ[...] = "CPU" at the top of the script
+    assert st.device_type() == "xla"
+    FakeXLA().install(monkeypatch)  # then transformers imports torch_xla: the value stays the user's
+    assert st.device_type() == "xla"
+
+
+def test_empty_pjrt_means_unset_when_activating(monkeypatch, fresh):
+    """PJRT_DEVICE='' is unset for activation too: it gets a real value, not torch_xla's 'not set' error."""
+    set_detection_env(monkeypatch, True, "", 0, None, False, "xla")
+    st.get_device()
+    assert os.environ["PJRT_DEVICE"] == "CPU"
+
+
+def test_tpu_request_with_a_hint_but_no_chip_names_the_hint(monkeypatch, fresh):
+    set_detection_env(monkeypatch, True, None, 0, "v5litepod-8", False, None)
+    with pytest.raises(RuntimeError, match=r"no TPU chip is visible.*TPU_ACCELERATOR_TYPE='v5litepod-8'.*names a TPU, but this host has no chip"):
+        st.get_device("tpu")
+
+
+@pytest.mark.parametrize("layout,want", [
+    ({"sys/bus/pci/devices/0000:00:04.0/vendor": "0x1ae0\n", "sys/bus/pci/devices/0000:00:05.0/vendor": "0x1ae0\n",
+      "sys/bus/pci/devices/0000:00:06.0/vendor": "0x8086\n"}, ("Google PCI devices", 2)),
+    ({"dev/accel0": "", "dev/accel1": ""}, ("/dev/accel[0-9]*", 2)),
+    ({"dev/vfio/0": "", "dev/vfio/vfio": ""}, ("/dev/vfio/[0-9]*", 1)),  # the control node is no chip
+    ({"sys/bus/pci/devices/0000:00:06.0/vendor": "0x10de\n"}, (None, 0)),
+])
+def test_tpu_chip_evidence(monkeypatch, tmp_path, fresh, layout, want):
+    for rel, text in layout.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    real_glob = st.glob.glob
+    monkeypatch.setattr(st.glob, "glob", lambda pattern: [p.replace(str(tmp_path), "") for p in real_glob(str(tmp_path) + pattern)])
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(str(tmp_path) + path if str(path).startswith("/sys") else path, *a, **k))
+    what, count = st._tpu_chips()
+    assert (what, count) == want
 
 
 def test_detection_has_no_side_effects(monkeypatch, fresh):
@@ -127,17 +199,21 @@ def test_no_torch_xla_errors_name_the_install_command(no_xla):
 
 def test_tpu_requested_without_a_tpu(fake, monkeypatch):
     monkeypatch.setattr(st, "_tpu_chip_count", lambda: 0)
-    with pytest.raises(RuntimeError, match=r"device 'tpu' was requested but no TPU is visible: PJRT_DEVICE='CPU'"):
+    monkeypatch.setattr(st, "_initial_environ", lambda: {"PJRT_DEVICE": "CPU"})
+    with pytest.raises(RuntimeError, match=r"device 'tpu' was requested but no TPU chip is visible \(PJRT_DEVICE='CPU'"):
         st.get_device("tpu")
 
 
 def test_bad_kind_and_missing_gpu(no_xla, monkeypatch):
-    with pytest.raises(ValueError, match=r"device must be one of .*got 'tpuu'"):
+    with pytest.raises(ValueError, match=r"device must be one of .* or a torch.device string like 'cuda:0', got 'tpuu'"):
         st.get_device("tpuu")
-    monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "cuda")
-    with pytest.raises(ValueError, match=r"SEAMLESS_TPU_DEVICE must be one of .*got 'cuda'"):
+    monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "cudaa")
+    with pytest.raises(ValueError, match=r"SEAMLESS_TPU_DEVICE must be one of .*got 'cudaa'"):
         st.device_type()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "cuda:1")
+    with pytest.raises(RuntimeError, match=r"device 'cuda:1' was requested but torch.cuda.is_available\(\) is False"):
+        st.device_type()
     with pytest.raises(RuntimeError, match=r"'gpu' was requested but torch.cuda.is_available\(\) is False"):
         st.get_device("gpu")
 
@@ -272,7 +348,7 @@ def test_trainer_cpu_extras(no_xla, monkeypatch, tmp_path):
 @pytest.mark.parametrize("scenario", scenarios.TWINS, ids=lambda f: f.__name__)
 def test_fake_xla_twin(fake, scenario):
     if scenario is scenarios.tensor_before_spmd_is_refused:
-        scenario(make_early_tensor=lambda: setattr(fake, "locked", True))
+        scenario(make_early_tensor=fake.make_early_tensor)
     else:
         scenario()
 
@@ -359,7 +435,7 @@ def test_explicit_spmd_config_wins(config, shape, names):
     ({"mesh_shape": [-2, -2]}, ValueError, "must be a positive int, got -2"),
     ({"mesh_shape": [2.0, 2]}, TypeError, "mesh_shape entry must be an int, got 2.0"),
     ({"mesh_shape": "2x2"}, TypeError, "mesh_shape must be a list of positive ints, got '2x2'"),
-    ({"mesh_shape": [2, 2], "data_parallel_size": 4}, ValueError, "contradicts itself: data_parallel_size=4 but mesh axis 'data' has size 2"),
+    ({"mesh_shape": [2, 2], "data_parallel_size": 4}, ValueError, "contradicts itself: data_parallel_size=4, but mesh_shape (2, 2)"),
     ({"mesh_shape": [2, 2], "data_parallel_size": 4, "model_parallel_size": 2}, ValueError, "data_parallel_size=4"),
     ({"mesh_shape": [2, 2, 1]}, ValueError, "a 3-D mesh_shape needs explicit axis_names"),
     ({"partitioning_mode": "auto"}, ValueError, "unknown keys ['partitioning_mode']; valid keys are"),
@@ -476,6 +552,7 @@ class FakeWorkerGroup:
 
     def __init__(self, monkeypatch, envs):
         self.monkeypatch, self.envs, self.order = monkeypatch, envs, [1, 0]
+        self.started_with = {rank: dict(env) for rank, env in envs.items()}  # each process's initial env
         self.state, self.meshes = {}, {}
 
     def __len__(self):
@@ -487,7 +564,10 @@ class FakeWorkerGroup:
         os.environ.update(self.envs[rank])
         for probe in st._CACHED_PROBES:
             probe.cache_clear()
-        st._XLA, st._MESH, st._SHARDING = self.state.get(rank, (None, None, None))
+        st._XLA, st._MESH, st._SHARDING, written = self.state.get(rank, (None, None, None, {}))
+        st._ENV_WE_SET.clear()
+        st._ENV_WE_SET.update(written)
+        self.monkeypatch.setattr(st, "_initial_environ", lambda: self.started_with[rank])
         self.monkeypatch.setattr(st, "_train_context", lambda: FakeContext(rank, len(self)))
         self.monkeypatch.setattr(st, "_node_ip", lambda: f"10.0.0.{rank + 1}")
         try:
@@ -495,7 +575,7 @@ class FakeWorkerGroup:
             self.meshes[rank] = st.get_xla_mesh()
             return out
         finally:
-            self.state[rank] = (st._XLA, st._MESH, st._SHARDING)
+            self.state[rank] = (st._XLA, st._MESH, st._SHARDING, dict(st._ENV_WE_SET))
             self.envs[rank] = dict(os.environ)
             os.environ.clear()
             os.environ.update(saved)

@@ -32,7 +32,7 @@ class FakeXLA:
         self.num_devices, self.nprocs, self.pjrt_device = num_devices, process_count, pjrt_device
         self.events = []
         self.spmd = False
-        self.locked = False  # set True to simulate an XLA tensor made before SPMD
+        self.locked = False  # torch_xla locks the SPMD config on the first device request
         self.counters = {}
         self.transfers = 0
         self.pending_shapes = []
@@ -40,6 +40,11 @@ class FakeXLA:
         self.shardings = {}  # id(tensor) -> sharding text
         self.global_mesh = None
         self.modules = self._build()
+
+    def make_early_tensor(self):
+        """What torch.zeros(2, device=torch_xla.device()) before use_spmd() leaves behind."""
+        self.modules["torch_xla"].device()
+        self._count("CreateXlaTensor")
 
     # -- helpers used by the fake modules --
     def _count(self, name, n=1):
@@ -77,6 +82,7 @@ class FakeXLA:
         metrics = types.ModuleType("torch_xla.debug.metrics")
 
         def device(index: int = None) -> torch.device:
+            fx.locked = True
             return torch.device("cpu")
 
         def devices():

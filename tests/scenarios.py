@@ -173,10 +173,22 @@ def tensor_before_spmd_is_refused(make_early_tensor=None):
     try:
         st.SeamlessTPUTrainer(mlp())
     except RuntimeError as e:
-        assert "before seamless_tpu switched on SPMD" in str(e), str(e)
+        assert "1 XLA tensor(s) were created before seamless_tpu switched on SPMD" in str(e), str(e)
     else:
         raise AssertionError("a tensor made before SPMD was not refused")
     return early
+
+
+def device_requested_before_spmd_is_refused():
+    """accelerate's PartialState() asks for the device first. On torch_xla 2.9 that alone makes the
+    next SPMD backward segfault (tests/test_real_xla.py proves it), so it is refused with its cause."""
+    _xla().device()
+    try:
+        st.SeamlessTPUTrainer(mlp())
+    except RuntimeError as e:
+        assert "an XLA device was requested (torch_xla.device()" in str(e) and "PartialState()" in str(e), str(e)
+    else:
+        raise AssertionError("a device requested before SPMD was not refused")
 
 
 TWINS = (
@@ -185,6 +197,7 @@ TWINS = (
     watchdog_warns_once_on_shape_changes,
     bad_mesh_raises_value_error,
     tensor_before_spmd_is_refused,
+    device_requested_before_spmd_is_refused,
 )
 
 # --- real torch_xla only -------------------------------------------------------------------------

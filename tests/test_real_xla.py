@@ -77,3 +77,25 @@ def test_example_xla_matches_cpu():
         if device == "xla":
             assert "compiles" in out
     assert abs(losses["xla"] - losses["cpu"]) < 1e-4, losses
+
+
+def test_device_requested_before_spmd_segfaults_in_plain_torch_xla():
+    """Why the shim refuses an early torch_xla.device(): without the shim, torch_xla 2.9 crashes.
+    If this starts passing after an upgrade, the refusal can be relaxed."""
+    code = textwrap.dedent("""
+        import numpy as np, torch, torch.nn.functional as F
+        import torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
+        torch_xla.device()
+        xr.use_spmd()
+        device, mesh = torch_xla.device(), xs.Mesh(np.arange(4), (4,), ("data",))
+        model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
+        x, y = torch.randn(8, 10).to(device), torch.randn(8, 1).to(device)
+        xs.mark_sharding(x, mesh, ("data", None))
+        F.mse_loss(model(x), y).backward()
+        torch_xla.sync()
+        print(model[0].weight.grad.cpu().sum())
+    """)
+    env = dict(os.environ, **XLA_ENV)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode in (139, -11), f"torch_xla no longer crashes here (exit {out.returncode}): relax the refusal"
+
