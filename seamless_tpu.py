@@ -500,7 +500,7 @@ def _enable_spmd():
     # the next MLP backward dies with exit 139. Both lock the SPMD config; the counter says which.
     if torch_xla._XLAC._xla_get_spmd_config_is_locked():
         created = _import("torch_xla.debug.metrics").counter_value("CreateXlaTensor") or 0
-        what = (f"{created} XLA tensor(s) were created" if created else
+        what = ("XLA tensors were created" if created else
                 "an XLA device was requested (torch_xla.device() or xm.xla_device(); accelerate's "
                 "PartialState() and Accelerator() call it)")
         raise RuntimeError(
@@ -760,10 +760,12 @@ class SeamlessTPUTrainer:
             self._wrap_ddp(model)
 
     def _wrap_ddp(self, model):
+        DDP = torch.nn.parallel.DistributedDataParallel
         ids = [self.device.index] if self.device.type == "cuda" else None
-        self.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # A model the user wrapped already is used as is: wrapping twice all-reduces twice.
+        self.model = model if isinstance(model, DDP) else DDP(model, device_ids=ids)
         self.model.register_forward_pre_hook(self._saw_ddp_forward)
-        self._param_ids = {id(p) for p in model.parameters()}
+        self._param_ids = {id(p) for p in self.model.module.parameters()}
         # The seed loops call the original module, which bypasses DDP's reducer; average the
         # gradients at the step instead so the ranks stay in lockstep either way.
         trainer = weakref.ref(self)
@@ -783,7 +785,7 @@ class SeamlessTPUTrainer:
 
     def _sync_unreduced_grads(self, optimizer):
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not params or id(params[0]) not in self._param_ids:
+        if not any(id(p) in self._param_ids for p in params):
             return
         if not self._ddp_forward_seen:
             _average_gradients(params)
@@ -815,14 +817,19 @@ class SeamlessTPUTrainer:
         return torch.autocast(device_type, dtype=torch.bfloat16)
 
     def save(self, obj, path):
-        """Sync, copy to CPU, write from process 0 only. The file loads on any device."""
+        """Sync, copy to CPU, write from process 0 only. The file loads on any device, with the
+        model's own keys (no DDP or torch.compile prefixes). The write is atomic: a crash mid-save
+        leaves the previous file. Every rank returns, or raises the same error, together."""
         if _is_xla(self.device):
             _import("torch_xla").sync()
         cpu = _apply(_state_dicts(obj), lambda t: t.detach().to("cpu"))
+        error = None
         if _is_main_process():
-            torch.save(cpu, path)
-        if _torch_dist_ranks()[0] > 1:
-            torch.distributed.barrier()  # nobody reads the file before it is complete
+            try:
+                _atomic_save(cpu, path)
+            except Exception as e:  # shared with every rank below, then raised here too
+                error = e
+        _same_outcome_on_every_rank(error, f"trainer.save(..., {path!r})")
         return path
 
     def compile_stats(self):
@@ -839,15 +846,72 @@ class SeamlessTPUTrainer:
         }
 
 
+def _unwrap(module):
+    """The user's own module inside DDP and torch.compile wrappers, nested in any order."""
+    while True:
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            module = module._orig_mod
+        else:
+            return module
+
+
 def _state_dicts(obj):
-    """Modules and optimizers (also as values of a dict) become their state_dicts."""
-    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
-        obj = obj.module
-    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+    """Modules and optimizers (also as values of a dict) become their state_dicts, with the
+    model's own keys: a submodule compiled on its own adds '_orig_mod.' inside the keys."""
+    if isinstance(obj, torch.nn.Module):
+        state = _unwrap(obj).state_dict()
+        if any("_orig_mod." in k for k in state):
+            state = type(state)((k.replace("_orig_mod.", ""), v) for k, v in state.items())
+        return state
+    if isinstance(obj, torch.optim.Optimizer):
         return obj.state_dict()
     if isinstance(obj, Mapping):
         return {k: _state_dicts(v) for k, v in obj.items()}
     return obj
+
+
+def _atomic_save(obj, path):
+    """torch.save into a temporary sibling, fsync, rename: `path` holds the old file or the new
+    one, never a torn one, whatever kills the process (os.replace is atomic on POSIX and Windows)."""
+    if not isinstance(path, (str, os.PathLike)):
+        torch.save(obj, path)  # a file object: its owner decides what atomic means
+        return
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot save to {path!r}: the directory {directory!r} does not exist; create it first (os.makedirs)")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:  # created with the user's umask, as torch.save would
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # persist the rename itself; not possible on every platform
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _same_outcome_on_every_rank(error, what):
+    """Process 0 tells every rank whether `what` worked; all raise if it did not. This is also
+    the barrier: nobody reads a checkpoint before it is complete, and nobody hangs on a failure."""
+    size, rank = _torch_dist_ranks()
+    if size > 1:
+        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+        torch.distributed.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None and error is None:
+            raise RuntimeError(f"{what} failed on process 0: {outcome[0]}")
+    if error is not None:
+        raise error
 
 
 def _loader_ranks(device):

@@ -342,6 +342,133 @@ def test_trainer_cpu_extras(no_xla, monkeypatch, tmp_path):
         st.SeamlessTPUTrainer(model, xla_spmd_config={"mesh_shape": [1]})
 
 
+# --- checkpoints: atomic, the same outcome on every rank, the model's own keys --------------------
+
+KILL_MID_SAVE = """
+import os, sys, time, torch
+import seamless_tpu as st
+path, flag = sys.argv[1], sys.argv[2]
+trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")
+real_save = torch.save
+
+def torn_save(obj, f):  # half a checkpoint on disk, then the process is killed
+    f.write(b"PK-partial" * 1000)
+    f.flush()
+    open(flag, "w").close()
+    time.sleep(120)
+
+torch.save = torn_save
+trainer.save({"step": 2, "model": trainer.model}, path)
+"""
+
+
+def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path, flag = tmp_path / "ckpt.pt", tmp_path / "writing"
+    st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu").save({"step": 1}, path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(st.__file__))]))
+    child = subprocess.Popen([sys.executable, "-c", KILL_MID_SAVE, str(path), str(flag)], env=env)
+    try:
+        for _ in range(600):
+            if flag.exists() or child.poll() is not None:
+                break
+            __import__("time").sleep(0.1)
+        assert flag.exists(), "the child never started writing"
+        child.send_signal(9)  # SIGKILL: no cleanup runs
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert torch.load(path) == {"step": 1}, "the previous checkpoint must survive a kill mid-save"
+    st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu").save({"step": 3}, path)
+    assert torch.load(path) == {"step": 3}
+
+
+def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")
+    path = trainer.save({"step": 1}, tmp_path / "ckpt.pt")
+    with pytest.raises((AttributeError, TypeError, __import__("pickle").PicklingError), match=r"(?i)pickle"):
+        trainer.save({"step": 2, "fn": lambda: 0}, path)
+    assert torch.load(path) == {"step": 1} and sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    with pytest.raises(FileNotFoundError, match=r"the directory .*missing.* does not exist; create it first"):
+        trainer.save({"step": 2}, tmp_path / "missing" / "ckpt.pt")
+
+
+def run_two_ranks(case, tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(st.__file__)), os.path.dirname(scenarios.__file__)]),
+               SEAMLESS_TPU_DEVICE="cpu")
+    script = os.path.join(os.path.dirname(scenarios.__file__), "dist_ranks.py")
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, script, case, str(r), "2", str(store), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]  # a hang fails here instead of stalling CI
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [__import__("json").loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):
+    rank0, rank1 = run_two_ranks("save_errors", tmp_path)
+    assert rank0["missing_dir"].startswith("FileNotFoundError: cannot save to") and "does not exist" in rank0["missing_dir"]
+    assert rank1["missing_dir"].startswith("RuntimeError: trainer.save(") and "failed on process 0: FileNotFoundError" in rank1["missing_dir"]
+    assert "pickle" in rank0["unpicklable"].lower() and "failed on process 0" in rank1["unpicklable"]
+    assert rank0["ok_exists"] and rank1["ok_exists"], "after a failed save the ranks still save together"
+
+
+def test_user_ddp_is_not_wrapped_again(tmp_path):
+    rank0, rank1 = run_two_ranks("user_ddp", tmp_path)
+    assert rank0["same_object"] and rank1["same_object"]
+    assert rank0["keys"] == ["bias", "weight"], "the user's keys, no module. prefix"
+    # Grads averaged exactly once: the mean of rank inputs 1 and 2 is 1.5, so w = w0 - 1.5.
+    assert rank0["weight"] == rank1["weight"]
+    torch.manual_seed(0)
+    w0 = torch.nn.Linear(3, 1).weight.detach()
+    assert torch.allclose(torch.tensor(rank0["weight"]), w0 - 1.5)
+
+
+def test_save_unwraps_torch_compile(tmp_path, no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch.compile writes it otherwise
+    model = scenarios.mlp()
+    want = sorted(model.state_dict())
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    compiled = torch.compile(model)  # building it compiles nothing
+    assert sorted(torch.load(trainer.save({"m": compiled}, tmp_path / "a.pt"))["m"]) == want
+    model[0] = torch.compile(model[0])  # a submodule compiled on its own
+    assert sorted(torch.load(trainer.save(model, tmp_path / "b.pt"))) == want
+    plain = scenarios.mlp(seed=1)
+    plain.load_state_dict(torch.load(tmp_path / "b.pt"))
+
+
+def test_concurrent_first_use_activates_once(fake):
+    """8 threads reaching XLA first at once install one pair of optimizer hooks: one sync per step."""
+    import threading
+
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def first_use():
+        try:
+            barrier.wait()
+            st.to_device(torch.ones(4, 2))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(st._HOOKS) == 2
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    st.SeamlessTPUTrainer(model)
+    before = sum(e == ("sync",) for e in fake.events)
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    assert sum(e == ("sync",) for e in fake.events) == before + 1
+
+
 # --- the trainer on the fake torch_xla: the twins of tests/test_real_xla.py ----------------------
 
 

@@ -37,6 +37,7 @@ REAL_ONLY = [
     "mesh_2d_model_parallel_matches_eager",
     "checkpoint_round_trip",
     "bf16_close_to_fp32",
+    "mixed_device_optimizer_is_synced",
 ]
 
 
