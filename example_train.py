@@ -14,19 +14,22 @@ The loop below is plain PyTorch: optimizer.step(), no mark_step, no xm.optimizer
 Prints the loss and samples/s for every epoch, the held-out accuracy, the final loss, and on XLA
 the compile statistics. --max-steps N stops early (for smoke tests). --precision bf16 trains under
 bf16 autocast. The device can also be chosen with SEAMLESS_TPU_DEVICE=tpu|xla|gpu|cpu.
+A device that is not there (--tpu on a machine without one) or a bad flag combination prints one
+line saying why and exits with status 2.
 """
 
 import argparse
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
-from seamless_tpu import SeamlessTPUTrainer, is_xla_backend
+from seamless_tpu import SeamlessTPUTrainer, get_device, is_xla_backend
 
 # --- defaults -----------------------------------------------------------------------------------
 EPOCHS = 10  # passes over the training set
@@ -118,26 +121,51 @@ def ray_train(config, num_workers):
     ray.shutdown()
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and status 2, as for every other usage error below
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="example_train.py", description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["auto", "tpu", "xla", "gpu", "cpu"], default=None, help="default: SEAMLESS_TPU_DEVICE, else auto")
     p.add_argument("--tpu", action="store_true", help="same as --device tpu")
-    p.add_argument("--epochs", type=int, default=EPOCHS)
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    p.add_argument("--lr", type=float, default=LR)
-    p.add_argument("--samples", type=int, default=SAMPLES)
+    p.add_argument("--epochs", type=positive(int), default=EPOCHS)
+    p.add_argument("--batch-size", type=positive(int), default=BATCH_SIZE)
+    p.add_argument("--lr", type=positive(float), default=LR)
+    p.add_argument("--samples", type=positive(int), default=SAMPLES)
     p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--max-steps", type=positive(int), default=None, help="stop after this many optimizer steps")
     p.add_argument("--precision", choices=["bf16"], default=None)
     p.add_argument("--ray", action="store_true", help="run under Ray Train's TorchTrainer")
-    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--num-workers", type=positive(int), default=None, help="Ray workers (default 2; needs --ray)")
     args = p.parse_args(argv)
+    if args.tpu and args.device not in (None, "tpu"):
+        p.error(f"--tpu and --device {args.device} ask for two devices; pass one of them")
+    if args.num_workers is not None and not args.ray:
+        p.error("--num-workers needs --ray")
+    if args.samples < 2 * args.batch_size:
+        p.error(f"--samples {args.samples} gives no full batch of --batch-size {args.batch_size}; use at least twice the batch size")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps", "precision")}
     if args.tpu:
         config["device"] = "tpu"
     if args.ray:
-        return ray_train(config, args.num_workers)
+        return ray_train(config, args.num_workers or 2)
+    try:
+        get_device(config["device"])  # a missing device is a usage error, not a traceback
+    except (RuntimeError, ValueError, ImportError) as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
     return train(config)
 
 

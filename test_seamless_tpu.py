@@ -469,6 +469,41 @@ def test_concurrent_first_use_activates_once(fake):
     assert sum(e == ("sync",) for e in fake.events) == before + 1
 
 
+# --- the example's command line ------------------------------------------------------------------
+
+BAD_EXAMPLE_ARGS = [
+    (["--tpu", "--device", "cpu"], "--tpu and --device cpu ask for two devices"),
+    (["--num-workers", "3"], "--num-workers needs --ray"),
+    (["--epochs", "0"], "argument --epochs: must be positive, got 0"),
+    (["--batch-size", "x"], "argument --batch-size: invalid int value: 'x'"),
+    (["--samples", "10"], "--samples 10 gives no full batch of --batch-size 64"),
+    (["--device", "tpuu"], "argument --device: invalid choice: 'tpuu'"),
+    (["--tpu"], "device 'tpu' was requested but no TPU chip is visible"),
+]
+
+
+@pytest.mark.parametrize("argv,text", BAD_EXAMPLE_ARGS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_example_usage_errors_are_one_line_and_status_2(argv, text, capsys, fresh, monkeypatch):
+    import example_train
+
+    monkeypatch.setattr(st, "_tpu_chip_count", lambda: 0)
+    with pytest.raises(SystemExit) as exit_info:
+        example_train.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("example_train.py: error: ") and text in err, err
+
+
+def test_example_tpu_without_a_tpu_prints_no_traceback(fresh):
+    if st._tpu_chip_count():
+        pytest.skip("this machine has a TPU")
+    root = os.path.dirname(os.path.abspath(st.__file__))
+    out = subprocess.run([sys.executable, os.path.join(root, "example_train.py"), "--tpu"], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE")})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("example_train.py: error: ")
+
+
 # --- the trainer on the fake torch_xla: the twins of tests/test_real_xla.py ----------------------
 
 
