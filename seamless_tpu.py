@@ -10,8 +10,10 @@ Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another PJRT d
 PJRT_DEVICE=CPU CPU_NUM_DEVICES=4), "gpu" (CUDA), "cpu". torch_xla and ray are imported only when
 a code path needs them, so this file can be copied alone into a project that has neither.
 
-Environment variables read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu), PJRT_DEVICE,
-TPU_ACCELERATOR_TYPE, RANK / LOCAL_RANK (logging and CUDA device choice), TPU_VISIBLE_CHIPS (warning).
+Environment variables read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu or a torch.device string),
+PJRT_DEVICE (only as the user set it: torch_xla's import writes its own guess, which is ignored),
+TPU_ACCELERATOR_TYPE (named in errors), RANK / LOCAL_RANK (logging and CUDA device choice),
+TPU_VISIBLE_CHIPS (warning).
 Set only where unset: PJRT_DEVICE when an XLA device is requested; and, by the Ray "xla_tpu" backend
 on each worker, PJRT_DEVICE, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, NODE_RANK, TPU_WORKER_ID, TPU_WORKER_HOSTNAMES. torch_xla itself sets
@@ -46,12 +48,14 @@ import re
 import socket
 import sys
 import threading
+import types
 import weakref
 import collections
 from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
+import torch.utils.checkpoint
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 logger = logging.getLogger(__name__)
@@ -536,10 +540,60 @@ def _activate_xla(kind):
         # model.to(xla) would otherwise make new Parameter objects and strand an optimizer built
         # before the move: the loop would run and silently never train.
         torch.__future__.set_swap_module_params_on_conversion(True)
+        _enable_xla_checkpointing()
         _HOOKS.append(register_optimizer_step_pre_hook(_xla_step_pre_hook))
         _HOOKS.append(register_optimizer_step_post_hook(_xla_step_post_hook))
         _XLA, _XLA_KIND = device, kind
         return device
+
+
+def _enable_xla_checkpointing():
+    """Make torch.utils.checkpoint (and transformers' gradient_checkpointing_enable) work on XLA,
+    in both use_reentrant modes, and really save memory there. Process-wide, like torch_xla's own
+    patches; CPU/GPU tensors take torch's path unchanged.
+
+    - torch's checkpoint looks up the device module torch.xla for the RNG state, which torch_xla
+      2.9 never registers (AttributeError). Ours saves and restores the XLA seed, so a recomputed
+      dropout draws the same mask.
+    - XLA's common-subexpression pass merges the recomputation back into the forward, so nothing
+      is freed. An optimization barrier on the recompute's inputs keeps it apart, as
+      torch_xla.utils.checkpoint does.
+    # TODO(remove when torch_xla registers torch.xla and torch inserts the barrier itself)
+    """
+    ckpt = torch.utils.checkpoint
+    if getattr(ckpt, "_seamless_tpu_barrier", False):
+        return
+    xm = _import("torch_xla.core.xla_model")
+    if not hasattr(torch, "xla"):
+        module = types.ModuleType("torch.xla")
+        module._initialized = True  # torch saves a device's RNG state only for an initialised module
+        module.is_available = lambda: True
+        module.device_count = lambda: 1
+        module.current_device = lambda: 0
+        module.device = lambda device=None: contextlib.nullcontext()
+        module.get_rng_state = lambda device=None: xm.get_rng_state()  # an unsigned 64-bit seed: kept as int
+        module.set_rng_state = lambda state, device=None: xm.set_rng_state(state)
+        torch._register_device_module("xla", module)
+
+    def barrier(tensors):
+        on_xla = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+        if on_xla:
+            xm.optimization_barrier_(on_xla)
+        return tensors
+
+    detach_variable = ckpt.detach_variable  # use_reentrant=True detaches the inputs just before recomputing
+    ckpt.detach_variable = lambda inputs: barrier(detach_variable(inputs))
+    frame_init = ckpt._CheckpointFrame.__init__  # use_reentrant=False recomputes through its frame
+
+    def init_with_barrier(self, recompute_fn, *args, **kwargs):
+        def recompute(kwargs_of_fn, *inputs):
+            inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.device.type == "xla" else t
+                      for t in inputs]
+            return recompute_fn(kwargs_of_fn, *barrier(inputs))
+        frame_init(self, recompute, *args, **kwargs)
+
+    ckpt._CheckpointFrame.__init__ = init_with_barrier
+    ckpt._seamless_tpu_barrier = True
 
 
 def _check_autograd_ready(device):
