@@ -69,6 +69,8 @@ XLA_BACKENDS = ("xla_tpu", "xla")
 PRECISIONS = (None, "fp32", "bf16")
 SPMD_CONFIG_KEYS = ("mesh_shape", "axis_names", "data_parallel_size", "model_parallel_size")
 MODEL_AXES = ("model",)  # axes that carry model parallelism; an explicit mesh's other axes shard the batch
+STRATEGIES = ("ddp", "fsdp")  # replicate the parameters, or shard them over the mesh's FSDP_AXIS
+FSDP_AXIS = "fsdp"
 WARMUP_STEPS = 2  # step 1 compiles the step graph, step 2 the one with optimizer state; then stable
 _INSTALL = {
     "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: pip install torch==2.9.0 torch_xla==2.9.0)",
@@ -467,13 +469,15 @@ def _mesh_from_config(config, num_devices):
     return shape, names
 
 
-def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_config=None):
+def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_config=None, strategy="ddp"):
     """(mesh_shape, axis_names) for an SPMD mesh. Pure: needs no torch_xla.
 
-    1 process x N devices -> (N,), ("data",); P processes x L devices each -> (P, L), ("data", "model").
-    An explicit xla_spmd_config wins. A topology is checked against the device count, never trusted
-    for it (a v7 chip holds 2 devices).
+    "ddp": 1 process x N devices -> (N,), ("data",); P processes x L devices each -> (P, L), ("data", "model").
+    "fsdp": (N,), ("fsdp",); P x L -> (P, L), ("data", "fsdp"): data parallel across hosts, parameters
+    sharded within a host. An explicit xla_spmd_config wins (for "fsdp" it needs an "fsdp" axis).
+    A topology is checked against the device count, never trusted for it (a v7 chip holds 2 devices).
     """
+    _check_strategy(strategy)
     _positive_int("num_devices", num_devices)
     _positive_int("num_processes", num_processes)
     if num_devices % num_processes:
@@ -487,10 +491,27 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
                 "Check the slice you are on or drop the topology"
             )
     if xla_spmd_config is not None:
-        return _mesh_from_config(xla_spmd_config, num_devices)
+        shape, names = _mesh_from_config(xla_spmd_config, num_devices)
+        if strategy == "fsdp":
+            _check_fsdp_axis(names, "xla_spmd_config")
+        return shape, names
+    inner = "fsdp" if strategy == "fsdp" else "model"
     if num_processes == 1:
-        return (num_devices,), ("data",)
-    return (num_processes, num_devices // num_processes), ("data", "model")
+        return (num_devices,), ((inner if strategy == "fsdp" else "data"),)
+    return (num_processes, num_devices // num_processes), ("data", inner)
+
+
+def _check_strategy(strategy):
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def _check_fsdp_axis(names, where):
+    if FSDP_AXIS not in tuple(names or ()):
+        raise ValueError(
+            f"strategy='fsdp' shards parameters over a mesh axis named {FSDP_AXIS!r}, but {where} has axes "
+            f"{tuple(names or ())!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or use strategy='ddp'"
+        )
 
 
 def _enable_spmd():
@@ -612,7 +633,7 @@ def _check_autograd_ready(device):
         ) from e
 
 
-def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None):
+def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
     """Build the torch_xla SPMD Mesh from the runtime's counts (checked against the arguments) and
     make it this process's mesh (get_xla_mesh())."""
     xr = _import("torch_xla.runtime")
@@ -623,9 +644,9 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     if num_devices is not None and num_devices != runtime_devices:
         raise ValueError(f"num_devices={num_devices!r} does not fit the runtime, which has {runtime_devices} devices; omit num_devices or match it")
     processes = num_processes if num_processes is not None else xr.process_count()
-    shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config)
+    shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config, strategy=strategy)
     mesh = xs.Mesh(np.arange(runtime_devices), shape, names)
-    _set_mesh(mesh, explicit=bool(xla_spmd_config))
+    _set_mesh(mesh, explicit=xla_spmd_config is not None)
     _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _SHARDING.axes)
     return mesh
 
@@ -702,6 +723,28 @@ def _to_xla(tensor, device, sharding):
     tensor = tensor.to(device)
     _import("torch_xla.distributed.spmd").mark_sharding(tensor, sharding.mesh, sharding.spec_for(tensor.dim()))
     return tensor
+
+
+def _fsdp_spec(shape, shards):
+    """Shard one dimension over FSDP_AXIS: the largest that splits evenly, else the largest (XLA pads)."""
+    if not shape:
+        return ()
+    even = [d for d in range(len(shape)) if shape[d] % shards == 0]
+    dim = max(even or range(len(shape)), key=lambda d: shape[d])
+    return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
+
+
+def _shard_parameters(module, mesh):
+    """FSDPv2 over the SPMD mesh: every parameter sharded along one dimension over the fsdp axis,
+    replicated over the others. XLA's sharding propagation gives the gradients and the optimizer
+    state the same sharding, and inserts the all-gathers and reduce-scatters in the step graph.
+    Parameters the user sharded already are left as they are."""
+    xs = _import("torch_xla.distributed.spmd")
+    xlac = _import("torch_xla")._XLAC
+    shards = dict(zip(mesh.axis_names, mesh.mesh_shape))[FSDP_AXIS]
+    for param in module.parameters():
+        if param.dim() and not xlac._get_xla_sharding_spec(param):
+            xs.mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
 
 
 # --- the training-loop helper --------------------------------------------------------------------
@@ -786,25 +829,34 @@ class SeamlessTPUTrainer:
     - GPU/CPU with torch.distributed initialised (Ray, torchrun): DDP, DistributedSampler.
     """
 
-    def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None, drop_last=None):
+    def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
+                 drop_last=None, strategy="ddp"):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        _check_strategy(strategy)
         if mesh is not None and xla_spmd_config is not None:
             raise ValueError("pass either mesh= (a built Mesh) or xla_spmd_config= (to build one), not both")
         self.device = get_device(device)
         self.kind = _resolve_kind(self.device)
         self.precision = precision
         self.drop_last = drop_last
+        self.strategy = strategy
         self.mesh = None
         if _is_xla(self.device):
             if mesh is not None:
+                if strategy == "fsdp":
+                    _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
                 _set_mesh(mesh, explicit=True)
-            elif xla_spmd_config is not None:
-                create_xla_mesh(xla_spmd_config=xla_spmd_config)
+            elif xla_spmd_config is not None or strategy == "fsdp":
+                create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
             self.mesh = get_xla_mesh()
         elif mesh is not None or xla_spmd_config is not None:
             raise ValueError(f"mesh/xla_spmd_config apply to XLA devices only, but the device is {self.device}")
+        elif strategy == "fsdp":
+            self._fsdp_off_xla()
         model.to(self.device)
+        if strategy == "fsdp" and self.mesh is not None:
+            _shard_parameters(model, self.mesh)
         if optimizer is not None:
             _move_optimizer_state(optimizer, self.device)
         self.model = model
@@ -812,6 +864,16 @@ class SeamlessTPUTrainer:
         self._hook = None
         if not _is_xla(self.device) and _torch_dist_ranks()[0] > 1:
             self._wrap_ddp(model)
+
+    def _fsdp_off_xla(self):
+        if _torch_dist_ranks()[0] > 1:
+            raise NotImplementedError(
+                "strategy='fsdp' is implemented for XLA devices only so far; with torch.distributed on "
+                f"{self.device} use strategy='ddp' (FSDP2 support is planned)"
+            )
+        if not _WARNED.get("fsdp_single"):
+            _WARNED["fsdp_single"] = True
+            _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
 
     def _wrap_ddp(self, model):
         DDP = torch.nn.parallel.DistributedDataParallel

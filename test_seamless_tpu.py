@@ -469,6 +469,56 @@ def test_concurrent_first_use_activates_once(fake):
     assert sum(e == ("sync",) for e in fake.events) == before + 1
 
 
+# --- strategy="fsdp": mesh rules and errors ------------------------------------------------------
+
+@pytest.mark.parametrize("devices,processes,config,want", [
+    (4, 1, None, ((4,), ("fsdp",))),
+    (16, 4, None, ((4, 4), ("data", "fsdp"))),
+    (8, 2, None, ((2, 4), ("data", "fsdp"))),
+    (4, 1, {"mesh_shape": [1, 4], "axis_names": ["data", "fsdp"]}, ((1, 4), ("data", "fsdp"))),
+])
+def test_fsdp_mesh_rules(devices, processes, config, want):
+    assert st.mesh_shape_for(devices, processes, xla_spmd_config=config, strategy="fsdp") == want
+
+
+def test_fsdp_errors(fake):
+    with pytest.raises(ValueError, match=r"strategy must be one of \('ddp', 'fsdp'\), got 'zero3'"):
+        st.mesh_shape_for(4, strategy="zero3")
+    with pytest.raises(ValueError, match=r"strategy must be one of .*got 'FSDP'"):
+        st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="FSDP")
+    with pytest.raises(ValueError, match=r"axis named 'fsdp', but xla_spmd_config has axes \('data', 'model'\)"):
+        st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="fsdp", xla_spmd_config={"mesh_shape": [2, 2]})
+    mesh = st.create_xla_mesh()  # ("data",): no fsdp axis
+    with pytest.raises(ValueError, match=r"but the mesh passed as mesh= has axes \('data',\); name one axis 'fsdp'"):
+        st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="fsdp", mesh=mesh)
+
+
+def test_fsdp_shards_every_parameter_on_one_dimension(fake):
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+    assert (tuple(trainer.mesh.mesh_shape), tuple(trainer.mesh.axis_names)) == ((4,), ("fsdp",))
+    specs = {name: fake.shardings.get(id(p)) for name, p in model.named_parameters()}
+    # The largest dimension that splits evenly over 4; the 6-row weight shards its 32 columns.
+    assert specs == {"0.weight": "{devices=[4,1]0,1,2,3}", "0.bias": "{devices=[4]0,1,2,3}",
+                     "2.weight": "{devices=[1,4]0,1,2,3}", "2.bias": "{devices=[4]0,1,2,3}"}
+    x = trainer.to_device(torch.ones(8, 10))
+    assert fake.shardings[id(x)] == "{devices=[4,1]0,1,2,3}", "the batch goes over every axis"
+
+
+def test_fsdp_spec_picks_one_dimension():
+    assert st._fsdp_spec((6, 32), 4) == (None, "fsdp")
+    assert st._fsdp_spec((256, 64), 4) == ("fsdp", None)
+    assert st._fsdp_spec((6, 3), 4) == ("fsdp", None), "nothing splits evenly: the largest, padded by XLA"
+    assert st._fsdp_spec((), 4) == ()
+
+
+def test_fsdp_on_one_cpu_process_runs_as_ddp(no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = torch.nn.Linear(2, 2)
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+    assert trainer.model is model and trainer.strategy == "fsdp" and trainer.mesh is None
+
+
 # --- the example's command line ------------------------------------------------------------------
 
 BAD_EXAMPLE_ARGS = [
