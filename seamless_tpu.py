@@ -30,10 +30,12 @@ __all__ = [
     "mesh_shape_for",
     "create_xla_mesh",
     "get_xla_mesh",
+    "consolidate_checkpoint",
     "TorchConfig",
     "TorchTrainer",
 ]
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -45,17 +47,18 @@ import logging
 import math
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 import threading
+import time
 import types
 import weakref
-import collections
 from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
-import torch.utils.checkpoint
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ XLA_BACKENDS = ("xla_tpu", "xla")
 PRECISIONS = (None, "fp32", "bf16")
 SPMD_CONFIG_KEYS = ("mesh_shape", "axis_names", "data_parallel_size", "model_parallel_size")
 MODEL_AXES = ("model",)  # axes that carry model parallelism; an explicit mesh's other axes shard the batch
+CHECKPOINT_POINTER = "LATEST"  # names the committed step directory; a save that never wrote it never happened
 STRATEGIES = ("ddp", "fsdp")  # replicate the parameters, or shard them over the mesh's FSDP_AXIS
 FSDP_AXIS = "fsdp"
 WARMUP_STEPS = 2  # step 1 compiles the step graph, step 2 the one with optimizer state; then stable
@@ -581,7 +585,7 @@ def _enable_xla_checkpointing():
       torch_xla.utils.checkpoint does.
     # TODO(remove when torch_xla registers torch.xla and torch inserts the barrier itself)
     """
-    ckpt = torch.utils.checkpoint
+    ckpt = importlib.import_module("torch.utils.checkpoint")
     if getattr(ckpt, "_seamless_tpu_barrier", False):
         return
     xm = _import("torch_xla.core.xla_model")
@@ -734,7 +738,7 @@ def _fsdp_spec(shape, shards):
     return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
 
 
-def _shard_parameters(module, mesh):
+def _shard_parameters(module, mesh, force=False):
     """FSDPv2 over the SPMD mesh: every parameter sharded along one dimension over the fsdp axis,
     replicated over the others. XLA's sharding propagation gives the gradients and the optimizer
     state the same sharding, and inserts the all-gathers and reduce-scatters in the step graph.
@@ -743,7 +747,7 @@ def _shard_parameters(module, mesh):
     xlac = _import("torch_xla")._XLAC
     shards = dict(zip(mesh.axis_names, mesh.mesh_shape))[FSDP_AXIS]
     for param in module.parameters():
-        if param.dim() and not xlac._get_xla_sharding_spec(param):
+        if param.dim() and (force or not xlac._get_xla_sharding_spec(param)):
             xs.mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
 
 
@@ -948,6 +952,72 @@ class SeamlessTPUTrainer:
         _same_outcome_on_every_rank(error, f"trainer.save(..., {path!r})")
         return path
 
+    def save_checkpoint(self, directory, **state):
+        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states).
+
+        Every process writes only the shards it holds (torch.distributed.checkpoint; on XLA with
+        torch_xla's SPMD planner). It is committed by replacing `directory/LATEST` atomically, so
+        a crash at any point leaves the previous checkpoint loadable. Returns `directory`.
+        """
+        directory = os.fspath(directory)
+        if not state:
+            raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, optimizer=optimizer, epoch=epoch)")
+        if _is_xla(self.device):
+            _import("torch_xla").sync()
+        step, error = None, None
+        if _is_main_process():
+            try:
+                os.makedirs(directory, exist_ok=True)
+                step = f"step-{os.getpid()}-{time.time_ns()}"
+            except Exception as e:  # shared with every rank below
+                error = e
+        _same_outcome_on_every_rank(error, f"save_checkpoint({directory!r})")
+        step = _broadcast_from_main(step)
+        path = os.path.join(directory, step)
+        tensors = {k: _state_dicts(v) for k, v in state.items() if _is_stateful(v)}
+        plain = {k: v for k, v in state.items() if not _is_stateful(v)}
+        error = None
+        try:
+            dcp = _import_torch_dcp()
+            planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner() if _is_xla(self.device) else None
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner)
+        except Exception as e:
+            error = e
+        if error is None and _is_main_process():
+            try:
+                _atomic_save(plain, os.path.join(path, "values.pt"))
+                _commit_checkpoint(directory, step)
+            except Exception as e:
+                error = e
+        _same_outcome_on_every_rank(error, f"save_checkpoint({directory!r})")
+        return directory
+
+    def load_checkpoint(self, directory, **state):
+        """Load modules and optimizers saved by save_checkpoint in place, onto this trainer's device,
+        mesh and strategy, whatever they were at save time. Returns the plain values (epoch, ...).
+
+        The checkpoint is consolidated on the CPU first (each process reads all of it), so any
+        saved layout loads into any current one.
+        """
+        directory = os.fspath(directory)
+        for name, obj in state.items():
+            if not _is_stateful(obj):
+                raise TypeError(f"load_checkpoint loads modules and optimizers in place; {name!r} is a "
+                                f"{type(obj).__name__}. Plain values come back from the call instead")
+        saved, plain = _read_checkpoint(directory)
+        for name, obj in state.items():
+            if name not in saved:
+                raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds {sorted(saved)}")
+            if isinstance(obj, torch.nn.Module):
+                module = _unwrap(obj)
+                _check_state_matches(module.state_dict(), saved[name], f"{name!r} in {directory!r}")
+                module.load_state_dict(saved[name])
+                if self.strategy == "fsdp" and _is_xla(self.device):
+                    _shard_parameters(module, self.mesh, force=True)  # loading swapped in replicated tensors
+            else:
+                obj.load_state_dict(saved[name])
+        return plain
+
     def compile_stats(self):
         """XLA compiles, cached compiles, executions and device->host transfers (all 0 off XLA)."""
         if not _is_xla(self.device):
@@ -1009,12 +1079,7 @@ def _atomic_save(obj, path):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):  # persist the rename itself; not possible on every platform
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    _fsync_dir(directory)
 
 
 def _same_outcome_on_every_rank(error, what):
@@ -1188,6 +1253,105 @@ class _DeviceLoader:
             template, box = templates.popleft()
             box.append(moved)
             yield _apply(template, on_tensor, on_other)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+def _is_stateful(value):
+    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def _import_torch_dcp():
+    import torch.distributed.checkpoint as dcp  # part of torch, but slow to import: only when used
+
+    return dcp
+
+
+def _broadcast_from_main(value):
+    if _torch_dist_ranks()[0] > 1:
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def _fsync_dir(directory):
+    with contextlib.suppress(OSError):  # persists a rename; not possible on every platform
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _commit_checkpoint(directory, step):
+    """Point LATEST at `step` with one atomic rename, then drop every other step (older ones, and
+    what killed saves left behind). A reader sees the old checkpoint or the new one, never a mix."""
+    pointer = os.path.join(directory, CHECKPOINT_POINTER)
+    tmp = f"{pointer}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(step)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, pointer)
+    _fsync_dir(directory)
+    for name in os.listdir(directory):
+        if name.startswith("step-") and name != step:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _committed_step(directory):
+    pointer = os.path.join(directory, CHECKPOINT_POINTER)
+    try:
+        with open(pointer) as f:
+            step = f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(
+            f"{directory!r} is not a seamless_tpu checkpoint: it has no {CHECKPOINT_POINTER} file, which "
+            "save_checkpoint writes last (a save that was killed leaves none). Pass the directory given to save_checkpoint"
+        ) from None
+    path = os.path.join(directory, step)
+    if not step.startswith("step-") or not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"checkpoint {directory!r} is damaged: {CHECKPOINT_POINTER} names {step!r}, which is missing or incomplete")
+    return path
+
+
+def _read_checkpoint(directory):
+    """(state_dicts by name, plain values) of the committed checkpoint, on the CPU."""
+    path = _committed_step(directory)
+    format_utils = importlib.import_module("torch.distributed.checkpoint.format_utils")
+    with tempfile.TemporaryDirectory() as tmp:
+        # The public way to read a DCP checkpoint whole, without a process group or torch_xla.
+        format_utils.dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
+        tensors = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
+    for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings
+        if isinstance(state, dict) and isinstance(state.get("state"), dict) and "param_groups" in state:
+            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state["state"].items()}
+    plain = torch.load(os.path.join(path, "values.pt"), map_location="cpu", weights_only=False)
+    return tensors, plain
+
+
+def _check_state_matches(current, saved, what):
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise KeyError(f"{what} does not fit the model: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+    for key, value in current.items():
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(saved[key].shape):
+            raise ValueError(f"{what} does not fit the model: {key!r} has shape {tuple(saved[key].shape)} in the "
+                             f"checkpoint and {tuple(value.shape)} in the model")
+
+
+def consolidate_checkpoint(directory, path=None):
+    """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's
+    own keys), plus the plain values, in one dict. Runs on the CPU and needs no torch_xla: the
+    bridge to from_pretrained and to a laptop. With `path`, also written there (atomically)."""
+    tensors, plain = _read_checkpoint(os.fspath(directory))
+    merged = {**tensors, **plain}
+    if path is not None:
+        _atomic_save(merged, path)
+    return merged
 
 
 # --- the Ray hook --------------------------------------------------------------------------------

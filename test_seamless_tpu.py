@@ -383,6 +383,76 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, no_xla, mon
     assert torch.load(path) == {"step": 3}
 
 
+KILL_MID_CHECKPOINT = """
+import os, sys, time, torch
+import seamless_tpu as st
+directory, flag = sys.argv[1], sys.argv[2]
+model = torch.nn.Linear(3, 2)
+trainer = st.SeamlessTPUTrainer(model, device="cpu")
+with torch.no_grad():
+    model.weight.fill_(2.0)
+
+def killed_before_commit(directory, step):  # every shard is on disk; the commit never comes
+    open(flag, "w").close()
+    time.sleep(120)
+
+st._commit_checkpoint = killed_before_commit
+trainer.save_checkpoint(directory, model=model, epoch=2)
+"""
+
+
+def test_checkpoint_killed_midway_keeps_the_previous_one(tmp_path, no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    directory, flag = tmp_path / "ckpt", tmp_path / "writing"
+    model = torch.nn.Linear(3, 2)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    trainer.save_checkpoint(directory, model=model, epoch=1)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(st.__file__)))
+    child = subprocess.Popen([sys.executable, "-c", KILL_MID_CHECKPOINT, str(directory), str(flag)], env=env)
+    try:
+        for _ in range(1200):
+            if flag.exists() or child.poll() is not None:
+                break
+            __import__("time").sleep(0.1)
+        assert flag.exists(), "the child never reached the commit"
+        child.send_signal(9)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert len([n for n in os.listdir(directory) if n.startswith("step-")]) == 2, "the killed save left its shards"
+    fresh = torch.nn.Linear(3, 2)
+    assert trainer.load_checkpoint(directory, model=fresh) == {"epoch": 1}
+    assert torch.equal(fresh.weight, torch.ones(2, 3)), "the previous checkpoint, not the half-written one"
+    trainer.save_checkpoint(directory, model=model, epoch=3)  # the next save cleans up the leftovers
+    assert len([n for n in os.listdir(directory) if n.startswith("step-")]) == 1
+
+
+def test_checkpoint_bad_input_names_the_key_or_path(tmp_path, no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = scenarios.mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    trainer.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=optimizer, epoch=1)
+    with pytest.raises(FileNotFoundError, match=r"is not a seamless_tpu checkpoint: it has no LATEST file"):
+        trainer.load_checkpoint(tmp_path, model=model)
+    with pytest.raises(KeyError, match=r"has no 'net'; it holds \['model', 'optimizer'\]"):
+        trainer.load_checkpoint(tmp_path / "ckpt", net=model)
+    with pytest.raises(KeyError, match=r"missing keys \['bias', 'weight'\], unexpected keys \['0.bias'"):
+        trainer.load_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(10, 32))
+    wider = torch.nn.Sequential(torch.nn.Linear(10, 33), torch.nn.ReLU(), torch.nn.Linear(33, 1))
+    with pytest.raises(ValueError, match=r"'0.weight' has shape \(32, 10\) in the checkpoint and \(33, 10\) in the model"):
+        trainer.load_checkpoint(tmp_path / "ckpt", model=wider)
+    with pytest.raises(TypeError, match=r"'epoch' is a int. Plain values come back from the call"):
+        trainer.load_checkpoint(tmp_path / "ckpt", model=model, epoch=0)
+    with pytest.raises(ValueError, match=r"save_checkpoint needs something to save"):
+        trainer.save_checkpoint(tmp_path / "other")
+    merged = st.consolidate_checkpoint(tmp_path / "ckpt", tmp_path / "plain.pt")
+    assert sorted(merged["model"]) == sorted(model.state_dict()) and merged["epoch"] == 1
+    assert torch.equal(torch.load(tmp_path / "plain.pt")["model"]["0.weight"], model[0].weight)
+
+
 def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")

@@ -101,3 +101,32 @@ def test_device_requested_before_spmd_segfaults_in_plain_torch_xla():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode in (139, -11), f"torch_xla no longer crashes here (exit {out.returncode}): relax the refusal"
 
+
+LAYOUT_ENV = {
+    "fsdp4": dict(XLA_ENV, CPU_NUM_DEVICES="4"),
+    "ddp4": dict(XLA_ENV, CPU_NUM_DEVICES="4"),
+    "fsdp2": dict(XLA_ENV, CPU_NUM_DEVICES="2"),
+    "eager": {"SEAMLESS_TPU_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"},
+}
+
+
+def reshard_side(layout, phase, directory):
+    out = python(["tests/reshard.py", layout, phase, str(directory)], LAYOUT_ENV[layout])
+    return json.loads(out.split("REPORT", 1)[1])
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [
+    ("fsdp4", "ddp4"), ("fsdp4", "fsdp2"), ("fsdp4", "eager"),
+    ("ddp4", "fsdp4"), ("fsdp2", "fsdp4"), ("eager", "fsdp4"),
+])
+def test_checkpoint_reshards_on_load(tmp_path, saved_as, loaded_as):
+    """Saved in one layout, loaded in another: weights bitwise equal to the consolidated checkpoint,
+    and training resumes with the losses of the uninterrupted run (1e-5)."""
+    saved = reshard_side(saved_as, "save", tmp_path)
+    loaded = reshard_side(loaded_as, "load", tmp_path)
+    assert loaded["bitwise"] and loaded["epoch"] == 5
+    assert loaded.get("sharded", True), "fsdp parameters are sharded again after loading"
+    assert not (loaded_as == "eager" and loaded["torch_xla_imported"])
+    diff = max(abs(a - b) for a, b in zip(saved["losses"], loaded["losses"]))
+    assert diff <= 1e-5, f"resumed {loaded['losses']} vs uninterrupted {saved['losses']}"
+
