@@ -10,10 +10,16 @@ The loop below is plain PyTorch: optimizer.step(), no mark_step, no xm.optimizer
                                                      # real XLA SPMD on 4 virtual CPU devices
     python example_train.py --ray --num-workers 2    # Ray Train, 2 CPU workers (DDP under the hood)
     python example_train.py --ray --num-workers 1 --tpu   # Ray Train on one TPU host (XLA SPMD)
+    python example_train.py --tpu --strategy fsdp --checkpoint-dir ckpt
+                                                     # parameters sharded over the chips; a sharded
+                                                     # checkpoint every epoch, resumed from if present
 
 Prints the loss and samples/s for every epoch, the held-out accuracy, the final loss, and on XLA
 the compile statistics. --max-steps N stops early (for smoke tests). --precision bf16 trains under
-bf16 autocast. The device can also be chosen with SEAMLESS_TPU_DEVICE=tpu|xla|gpu|cpu.
+bf16 autocast. --strategy fsdp shards the parameters and optimizer state over the XLA devices (one
+CPU/GPU process runs it as ddp). --checkpoint-dir DIR saves a sharded checkpoint after every epoch
+and, when DIR already holds one, resumes from it (on any device or strategy) with the same shuffles.
+The device can also be chosen with SEAMLESS_TPU_DEVICE=tpu|xla|gpu|cpu.
 A device that is not there (--tpu on a machine without one) or a bad flag combination prints one
 line saying why and exits with status 2.
 """
@@ -60,18 +66,28 @@ def train(config):
     torch.manual_seed(config["seed"])
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
-    trainer = SeamlessTPUTrainer(model, device=config["device"], precision=config["precision"])
+    trainer = SeamlessTPUTrainer(model, device=config["device"], precision=config["precision"], strategy=config["strategy"])
 
     x, y = spiral(config["samples"], seed=config["seed"])
     dataset = torch.utils.data.TensorDataset(x, y)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=config["batch_size"], shuffle=True, generator=torch.Generator().manual_seed(config["seed"])
-    )
+    shuffle = torch.Generator().manual_seed(config["seed"])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=config["batch_size"], shuffle=True, generator=shuffle)
     loader = trainer.prepare_data_loader(loader)
     x_eval, y_eval = trainer.to_device(*spiral(config["samples"] // 5, seed=config["seed"] + 1))
 
-    step, last = 0, None
-    for epoch in range(config["epochs"]):
+    start, ckpt = 0, config["checkpoint_dir"]
+    if ckpt:
+        try:
+            saved = trainer.load_checkpoint(ckpt, model=model, optimizer=optimizer)
+            start = saved["epoch"] + 1
+            shuffle.set_state(saved["shuffle"])
+            loader.set_epoch(start)
+            print(f"resumed from {ckpt} after epoch {start}", flush=True)
+        except FileNotFoundError:  # no checkpoint there yet: a fresh run
+            pass
+
+    step, last, accuracy = 0, None, float("nan")
+    for epoch in range(start, config["epochs"]):
         start, total, batches = time.perf_counter(), 0.0, 0
         for xb, yb in loader:
             optimizer.zero_grad()
@@ -89,8 +105,13 @@ def train(config):
         epoch_loss = float(total / batches)  # one device->host read per epoch
         rate = batches * config["batch_size"] / (time.perf_counter() - start)
         print(f"epoch {epoch + 1}: loss {epoch_loss:.4f}  accuracy {float(accuracy):.3f}  {rate:,.0f} samples/s", flush=True)
+        if ckpt:
+            trainer.save_checkpoint(ckpt, model=model, optimizer=optimizer, epoch=epoch, shuffle=shuffle.get_state())
         if step == config["max_steps"]:
             break
+    if last is None:
+        print(f"nothing left to train: {ckpt} holds epoch {start} of {config['epochs']}", flush=True)
+        return {"final_loss": float("nan"), "accuracy": float("nan")}
     final = float(last)
     print(f"final loss {final:.6f} on {trainer.device}", flush=True)
     if is_xla_backend():
@@ -147,6 +168,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--max-steps", type=positive(int), default=None, help="stop after this many optimizer steps")
     p.add_argument("--precision", choices=["bf16"], default=None)
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="fsdp: shard parameters over the XLA devices")
+    p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint every epoch; resume from it if present")
     p.add_argument("--ray", action="store_true", help="run under Ray Train's TorchTrainer")
     p.add_argument("--num-workers", type=positive(int), default=None, help="Ray workers (default 2; needs --ray)")
     args = p.parse_args(argv)
@@ -157,7 +180,8 @@ def main(argv=None):
     if args.samples < 2 * args.batch_size:
         p.error(f"--samples {args.samples} gives no full batch of --batch-size {args.batch_size}; use at least twice the batch size")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps", "precision")}
+    config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps", "precision", "strategy")}
+    config["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None  # Ray workers chdir
     if args.tpu:
         config["device"] = "tpu"
     if args.ray:

@@ -614,6 +614,26 @@ def test_example_usage_errors_are_one_line_and_status_2(argv, text, capsys, fres
     assert err.startswith("example_train.py: error: ") and text in err, err
 
 
+def test_example_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
+    root = os.path.dirname(os.path.abspath(st.__file__))
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE")}
+
+    def run(epochs, ckpt):
+        argv = [sys.executable, os.path.join(root, "example_train.py"), "--device", "cpu", "--samples", "300",
+                "--epochs", str(epochs), "--checkpoint-dir", str(ckpt)]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    whole = run(4, tmp_path / "a")
+    run(2, tmp_path / "b")
+    resumed = run(4, tmp_path / "b")
+    assert "resumed from" in resumed and "after epoch 2" in resumed
+    final = [line for line in whole.splitlines() if line.startswith("final loss")]
+    assert final == [line for line in resumed.splitlines() if line.startswith("final loss")], (whole, resumed)
+    assert "nothing left to train" in run(4, tmp_path / "b")
+
+
 def test_example_tpu_without_a_tpu_prints_no_traceback(fresh):
     if st._tpu_chip_count():
         pytest.skip("this machine has a TPU")
