@@ -828,9 +828,10 @@ def _average_gradients(params):
 class SeamlessTPUTrainer:
     """Puts `model` on the best device and makes the user's plain loop correct there.
 
-    - XLA: SPMD on, model replicated over the mesh, every optimizer.step() ends in torch_xla.sync()
-      (gradient all-reduce is inserted by the compiler), recompilation watchdog.
-    - GPU/CPU with torch.distributed initialised (Ray, torchrun): DDP, DistributedSampler.
+    - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over
+      its fsdp axis (strategy="fsdp"), every optimizer.step() ends in torch_xla.sync() (the compiler
+      inserts the collectives), recompilation watchdog.
+    - GPU/CPU with torch.distributed initialised (Ray, torchrun): DDP, each rank its share of the data.
     """
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,

@@ -362,22 +362,27 @@ trainer.save({"step": 2, "model": trainer.model}, path)
 """
 
 
+def kill_when_flagged(code, *args, flag):
+    """Run `code` in a child, SIGKILL it (no cleanup runs) once it has created `flag`."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(st.__file__)))
+    child = subprocess.Popen([sys.executable, "-c", code, *map(str, args), str(flag)], env=env)
+    try:
+        for _ in range(1200):
+            if flag.exists() or child.poll() is not None:
+                break
+            __import__("time").sleep(0.1)
+        assert flag.exists(), "the child never got to the point to kill it at"
+        child.send_signal(9)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+
+
 def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, no_xla, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     path, flag = tmp_path / "ckpt.pt", tmp_path / "writing"
     st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu").save({"step": 1}, path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(st.__file__))]))
-    child = subprocess.Popen([sys.executable, "-c", KILL_MID_SAVE, str(path), str(flag)], env=env)
-    try:
-        for _ in range(600):
-            if flag.exists() or child.poll() is not None:
-                break
-            __import__("time").sleep(0.1)
-        assert flag.exists(), "the child never started writing"
-        child.send_signal(9)  # SIGKILL: no cleanup runs
-    finally:
-        child.kill()
-        child.wait(timeout=60)
+    kill_when_flagged(KILL_MID_SAVE, path, flag=flag)
     assert torch.load(path) == {"step": 1}, "the previous checkpoint must survive a kill mid-save"
     st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu").save({"step": 3}, path)
     assert torch.load(path) == {"step": 3}
@@ -409,18 +414,7 @@ def test_checkpoint_killed_midway_keeps_the_previous_one(tmp_path, no_xla, monke
     with torch.no_grad():
         model.weight.fill_(1.0)
     trainer.save_checkpoint(directory, model=model, epoch=1)
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(st.__file__)))
-    child = subprocess.Popen([sys.executable, "-c", KILL_MID_CHECKPOINT, str(directory), str(flag)], env=env)
-    try:
-        for _ in range(1200):
-            if flag.exists() or child.poll() is not None:
-                break
-            __import__("time").sleep(0.1)
-        assert flag.exists(), "the child never reached the commit"
-        child.send_signal(9)
-    finally:
-        child.kill()
-        child.wait(timeout=60)
+    kill_when_flagged(KILL_MID_CHECKPOINT, directory, flag=flag)
     assert len([n for n in os.listdir(directory) if n.startswith("step-")]) == 2, "the killed save left its shards"
     fresh = torch.nn.Linear(3, 2)
     assert trainer.load_checkpoint(directory, model=fresh) == {"epoch": 1}
