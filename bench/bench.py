@@ -1,14 +1,17 @@
-"""What seamless_tpu costs, measured side by side in one run.
+"""What seamless_tpu costs, measured side by side in one run, with how much the run can resolve.
 
     ./dev.sh bench            # full run: writes bench/RESULTS.md and bench/step_times.png
     ./dev.sh bench --smoke    # a few steps of everything (CI), writes nothing unless --out is given
 
 Every variant lives in its own worker process (the shim installs global optimizer hooks that
-must not touch the hand-written loop; accelerate and Fabric keep process-wide state). The driver
-interleaves blocks of steps between the variants of one comparison (A B A B ...), after warm-up,
-with torch.set_num_threads pinned the same everywhere, and runs each comparison twice, so the
-noise of a shared 2-core machine shows in the numbers instead of hiding in them. Every figure is a
-ratio against the hand-written loop measured in the same run.
+must not touch the hand-written loop; accelerate and Fabric keep process-wide state). After
+warm-up the driver runs rounds: in each round every variant runs one short block of steps, in a
+random order, with torch.set_num_threads pinned the same everywhere, so a burst of load hits
+every variant alike. Each comparison also runs its baseline twice, as two independent workers
+(the A/A control): their ratio, ideally 1.000, is the noise floor of that run. A ratio is the
+median over rounds of (variant block / baseline block, same round), with a 95% bootstrap
+interval over rounds; a target counts as met only when the whole interval is under it. Every
+comparison runs twice (run 1, run 2), in fresh processes.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -27,6 +31,9 @@ sys.path.insert(0, ROOT)
 THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
+TARGETS = {("xla_spmd_4dev", "shim"): 1.02, ("eager_cpu", "shim"): 1.01}  # step-time ratio, at most
+BASE_NAMES = {"handwritten_xla": "hand-written torch_xla", "plain": "plain PyTorch"}
+AA = " (A/A)"  # label suffix of the baseline's second, independent worker
 
 
 # --- worker side: one variant, one workload ------------------------------------------------------
@@ -232,22 +239,29 @@ def worker_main(name, workload):
 
 
 class Worker:
-    def __init__(self, name, workload, env=None):
-        self.name = name
+    def __init__(self, name, workload, env=None, label=None):
+        self.name = label or name
         env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
         env.pop("SEAMLESS_TPU_DEVICE", None)
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--workload", workload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
-    def ask(self, cmd):
+    def send(self, cmd):
+        self.cmd = cmd
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
+
+    def receive(self):
         line = self.proc.stdout.readline()
         if not line:
             self.log.seek(0)
-            raise RuntimeError(f"benchmark worker {self.name!r} died on {cmd!r}:\n{self.log.read()[-3000:]}")
+            raise RuntimeError(f"benchmark worker {self.name!r} died on {self.cmd!r}:\n{self.log.read()[-3000:]}")
         return json.loads(line)
+
+    def ask(self, cmd):
+        self.send(cmd)
+        return self.receive()
 
     def close(self):
         if self.proc.poll() is None:
@@ -257,16 +271,18 @@ class Worker:
         self.log.close()
 
 
-def interleaved(workers, warm, blocks, steps):
-    """Warm every variant, then alternate blocks of `steps` steps, rotating who goes first
-    (A B C, B C A, C A B, ...) so no variant always runs right after the same neighbour."""
+def interleaved(workers, warm, rounds, steps, rng):
+    """Warm every variant, then run `rounds` rounds of one block of `steps` steps per variant, in
+    a fresh random order each round: a fixed order would give one variant the same neighbour (and
+    the same place in a load burst) every time."""
+    for w in workers:  # all at once: start-up and compiles are not timed, and they are most of a smoke run
+        w.send(f"run {warm}")
     for w in workers:
-        w.ask(f"run {warm}")
+        w.receive()
     times = {w.name: [] for w in workers}
     deltas = {w.name: [] for w in workers}
-    for block in range(blocks):
-        k = block % len(workers)
-        for w in workers[k:] + workers[:k]:
+    for _ in range(rounds):
+        for w in rng.sample(workers, len(workers)):
             reply = w.ask(f"run {steps}")
             times[w.name].append(reply["step_s"])
             deltas[w.name].append(reply["delta"])
@@ -278,23 +294,46 @@ def summary(samples):
     return {"median": statistics.median(samples), "iqr": q[2] - q[0]}
 
 
-def compare(title, workload, names, baseline, env, warm, blocks, steps, repeats):
+def interval(ratios, resamples=2000, seed=0):
+    """Median ratio over rounds and its 95% percentile-bootstrap interval. Whole rounds are
+    resampled, because the blocks of one round shared the machine's load at that moment."""
+    rng = random.Random(seed)  # fixed: the same data must print the same interval
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return statistics.median(ratios), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def verdict(low, high, target):
+    """A target is judged only where the whole interval lies on one side of it."""
+    if target is None:
+        return ""
+    if high < target:
+        return "met"
+    if low > target:
+        return "missed"
+    return "not resolved at this noise"
+
+
+def compare(title, workload, names, baseline, env, warm, rounds, steps, repeats, rng):
     rows = []
     for repeat in range(repeats):
-        workers = [Worker(n, workload, env) for n in names]
+        load_before = os.getloadavg()[0]
+        workers = [Worker(baseline, workload, env), Worker(baseline, workload, env, label=baseline + AA)]
+        workers += [Worker(n, workload, env) for n in names if n != baseline]
         try:
-            times, deltas = interleaved(workers, warm, blocks, steps)
+            times, deltas = interleaved(workers, warm, rounds, steps, rng)
         finally:
             for w in workers:
                 w.close()
-        base = statistics.median(times[baseline])
-        for n in names:
+        load = (load_before, os.getloadavg()[0])
+        for w in workers:
+            n = w.name
             s = summary(times[n])
+            ratios = [t / b for t, b in zip(times[n], times[baseline])]
             transfers = [d.get("transfers") for d in deltas[n] if "transfers" in d]
             compiles = [d.get("compiles") for d in deltas[n] if "compiles" in d]
-            rows.append({"comparison": title, "workload": workload, "run": repeat + 1, "variant": n,
-                         "median_ms": s["median"] * 1e3, "iqr_ms": s["iqr"] * 1e3, "ratio": s["median"] / base,
-                         "samples_ms": [t * 1e3 for t in times[n]],
+            rows.append({"comparison": title, "workload": workload, "run": repeat + 1, "variant": n, "baseline": n == baseline,
+                         "median_ms": s["median"] * 1e3, "iqr_ms": s["iqr"] * 1e3, "round_ratios": ratios,
+                         "ratio": interval(ratios), "load": load, "samples_ms": [t * 1e3 for t in times[n]],
                          "transfers_per_step": (sum(transfers) / (len(transfers) * steps)) if transfers else None,
                          "compiles_in_steady_state": sum(compiles) if compiles else None})
     return rows
@@ -313,8 +352,9 @@ def import_cost(repeats):
     return results
 
 
-def ray_fit_times(repeats):
-    """Comparison 6: wall time of a 2-worker CPU fit, seamless_tpu.TorchConfig vs Ray's stock gloo."""
+def ray_fit_times(rounds, rng):
+    """Comparison 6: wall time of a 2-worker CPU fit, seamless_tpu.TorchConfig vs Ray's stock gloo.
+    Stock gloo runs as two independent variants (A/A); each round runs the three fits in random order."""
     code = r'''
 import os, sys, tempfile, time, json
 import ray, torch
@@ -350,10 +390,10 @@ print("RESULT", json.dumps({"fit_s": end - fit_start, "to_first_step_s": min(s["
 ray.shutdown()
 '''
     env = dict(os.environ, PYTHONPATH=ROOT, RAY_AUTH_MODE="disabled", RAY_TRAIN_ENABLE_PRINT_PATCH="0")
-    results = {"seamless": [], "ray_gloo": []}
-    for _ in range(repeats):
-        for kind in ("seamless", "ray_gloo"):
-            out = subprocess.run([sys.executable, "-c", code, kind], env=env, capture_output=True, text=True, timeout=600)
+    results = {"seamless": [], "ray_gloo": [], "ray_gloo" + AA: []}
+    for _ in range(rounds):
+        for kind in rng.sample(list(results), len(results)):
+            out = subprocess.run([sys.executable, "-c", code, kind.split()[0]], env=env, capture_output=True, text=True, timeout=600)
             line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
             if out.returncode or not line:
                 raise RuntimeError(f"ray fit ({kind}) failed:\n{out.stderr[-3000:]}")
@@ -388,11 +428,13 @@ def chart(rows, path):
     for ax, key in zip(axes[0], groups):
         sel = [r for r in rows if (r["comparison"], r["workload"]) == key]
         labels = [f"{r['variant']}\nrun {r['run']}" for r in sel]
-        ax.boxplot([r["samples_ms"] for r in sel], showfliers=True)
+        boxes = ax.boxplot([r["samples_ms"] for r in sel], showfliers=True, patch_artist=True)
+        for box, r in zip(boxes["boxes"], sel):  # the baseline and its A/A twin in grey: their gap is the noise floor
+            box.set_facecolor("lightgrey" if r["variant"].startswith(sel[0]["variant"]) else "lightsteelblue")
         ax.set_xticks(range(1, len(sel) + 1), labels, fontsize=7, rotation=45, ha="right")
         ax.set_title(f"{key[0]}: {key[1]}", fontsize=9)
-        ax.set_ylabel("ms per step (block medians)")
-    fig.suptitle("seamless_tpu step time per variant (interleaved blocks, 2-core shared machine)", fontsize=10)
+        ax.set_ylabel("ms per step (one point per block)")
+    fig.suptitle("seamless_tpu step time per variant (random-order rounds, 2-core shared machine; grey: baseline and its A/A twin)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -411,14 +453,19 @@ def main(argv=None):
     smoke = args.smoke
     out = args.out or (None if smoke else os.path.join(ROOT, "bench", "RESULTS.md"))
     png = args.png or (None if smoke else os.path.join(ROOT, "bench", "step_times.png"))
-    warm, blocks, steps, repeats = (3, 3, 2, 1) if smoke else (10, 15, 10, 2)
-    started = time.time()
+    warm, repeats = (3, 1) if smoke else (10, 2)
+    # (rounds, steps per block): short blocks, so a burst of load spans whole rounds; the MLP, whose
+    # steps are the cheapest and the noisiest, gets the most rounds
+    plan = {"mlp": (3, 2), "transformer": (3, 2)} if smoke else {"mlp": (150, 10), "transformer": (20, 4)}
+    rng = random.Random(0)  # the order of variants in each round
+    started, load_before = time.time(), os.getloadavg()[0]
     rows = []
     for workload in ("mlp", "transformer"):
+        rounds, steps = plan[workload]
         rows += compare("xla_spmd_4dev", workload, ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV,
-                        warm, blocks, max(1, steps // (2 if workload == "transformer" else 1)), repeats)
+                        warm, rounds, max(1, steps // (2 if workload == "transformer" else 1)), repeats, rng)
         rows += compare("eager_cpu", workload, ["plain", "shim", "accelerate", "fabric"], "plain", EAGER_ENV,
-                        warm, blocks, steps, repeats)
+                        warm, rounds, steps, repeats, rng)
     compiles = {}
     for name in ("shim", "handwritten_xla"):
         w = Worker(name, "mlp", XLA_ENV)
@@ -434,8 +481,9 @@ def main(argv=None):
         finally:
             w.close()
     imports = import_cost(3 if smoke else 7)
-    ray_times = None if args.skip_ray else ray_fit_times(1 if smoke else 3)
-    report = render(rows, compiles, overhead, imports, ray_times, smoke, time.time() - started)
+    ray_times = None if args.skip_ray else ray_fit_times(1 if smoke else 3, rng)
+    load = (load_before, os.getloadavg()[0])
+    report = render(rows, compiles, overhead, imports, ray_times, smoke, time.time() - started, load)
     print(report["text"])
     if out:
         findings = ""
@@ -449,21 +497,57 @@ def main(argv=None):
         chart(rows, png)
 
 
-def render(rows, compiles, overhead, imports, ray_times, smoke, elapsed):
+def fmt(stats):
+    return f"{stats[0]:.3f} [{stats[1]:.3f}, {stats[2]:.3f}]"
+
+
+def pooled(rows, comparison, workload, variant):
+    """Both runs' rounds together: each round's ratio is still paired within its own run."""
+    return interval([x for r in rows if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)
+                     for x in r["round_ratios"]])
+
+
+def render(rows, compiles, overhead, imports, ray_times, smoke, elapsed, load):
     v = versions()
     md = [f"# seamless_tpu benchmark results{' (smoke run)' if smoke else ''}", "",
           f"- date: {datetime.date.today().isoformat()}; wall time {elapsed / 60:.1f} min",
           f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; torch threads pinned to {THREADS}",
+          f"- load (1-minute average, os.getloadavg): {load[0]:.2f} at the start, {load[1]:.2f} at the end; per comparison run in the table below",
           "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
-          "- method: each variant in its own process; blocks of steps interleaved A B A B after warm-up; "
-          "block medians, IQR = spread; every comparison run twice (run 1, run 2)", "",
-          "## Step time (ratio = variant median / baseline median, same run)", "",
-          "| comparison | workload | run | variant | median ms/step | IQR ms | ratio | device->host transfers/step | compiles in steady state |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "- method: each variant in its own process, plus a second, independent baseline process (A/A: the noise floor); "
+          "after warm-up, rounds of one short block per variant in random order; ratio = median over rounds of "
+          "(variant block / baseline block, same round), [95% bootstrap interval over rounds]; every comparison run twice (run 1, run 2)",
+          "- verdict: met when the interval's upper end is under the target, missed when its lower end is over it, "
+          "otherwise not resolved at this noise", "",
+          "## Step-time ratios (both runs' rounds pooled)", "",
+          "| comparison | workload | variant | ratio [95% interval] | A/A floor [95% interval] | target | verdict |",
+          "|---|---|---|---|---|---|---|"]
+    headline = []
+    bases = {(r["comparison"], r["workload"]): r["variant"] for r in rows if r["baseline"]}
+    for comparison, workload, variant in dict.fromkeys((r["comparison"], r["workload"], r["variant"]) for r in rows
+                                                       if not r["baseline"] and not r["variant"].endswith(AA)):
+        base = bases[comparison, workload]
+        stats, floor = pooled(rows, comparison, workload, variant), pooled(rows, comparison, workload, base + AA)
+        target = TARGETS.get((comparison, variant))
+        # A smoke run's few rounds prove the code runs; they cannot judge a 2% target.
+        judged = "no verdict (smoke)" if smoke and target else verdict(stats[1], stats[2], target)
+        md.append(f"| {comparison} | {workload} | {variant} | {fmt(stats)} | {fmt(floor)} | {'' if target is None else f'≤ {target}'} | {judged} |")
+        runs = [r["ratio"][0] for r in rows if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)]
+        line = (f"{comparison} {workload}: {variant} / {BASE_NAMES[base]} = {fmt(stats)} "
+                f"(runs {', '.join(f'{x:.3f}' for x in runs)}); A/A floor {fmt(floor)}")
+        headline.append(line + (f"; target <= {target}: {judged}" if target else ""))
+    md += ["", "## Step time per run (ratio = median over rounds of variant block / baseline block)", "",
+           "| comparison | workload | run | variant | median ms/step | IQR ms | ratio [95% interval] | load before→after | device->host transfers/step | compiles in steady state |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    seen = set()
     for r in rows:
+        run = (r["comparison"], r["workload"], r["run"])
+        load_cell = "" if run in seen else f"{r['load'][0]:.2f}→{r['load'][1]:.2f}"
+        seen.add(run)
+        ratio = "1 (baseline)" if r["baseline"] else fmt(r["ratio"])
         t = "" if r["transfers_per_step"] is None else f"{r['transfers_per_step']:.2f}"
         c = "" if r["compiles_in_steady_state"] is None else str(r["compiles_in_steady_state"])
-        md.append(f"| {r['comparison']} | {r['workload']} | {r['run']} | {r['variant']} | {r['median_ms']:.3f} | {r['iqr_ms']:.3f} | {r['ratio']:.3f} | {t} | {c} |")
+        md.append(f"| {r['comparison']} | {r['workload']} | {r['run']} | {r['variant']} | {r['median_ms']:.3f} | {r['iqr_ms']:.3f} | {ratio} | {load_cell} | {t} | {c} |")
     md += ["", "## Compilations over 3 epochs (70 samples, batch 8: the last batch has 6)", ""]
     for name, counts in compiles.items():
         after = counts[-1] - counts[min(1, len(counts) - 1)]
@@ -475,16 +559,11 @@ def render(rows, compiles, overhead, imports, ray_times, smoke, elapsed):
     for name, samples in imports.items():
         md.append(f"| {name} | {statistics.median(samples):.1f} | {min(samples):.1f} | {max(samples):.1f} |")
     if ray_times:
-        md += ["", "## Ray Train: 2-worker CPU fit (s), interleaved", "", "| backend config | fit | to first step | training |", "|---|---|---|---|"]
+        md += ["", "## Ray Train: 2-worker CPU fit (s), random order per round, stock gloo twice (A/A)", "",
+               "| backend config | round | fit | to first step | training |", "|---|---|---|---|---|"]
         for kind, runs in ray_times.items():
-            for r in runs:
-                md.append(f"| {kind} | {r['fit_s']:.1f} | {r['to_first_step_s']:.1f} | {r['train_s']:.2f} |")
-    headline = []
-    for comparison, variant in (("xla_spmd_4dev", "shim"), ("eager_cpu", "shim"), ("eager_cpu", "accelerate"), ("eager_cpu", "fabric")):
-        for workload in ("mlp", "transformer"):
-            ratios = [r["ratio"] for r in rows if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)]
-            base = "hand-written torch_xla" if comparison.startswith("xla") else "plain PyTorch"
-            headline.append(f"{comparison} {workload}: {variant} / {base} = " + ", ".join(f"{x:.3f}" for x in ratios))
+            for i, r in enumerate(runs):
+                md.append(f"| {kind} | {i + 1} | {r['fit_s']:.1f} | {r['to_first_step_s']:.1f} | {r['train_s']:.2f} |")
     for name, counts in compiles.items():
         headline.append(f"compiles after warm-up over 3 epochs: {name} +{counts[-1] - counts[min(1, len(counts) - 1)]}")
     shim_x = [r["transfers_per_step"] for r in rows if r["comparison"] == "xla_spmd_4dev" and r["variant"] == "shim"]
@@ -493,8 +572,14 @@ def render(rows, compiles, overhead, imports, ray_times, smoke, elapsed):
     headline.append("shim's own work per step: " + ", ".join(f"{k} {o['us_per_step']:.2f} us ({o['global_optimizer_hooks']} global hooks)" for k, o in overhead.items()))
     headline.append("import after torch (median ms): " + ", ".join(f"{k} {statistics.median(s):.1f}" for k, s in imports.items()))
     if ray_times:
-        med = {k: statistics.median(r["fit_s"] for r in runs) for k, runs in ray_times.items()}
-        headline.append(f"ray 2-worker fit: seamless / stock gloo = {med['seamless'] / med['ray_gloo']:.3f} ({med['seamless']:.1f} s vs {med['ray_gloo']:.1f} s)")
+        fit = {k: [r["fit_s"] for r in runs] for k, runs in ray_times.items()}
+        stats, floor = (interval([a / b for a, b in zip(fit[k], fit["ray_gloo"])]) for k in ("seamless", "ray_gloo" + AA))
+        line = (f"ray 2-worker fit: seamless / stock gloo = {fmt(stats)} ({len(fit['seamless'])} round{'s' if len(fit['seamless']) != 1 else ''}; median "
+                f"{statistics.median(fit['seamless']):.1f} s vs {statistics.median(fit['ray_gloo']):.1f} s); "
+                f"A/A floor {fmt(floor)}; report only (no target)")
+        md += ["", f"- {line}"]
+        headline.append(line)
+    headline.append(f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end")
     md += ["", "## Headline ratios", ""] + [f"- {h}" for h in headline] + [""]
     text = "\n".join(["seamless_tpu benchmark" + (" (smoke)" if smoke else ""), *headline])
     return {"markdown": "\n".join(md), "text": text}
