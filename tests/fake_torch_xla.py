@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 FAKE_API = {
     "torch_xla": ("device", "devices", "device_count", "sync"),
@@ -80,6 +81,11 @@ class FakeXLA:
         pl = types.ModuleType("torch_xla.distributed.parallel_loader")
         debug = types.ModuleType("torch_xla.debug")
         metrics = types.ModuleType("torch_xla.debug.metrics")
+        utils = types.ModuleType("torch_xla.utils")
+        checkpoint = types.ModuleType("torch_xla.utils.checkpoint")
+        # The shim routes only tensors on an 'xla' device here; the fake's live on the CPU, so this
+        # stand-in is never called (tests/test_workloads.py proves the real routing).
+        checkpoint.CheckpointFunction = torch.utils.checkpoint.CheckpointFunction
 
         def device(index: int = None) -> torch.device:
             fx.locked = True
@@ -197,7 +203,8 @@ class FakeXLA:
 
         torch_xla.runtime, torch_xla.core, torch_xla.distributed, torch_xla.debug = runtime, core, distributed, debug
         core.xla_model, distributed.spmd, distributed.parallel_loader, debug.metrics = xm, spmd, pl, metrics
-        return {m.__name__: m for m in (torch_xla, runtime, core, xm, distributed, spmd, pl, debug, metrics)}
+        torch_xla.utils, utils.checkpoint = utils, checkpoint
+        return {m.__name__: m for m in (torch_xla, runtime, core, xm, distributed, spmd, pl, debug, metrics, utils, checkpoint)}
 
     def install(self, monkeypatch):
         for name, module in self.modules.items():

@@ -133,6 +133,16 @@ def watchdog_warns_once_on_shape_changes():
                 F.mse_loss(model(x)[:, 0], y).backward()
                 optimizer.step()
     assert caught.records == [], "a stable loop must not warn"
+    with Warnings() as caught:  # an eval loss left on the device folds into the next step's graph once
+        evals = []
+        for _ in range(3):
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.mse_loss(model(x)[:, 0], y).backward()
+                optimizer.step()
+            with torch.no_grad():
+                evals.append(F.mse_loss(model(x)[:, 0], y))
+    assert caught.records == [], "a stable train + eval loop must not warn"
     with Warnings() as caught:
         for n in range(4, 40, 4):  # a new batch size every step: a new graph every step
             x, y = trainer.to_device(*data(n))
@@ -387,6 +397,7 @@ def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):
         stats = trainer.compile_stats()
         compiles.append(stats["compiles"])
         transfers.append(stats["device_to_host_transfers"])
+    __import__("torch_xla.core.xla_model", fromlist=["_"]).wait_device_ops()  # shards are readable once the step ran
     tensors = list(model.parameters()) + [v for state in optimizer.state.values() for v in state.values() if v.dim()]
     for name, p in model.named_parameters():
         if p.dim() == 2:
@@ -433,6 +444,25 @@ def fsdp_matches_eager_with_quarter_memory():
         assert ratio <= (0.30 if name == "transformer" else 0.5), f"{name}: ratio {ratio:.3f}"
         assert compiles[2] == compiles[-1], f"compiles grew after warm-up: {compiles}"
         assert transfers[2] == transfers[-1], f"device->host transfers per step: {transfers}"
+
+
+def checkpointing_keeps_its_barrier():
+    """Both use_reentrant modes put an optimization barrier into the step graph, so XLA's CSE cannot
+    merge the recomputation back into the forward (on TPU; PJRT CPU drops barriers itself)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for reentrant in (True, False):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(3)])
+        trainer = st.SeamlessTPUTrainer(blocks)
+        x = trainer.to_device(torch.randn(8, 16)).requires_grad_()
+        h = x
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=reentrant)
+        h.sum().backward()
+        hlo = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in blocks.parameters()])
+        assert "opt-barrier" in hlo, f"use_reentrant={reentrant}: no optimization barrier in the step graph"
+        _xla().sync()
 
 
 def bf16_close_to_fp32():

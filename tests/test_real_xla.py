@@ -39,6 +39,7 @@ REAL_ONLY = [
     "bf16_close_to_fp32",
     "mixed_device_optimizer_is_synced",
     "fsdp_matches_eager_with_quarter_memory",
+    "checkpointing_keeps_its_barrier",
 ]
 
 
