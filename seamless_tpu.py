@@ -6,6 +6,11 @@ Usage (the optimizer may be created before the model moves, as most loops do):
     x, y = trainer.to_device(x, y)               # on XLA: batch dim sharded over the mesh
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA the step ends in torch_xla.sync()
 
+SeamlessTPUTrainer(model, strategy="fsdp") shards every parameter over the XLA mesh's "fsdp" axis;
+trainer.save_checkpoint(dir, model=..., optimizer=..., epoch=...) writes a sharded, atomically
+committed checkpoint that trainer.load_checkpoint reshards onto any device, mesh and strategy, and
+consolidate_checkpoint(dir) turns into plain CPU state_dicts.
+
 Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another PJRT device, e.g.
 PJRT_DEVICE=CPU CPU_NUM_DEVICES=4), "gpu" (CUDA), "cpu". torch_xla and ray are imported only when
 a code path needs them, so this file can be copied alone into a project that has neither.
