@@ -506,10 +506,10 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
         if strategy == "fsdp":
             _check_fsdp_axis(names, "xla_spmd_config")
         return shape, names
-    inner = "fsdp" if strategy == "fsdp" else "model"
+    fsdp = strategy == "fsdp"
     if num_processes == 1:
-        return (num_devices,), ((inner if strategy == "fsdp" else "data"),)
-    return (num_processes, num_devices // num_processes), ("data", inner)
+        return (num_devices,), (FSDP_AXIS if fsdp else "data",)
+    return (num_processes, num_devices // num_processes), ("data", FSDP_AXIS if fsdp else "model")
 
 
 def _check_strategy(strategy):
@@ -537,8 +537,8 @@ def _enable_spmd():
     if torch_xla._XLAC._xla_get_spmd_config_is_locked():
         created = _import("torch_xla.debug.metrics").counter_value("CreateXlaTensor") or 0
         what = ("XLA tensors were created" if created else
-                "an XLA device was requested (torch_xla.device() or xm.xla_device(); accelerate's "
-                "PartialState() and Accelerator() call it)")
+                "an XLA device was requested (torch_xla.device(), or the deprecated xla_device of "
+                "xla_model; accelerate's PartialState() and Accelerator() call it)")
         raise RuntimeError(
             f"{what} before seamless_tpu switched on SPMD. torch_xla 2.9 cannot switch to SPMD after "
             "that: training then segfaults. Create the SeamlessTPUTrainer, or call "
@@ -995,7 +995,7 @@ class SeamlessTPUTrainer:
         plain = {k: v for k, v in state.items() if not _is_stateful(v)}
         error = None
         try:
-            dcp = _import_torch_dcp()
+            dcp = importlib.import_module("torch.distributed.checkpoint")  # part of torch, slow to import: on use
             planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner() if _is_xla(self.device) else None
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner)
         except Exception as e:
@@ -1076,11 +1076,16 @@ def _state_dicts(obj):
 
 
 def _atomic_save(obj, path):
-    """torch.save into a temporary sibling, fsync, rename: `path` holds the old file or the new
-    one, never a torn one, whatever kills the process (os.replace is atomic on POSIX and Windows)."""
+    """torch.save `obj` to `path` atomically (a file object is written as given: its owner decides)."""
     if not isinstance(path, (str, os.PathLike)):
-        torch.save(obj, path)  # a file object: its owner decides what atomic means
+        torch.save(obj, path)
         return
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def _atomic_write(path, write):
+    """write(f) into a temporary sibling, fsync, rename: `path` holds the old file or the new one,
+    never a torn one, whatever kills the process (os.replace is atomic on POSIX and Windows)."""
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
@@ -1088,7 +1093,7 @@ def _atomic_save(obj, path):
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:  # created with the user's umask, as torch.save would
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -1279,12 +1284,6 @@ def _is_stateful(value):
     return isinstance(value, (torch.nn.Module, torch.optim.Optimizer))
 
 
-def _import_torch_dcp():
-    import torch.distributed.checkpoint as dcp  # part of torch, but slow to import: only when used
-
-    return dcp
-
-
 def _broadcast_from_main(value):
     if _torch_dist_ranks()[0] > 1:
         box = [value]
@@ -1305,14 +1304,7 @@ def _fsync_dir(directory):
 def _commit_checkpoint(directory, step):
     """Point LATEST at `step` with one atomic rename, then drop every other step (older ones, and
     what killed saves left behind). A reader sees the old checkpoint or the new one, never a mix."""
-    pointer = os.path.join(directory, CHECKPOINT_POINTER)
-    tmp = f"{pointer}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(step)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, pointer)
-    _fsync_dir(directory)
+    _atomic_write(os.path.join(directory, CHECKPOINT_POINTER), lambda f: f.write(step.encode()))
     for name in os.listdir(directory):
         if name.startswith("step-") and name != step:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
@@ -1491,8 +1483,6 @@ def _build_ray_classes():
         def __post_init__(self):
             getattr(super(), "__post_init__", lambda: None)()
             if self.xla_spmd_config is not None:
-                if not isinstance(self.xla_spmd_config, Mapping):
-                    raise TypeError(f"TorchConfig(xla_spmd_config=...) must be a dict like {{'mesh_shape': [2, 2]}}, got {self.xla_spmd_config!r}")
                 if self.backend not in XLA_BACKENDS:
                     raise ValueError(f"xla_spmd_config needs backend='xla_tpu', got backend={self.backend!r}")
                 _mesh_from_config(self.xla_spmd_config, _spmd_config_devices(self.xla_spmd_config))
@@ -1525,6 +1515,8 @@ def _build_ray_classes():
 
 def _spmd_config_devices(config):
     """A device count that an xla_spmd_config can be checked against before any device exists."""
+    if not isinstance(config, Mapping):
+        return 1  # _mesh_from_config names what is wrong with it
     shape = config.get("mesh_shape")
     if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
         return math.prod(shape)  # anything else: _mesh_from_config names what is wrong with it
