@@ -17,9 +17,9 @@ if LAYOUT == "eager":
     sys.modules["torch_xla"] = None  # proves the eager side needs no torch_xla
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import seamless_tpu as st  # noqa: E402
+from scenarios import run_steps  # noqa: E402  (the real tier's plain loop)
 
 
 def model_and_data(seed):
@@ -31,14 +31,7 @@ def model_and_data(seed):
 
 
 def train(model, optimizer, x, y, steps):
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-    return [float(loss) for loss in losses]
+    return run_steps(model, optimizer, x, y, steps).tolist()
 
 
 def main():
