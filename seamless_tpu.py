@@ -44,6 +44,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import datetime
 import functools
 import glob
 import importlib
@@ -286,10 +287,12 @@ def _torch_dist_ranks():
 
 
 def _is_main_process():
+    size, rank = _torch_dist_ranks()
+    if size > 1:
+        return rank == 0
     if _XLA is not None:
         return _import("torch_xla.runtime").process_index() == 0
-    size, rank = _torch_dist_ranks()
-    return rank == 0 if size > 1 else os.environ.get("RANK", "0") == "0"
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _log(msg, *args):
@@ -873,8 +876,13 @@ class SeamlessTPUTrainer:
             self.mesh = get_xla_mesh()
         elif mesh is not None or xla_spmd_config is not None:
             raise ValueError(f"mesh/xla_spmd_config apply to XLA devices only, but the device is {self.device}")
-        elif strategy == "fsdp":
-            self._fsdp_off_xla()
+        distributed = not _is_xla(self.device) and _torch_dist_ranks()[0] > 1
+        if strategy == "fsdp" and not distributed and not _is_xla(self.device) and not _WARNED.get("fsdp_single"):
+            _WARNED["fsdp_single"] = True
+            _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
+        if strategy == "fsdp" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("strategy='fsdp' shards the parameters itself and cannot work inside DDP; pass the "
+                             "plain module (model.module), or use strategy='ddp' to keep your DDP wrapper")
         model.to(self.device)
         if strategy == "fsdp" and self.mesh is not None:
             _shard_parameters(model, self.mesh)
@@ -883,18 +891,59 @@ class SeamlessTPUTrainer:
         self.model = model
         self._ddp_forward_seen = False
         self._hook = None
-        if not _is_xla(self.device) and _torch_dist_ranks()[0] > 1:
+        self._sharded = {}  # id(a parameter before fully_shard) -> (weakref to it, the DTensor that replaced it)
+        self._adopted = weakref.WeakSet()  # optimizers already moved over to the DTensors
+        if distributed and strategy == "fsdp":
+            self._fully_shard(model)
+            if optimizer is not None:
+                self._adopt(optimizer)
+        elif distributed:
             self._wrap_ddp(model)
 
-    def _fsdp_off_xla(self):
-        if _torch_dist_ranks()[0] > 1:
-            raise NotImplementedError(
-                "strategy='fsdp' is implemented for XLA devices only so far; with torch.distributed on "
-                f"{self.device} use strategy='ddp' (FSDP2 support is planned)"
-            )
-        if not _WARNED.get("fsdp_single"):
-            _WARNED["fsdp_single"] = True
-            _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
+    def _before_every_step(self, method):
+        """method(self, optimizer) before each optimizer.step() in the process, while this trainer lives."""
+        trainer = weakref.ref(self)
+
+        def pre_step(optimizer, args, kwargs):
+            t = trainer()
+            if t is not None:
+                method(t, optimizer)
+
+        self._hook = register_optimizer_step_pre_hook(pre_step)
+        weakref.finalize(self, self._hook.remove)
+
+    def _fully_shard(self, model):
+        """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its
+        own, gathered just before its forward and freed after, then the root holds the rest.
+
+        fully_shard replaces every parameter with a new DTensor one, so an optimizer made before the
+        trainer holds parameters the model no longer uses: each optimizer is moved over to the new
+        ones before its first step (or when passed to the trainer or to load_checkpoint)."""
+        fsdp = importlib.import_module("torch.distributed.fsdp")
+        device_mesh = importlib.import_module("torch.distributed.device_mesh")
+        mesh = device_mesh.init_device_mesh(self.device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
+        before = dict(model.named_parameters())
+        blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+        for block in reversed(blocks):  # innermost first: a unit must not already hold another's parameters
+            if next(block.parameters(), None) is not None:
+                fsdp.fully_shard(block, mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
+        after = dict(model.named_parameters())
+        self._sharded = {id(p): (weakref.ref(p), after[name]) for name, p in before.items() if after[name] is not p}
+        self._before_every_step(SeamlessTPUTrainer._adopt)
+
+    def _adopt(self, optimizer):
+        """Point `optimizer` at the FSDP2 parameters that replaced the ones it was built with."""
+        if not self._sharded or optimizer in self._adopted:
+            return
+        self._adopted.add(optimizer)
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                ref, new = self._sharded.get(id(p), (None, None))
+                if ref is not None and ref() is p:
+                    group["params"][i] = new
+                    if p in optimizer.state:  # state loaded before the trainer existed: split it the same way
+                        optimizer.state[new] = {k: _placed_like(v, new, k) for k, v in optimizer.state.pop(p).items()}
 
     def _wrap_ddp(self, model):
         DDP = torch.nn.parallel.DistributedDataParallel
@@ -905,15 +954,7 @@ class SeamlessTPUTrainer:
         self._param_ids = {id(p) for p in self.model.module.parameters()}
         # The seed loops call the original module, which bypasses DDP's reducer; average the
         # gradients at the step instead so the ranks stay in lockstep either way.
-        trainer = weakref.ref(self)
-
-        def pre_step(optimizer, args, kwargs):
-            t = trainer()
-            if t is not None:
-                t._sync_unreduced_grads(optimizer)
-
-        self._hook = register_optimizer_step_pre_hook(pre_step)
-        weakref.finalize(self, self._hook.remove)
+        self._before_every_step(SeamlessTPUTrainer._sync_unreduced_grads)
 
     def _saw_ddp_forward(self, module, args):
         # DDP's reducer only runs for forwards that will be backpropagated (not eval, not no_sync).
@@ -959,7 +1000,7 @@ class SeamlessTPUTrainer:
         leaves the previous file. Every rank returns, or raises the same error, together."""
         if _is_xla(self.device):
             _import("torch_xla").sync()
-        cpu = _apply(_state_dicts(obj), lambda t: t.detach().to("cpu"))
+        cpu = _apply(_state_dicts(obj), lambda t: _full_tensor(t).detach().to("cpu"))
         error = None
         if _is_main_process():
             try:
@@ -1027,11 +1068,18 @@ class SeamlessTPUTrainer:
                 raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds {sorted(saved)}")
             if isinstance(obj, torch.nn.Module):
                 module = _unwrap(obj)
-                _check_state_matches(module.state_dict(), saved[name], f"{name!r} in {directory!r}")
-                module.load_state_dict(saved[name])
+                current = module.state_dict()
+                _check_state_matches(current, saved[name], f"{name!r} in {directory!r}")
+                module.load_state_dict({k: _placed_like(v, current[k]) for k, v in saved[name].items()})
                 if self.strategy == "fsdp" and _is_xla(self.device):
                     _shard_parameters(module, self.mesh, force=True)  # loading swapped in replicated tensors
             else:
+                self._adopt(obj)
+                params = [p for group in obj.param_groups for p in group["params"]]
+                per_param = saved[name].get("state", {})
+                for i, values in per_param.items():
+                    if isinstance(i, int) and i < len(params):
+                        per_param[i] = {k: _placed_like(v, params[i], k) for k, v in values.items()}
                 obj.load_state_dict(saved[name])
         return plain
 
@@ -1073,6 +1121,21 @@ def _state_dicts(obj):
     if isinstance(obj, Mapping):
         return {k: _state_dicts(v) for k, v in obj.items()}
     return obj
+
+
+def _full_tensor(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2 DTensor: a collective, every rank calls it
+
+
+def _placed_like(value, like, key=None):
+    """A full tensor from a checkpoint, split the way `like` (an FSDP2 DTensor) is; anything else as is.
+    Every rank holds the same full value, so each keeps its own part and nothing is sent."""
+    mesh = getattr(like, "device_mesh", None)
+    if (mesh is None or key == "step" or not isinstance(value, torch.Tensor) or hasattr(value, "device_mesh")
+            or value.shape != like.shape):
+        return value
+    dtensor = importlib.import_module("torch.distributed.tensor")
+    return dtensor.distribute_tensor(value.to(like.device), mesh, like.placements, src_data_rank=None)
 
 
 def _atomic_save(obj, path):
@@ -1428,8 +1491,9 @@ def _worker_rank_and_ip():
     return _train_context().get_world_rank(), _node_ip()
 
 
-def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config):
-    """Runs in each Ray worker: env (only where unset), SPMD, mesh. Safe to run again."""
+def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, timeout_s):
+    """Runs in each Ray worker: env (only where unset), SPMD, mesh, and with several workers a gloo
+    process group. Safe to run again."""
     ctx = _train_context()
     env = _xla_worker_env(
         rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
@@ -1443,11 +1507,21 @@ def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config):
                        "give each Ray worker all chips of its host", os.environ["TPU_VISIBLE_CHIPS"])
     _activate_xla(_auto_xla_kind())
     mesh = create_xla_mesh(xla_spmd_config=xla_spmd_config)
+    dist = torch.distributed
+    if ctx.get_world_size() > 1 and not dist.is_initialized():
+        # The compiler does the training collectives; this CPU group coordinates the hosts where XLA
+        # does not: save_checkpoint's shared plan and commit (torch_xla's DCP needs one, see its
+        # CheckpointManager), and every rank getting the same outcome of a save.
+        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                                rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return {"rank": ctx.get_world_rank(), "set": applied, "mesh_shape": tuple(mesh.mesh_shape)}
 
 
 def _xla_worker_shutdown():
     _clear_mesh()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _build_ray_classes():
@@ -1457,14 +1531,15 @@ def _build_ray_classes():
     Backend = _import("ray.train.backend").Backend
 
     class _XlaSpmdBackend(Backend):
-        """Ray Train backend: one torch_xla SPMD process per TPU host. No torch.distributed
-        process group: under SPMD the XLA compiler inserts the collectives."""
+        """Ray Train backend: one torch_xla SPMD process per TPU host. The XLA compiler inserts the
+        training collectives; a gloo process group across the workers coordinates checkpoints."""
 
         def on_start(self, worker_group, backend_config):
             master_addr, master_port = worker_group.execute_single(0, _rank0_address)
             hostnames = [ip for _, ip in sorted(worker_group.execute(_worker_rank_and_ip))]
             reports = worker_group.execute(
-                _xla_worker_setup, master_addr, master_port, hostnames, backend_config.xla_spmd_config
+                _xla_worker_setup, master_addr, master_port, hostnames, backend_config.xla_spmd_config,
+                backend_config.timeout_s,
             )
             logger.info("seamless_tpu: xla_tpu backend started: %s", reports)
 

@@ -490,6 +490,20 @@ def test_user_ddp_is_not_wrapped_again(tmp_path):
     assert torch.allclose(torch.tensor(rank0["weight"]), w0 - 1.5)
 
 
+def test_fsdp2_on_two_gloo_ranks_keeps_the_loop_idioms(tmp_path):
+    """strategy='fsdp' with torch.distributed is FSDP2: the user's optimizer (even one with state) moves to
+    the sharded parameters at its first step, clipping works, save gathers plain tensors, errors name the rule."""
+    rank0, rank1 = run_two_ranks("fsdp2_idioms", tmp_path)
+    assert "cannot work inside DDP" in rank0["ddp_error"] and "model.module" in rank0["ddp_error"]
+    assert rank0["unit"] == "FSDPLinear", "a ModuleList block is its own FSDP unit"
+    assert rank0["old_params_until_step"] and rank0["adopted"] and rank0["state_sharded"] and rank0["state_kept"]
+    assert rank0["clip_norm"] == rank1["clip_norm"] > 0
+    assert rank0["save_keys"] == ["0.bias", "0.weight", "1.0.bias", "1.0.weight", "2.bias", "2.weight"]
+    assert [8, 4] in rank0["save_shapes"], "whole tensors, not one rank's shard"
+    assert rank0["weight0"] == rank1["weight0"]
+    assert "'0.weight' has shape (8, 4) in the checkpoint and (9, 4) in the model" in rank0["shape_error"]
+
+
 def test_save_unwraps_torch_compile(tmp_path, no_xla, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch.compile writes it otherwise
@@ -888,9 +902,15 @@ def test_ray_backend_with_fake_worker_group(fake, monkeypatch):
     base = {"PATH": os.environ.get("PATH", "")}
     group = FakeWorkerGroup(monkeypatch, {0: dict(base), 1: dict(base, TPU_WORKER_ID="7", PJRT_DEVICE="CPU")})
     backend = st._XlaSpmdBackend()
-    config = st.TorchConfig(backend="xla_tpu")
+    config = st.TorchConfig(backend="xla_tpu", timeout_s=60)
+    groups = []  # one process per worker would each join the gloo group; here they are recorded
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: groups.append((a, k)))
     for attempt in range(2):  # a restarted worker group runs the hook again
+        groups.clear()
         backend.on_start(group, config)
+        port = group.envs[0]["MASTER_PORT"]
+        assert sorted((k["rank"], a, k["init_method"], k["world_size"], k["timeout"].total_seconds()) for a, k in groups) == [
+            (rank, ("gloo",), f"tcp://10.0.0.1:{port}", 2, 60.0) for rank in (0, 1)], "a CPU group for checkpoints"
         assert group.envs[0]["TPU_WORKER_ID"] == "0" and group.envs[1]["TPU_WORKER_ID"] == "7"
         assert group.envs[0]["PJRT_DEVICE"] == "TPU" and group.envs[1]["PJRT_DEVICE"] == "CPU"
         for rank in (0, 1):

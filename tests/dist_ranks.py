@@ -52,6 +52,64 @@ def user_ddp(out_dir):
             "keys": sorted(torch.load(path)["model"])}
 
 
+def fsdp2_idioms(out_dir):
+    """strategy='fsdp' on 2 gloo ranks (FSDP2): the idioms of real loops, and its errors."""
+    seen = {}
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+    try:
+        st.SeamlessTPUTrainer(ddp, device="cpu", strategy="fsdp")
+    except ValueError as e:
+        seen["ddp_error"] = str(e)
+
+    class Net(torch.nn.Sequential):
+        def forward(self, x):
+            return self[2](self[1][0](self[0](x)))
+
+    def build():
+        torch.manual_seed(0)
+        return Net(torch.nn.Linear(4, 8), torch.nn.ModuleList([torch.nn.Linear(8, 8)]), torch.nn.Linear(8, 1))
+
+    def forward(model, x):
+        return model(x)
+
+    # An optimizer with state before the trainer exists (resumed from a plain checkpoint).
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    forward(model, torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in optimizer.state[model[0].weight].items()}
+    trainer = st.SeamlessTPUTrainer(model, device="cpu", strategy="fsdp")
+    seen["unit"] = type(model[1][0]).__name__
+    seen["old_params_until_step"] = optimizer.param_groups[0]["params"][0] is not model[0].weight
+    later = torch.optim.SGD(model.parameters(), lr=0.0)  # made after the trainer: the new parameters already
+    rank = dist.get_rank()
+    x = torch.full((2, 4), float(rank + 1))
+    optimizer.zero_grad()
+    forward(model, x).sum().backward()
+    seen["clip_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor())
+    optimizer.step()
+    later.step()
+    seen["adopted"] = optimizer.param_groups[0]["params"][0] is model[0].weight
+    moved = optimizer.state[model[0].weight]
+    seen["state_sharded"] = type(moved["exp_avg"]).__name__ == "DTensor" and moved["exp_avg"].to_local().shape[0] == 4
+    seen["state_kept"] = bool(torch.equal(before["step"] + 1, moved["step"]))
+    path = os.path.join(out_dir, "fsdp2.pt")
+    trainer.save({"model": model, "optimizer": optimizer}, path)
+    saved = torch.load(path)
+    seen["save_keys"] = sorted(saved["model"])
+    seen["save_shapes"] = [list(v.shape) for v in saved["model"].values()]
+    seen["weight0"] = model[0].weight.full_tensor().tolist()
+    directory = os.path.join(out_dir, "ckpt")
+    trainer.save_checkpoint(directory, model=model, optimizer=optimizer, epoch=1)
+    wrong = Net(torch.nn.Linear(4, 9), torch.nn.ModuleList([torch.nn.Linear(9, 8)]), torch.nn.Linear(8, 1))
+    try:
+        st.SeamlessTPUTrainer(wrong, device="cpu", strategy="fsdp").load_checkpoint(directory, model=wrong)
+    except ValueError as e:
+        seen["shape_error"] = str(e)
+    return seen
+
+
 if __name__ == "__main__":
     case, rank, world, store, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))

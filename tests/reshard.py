@@ -3,17 +3,19 @@
     python tests/reshard.py LAYOUT save|load DIR
 
 LAYOUT is fsdp4, ddp4, fsdp2 (real torch_xla SPMD on 4 or 2 virtual CPU devices: the caller sets
-CPU_NUM_DEVICES) or eager (plain CPU, torch_xla blocked from importing). 'save' trains 5 steps,
-saves, trains 5 more and prints those 5 losses (the uninterrupted run); 'load' builds the model
-from another seed, loads, checks the weights against consolidate_checkpoint bitwise, and prints
-the 5 losses it trains next. Prints one JSON line.
+CPU_NUM_DEVICES), eager (plain CPU, torch_xla blocked from importing) or gloo2 (one of 2 CPU ranks
+running torch's FSDP2: the caller starts both, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; each
+rank trains on its half of the batch). 'save' trains 10 steps, saves, trains 10 more (the
+uninterrupted run); 'load' builds the model from another seed, loads, checks the weights against
+consolidate_checkpoint bitwise, and trains 10 steps. Prints one JSON line with the losses (of the
+whole batch: averaged over the ranks).
 """
 
 import json
 import sys
 
 LAYOUT, PHASE, DIRECTORY = sys.argv[1:4]
-if LAYOUT == "eager":
+if LAYOUT in ("eager", "gloo2"):
     sys.modules["torch_xla"] = None  # proves the eager side needs no torch_xla
 
 import torch  # noqa: E402
@@ -31,31 +33,41 @@ def model_and_data(seed):
 
 
 def train(model, optimizer, x, y, steps):
-    return run_steps(model, optimizer, x, y, steps).tolist()
+    losses = run_steps(model, optimizer, x, y, steps)
+    if LAYOUT == "gloo2":
+        torch.distributed.all_reduce(losses)
+        losses /= torch.distributed.get_world_size()
+    return losses.tolist()
 
 
 def main():
-    strategy = "fsdp" if LAYOUT.startswith("fsdp") else "ddp"
+    strategy = "ddp" if LAYOUT in ("ddp4", "eager") else "fsdp"
     model, x, y = model_and_data(0 if PHASE == "save" else 123)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = st.SeamlessTPUTrainer(model, device="cpu" if LAYOUT == "eager" else "xla", strategy=strategy)
+    if LAYOUT == "gloo2":
+        torch.distributed.init_process_group("gloo")
+        rank = torch.distributed.get_rank()
+        x, y = x.chunk(2)[rank], y.chunk(2)[rank]
+    trainer = st.SeamlessTPUTrainer(model, device="cpu" if LAYOUT in ("eager", "gloo2") else "xla", strategy=strategy)
     x, y = trainer.to_device(x, y)
     report = {"layout": LAYOUT, "torch_xla_imported": sys.modules.get("torch_xla") is not None}
     if PHASE == "save":
-        train(model, optimizer, x, y, 5)
-        trainer.save_checkpoint(DIRECTORY, model=model, optimizer=optimizer, epoch=5)
-        report["losses"] = train(model, optimizer, x, y, 5)
+        report["before"] = train(model, optimizer, x, y, 10)
+        trainer.save_checkpoint(DIRECTORY, model=model, optimizer=optimizer, epoch=10)
+        report["losses"] = train(model, optimizer, x, y, 10)
     else:
         values = trainer.load_checkpoint(DIRECTORY, model=model, optimizer=optimizer)
         saved = st.consolidate_checkpoint(DIRECTORY)
-        report["bitwise"] = all(torch.equal(v.cpu(), saved["model"][k]) for k, v in model.state_dict().items())
+        report["bitwise"] = all(torch.equal(getattr(v, "full_tensor", lambda: v)().cpu(), saved["model"][k]) for k, v in model.state_dict().items())
         report["epoch"] = values["epoch"]
-        if strategy == "fsdp":
+        if LAYOUT == "gloo2":
+            report["sharded"] = all(p.to_local().shape[0] == p.shape[0] // 2 for p in model.parameters() if p.dim() == 2)
+        elif strategy == "fsdp":
             import torch_xla
 
             report["sharded"] = all(torch_xla._XLAC._get_xla_sharding_spec(p).startswith("{devices=")
                                     for p in model.parameters() if p.dim() == 2)
-        report["losses"] = train(model, optimizer, x, y, 5)
+        report["losses"] = train(model, optimizer, x, y, 10)
     print("REPORT" + json.dumps(report), flush=True)
 
 
