@@ -27,7 +27,8 @@ def append(config, name, obj):
 
 
 def weights(model):
-    return [p.detach().cpu().flatten().tolist() for p in model.parameters()]
+    """Every rank calls it: gathering an FSDP2 (DTensor) parameter is a collective."""
+    return [getattr(p, "full_tensor", lambda: p)().detach().cpu().flatten().tolist() for p in model.parameters()]
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -77,9 +78,14 @@ EPOCHS, STEPS = 5, 6
 
 
 def crash_resume(config):
-    """Checkpoints every epoch; the last rank dies mid-epoch 3 once (marker file), then resumes."""
+    """Checkpoints every epoch; the last rank dies mid-epoch 3 once (marker file), then resumes.
+
+    config["sharded"]: the issue-9 recipe, every worker saving its shards into one directory with
+    save_checkpoint and reporting it, and load_checkpoint after a restart. Otherwise trainer.save
+    writes one file and rank 0 reports it. config["strategy"] goes to the trainer."""
     ctx = ray.train.get_context()
     rank, last_rank = ctx.get_world_rank(), ctx.get_world_size() - 1
+    sharded = config.get("sharded", False)
     mesh = st.get_xla_mesh()
     append(config, "starts", {"rank": rank, "pid": os.getpid(), "mesh": list(mesh.mesh_shape) if mesh else None,
                               "worker_id": os.environ.get("TPU_WORKER_ID")})
@@ -87,14 +93,19 @@ def crash_resume(config):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     start = 0
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
+    if checkpoint and not sharded:
         with checkpoint.as_directory() as d:
             state = torch.load(os.path.join(d, "state.pt"))
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])  # a single-process RandomSampler seeds from it
         start = state["epoch"] + 1
-    trainer = st.SeamlessTPUTrainer(model, optimizer)
+    trainer = st.SeamlessTPUTrainer(model, optimizer, strategy=config.get("strategy", "ddp"))
+    if checkpoint and sharded:
+        with checkpoint.as_directory() as d:
+            values = trainer.load_checkpoint(d, model=model, optimizer=optimizer)
+        torch.set_rng_state(values["rng"])
+        start = values["epoch"] + 1
     loader = trainer.prepare_data_loader(torch.utils.data.DataLoader(
         scenarios._Pairs(STEPS * 4 * ctx.get_world_size()), batch_size=4, shuffle=True))
     loader.set_epoch(start)
@@ -109,15 +120,21 @@ def crash_resume(config):
             loss = F.mse_loss(model(x)[:, 0], y)
             loss.backward()
             optimizer.step()
+        metrics = {"epoch": epoch, "loss": float(loss)}
+        if sharded:
+            directory = os.path.join(config["out"], f"ckpt_{epoch}")  # the same directory on every worker
+            trainer.save_checkpoint(directory, model=model, optimizer=optimizer, epoch=epoch, rng=torch.get_rng_state())
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+            continue
         directory = os.path.join(config["out"], f"ckpt_{epoch}_{rank}_{time.time_ns()}")
         os.makedirs(directory)
         state = {"model": model, "optimizer": optimizer, "epoch": epoch, "rng": torch.get_rng_state()}
         trainer.save(state, os.path.join(directory, "state.pt"))
-        metrics = {"epoch": epoch, "loss": float(loss)}
         checkpoint = ray.train.Checkpoint.from_directory(directory) if rank == 0 else None
         ray.train.report(metrics, checkpoint=checkpoint)
+    final = weights(model)
     if rank == 0:
-        dump(config, "final", {"weights": weights(model)})
+        dump(config, "final", {"weights": final, "model": type(model).__name__})
 
 
 class RecordReports(ray.train.UserCallback):

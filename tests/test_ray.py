@@ -219,3 +219,25 @@ def test_xla_backend_without_torch_xla_fails_clearly(cluster, tmp_path):
             scaling_config=ScalingConfig(num_workers=1))
     assert "seamless_tpu needs torch_xla for this: pip install 'torch_xla[tpu]==2.9.0'" in str(info.value)
     assert not glob.glob(str(tmp_path / "out" / "*.json")), "the train function never ran"
+
+
+def test_sharded_checkpoint_crash_and_resume_fsdp2_cpu(cluster, tmp_path):
+    """strategy='fsdp' on 2 CPU workers is torch's FSDP2; every worker saves its shards into one
+    directory and reports it; after a worker dies the run resumes through load_checkpoint."""
+    kwargs = dict(scaling_config=ScalingConfig(num_workers=2), config={"sharded": True, "strategy": "fsdp"})
+    clean = crash_run(tmp_path, "clean", **kwargs)
+    crashed = crash_run(tmp_path, "crashed", **dict(kwargs, config={**kwargs["config"], "crash": True}))
+    assert_resumed(crashed, clean, tol=0.0)
+    assert read(clean, "final")["model"] == "FSDPSequential", "fully_shard made the user's own module an FSDP module"
+
+
+@needs_xla
+def test_sharded_checkpoint_crash_and_resume_xla(cluster, tmp_path):
+    """Two XLA workers, each its own 4-device world, save fsdp shards into one directory through the
+    gloo group the xla_tpu backend starts; one dies; the run resumes with the uninterrupted weights."""
+    kwargs = dict(torch_config=st.TorchConfig(backend="xla_tpu"), worker_env=XLA_ON_CPU,
+                  scaling_config=ScalingConfig(num_workers=2), config={"sharded": True, "strategy": "fsdp"})
+    clean = crash_run(tmp_path, "clean", **kwargs)
+    crashed = crash_run(tmp_path, "crashed", **dict(kwargs, config={**kwargs["config"], "crash": True}))
+    starts = assert_resumed(crashed, clean, tol=1e-6)
+    assert sorted(s["worker_id"] for s in starts) == ["0", "0", "1", "1"] and all(s["mesh"] == [4] for s in starts)
