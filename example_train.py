@@ -16,8 +16,8 @@ The loop below is plain PyTorch: optimizer.step(), no mark_step, no xm.optimizer
 
 Prints the loss and samples/s for every epoch, the held-out accuracy, the final loss, and on XLA
 the compile statistics. --max-steps N stops early (for smoke tests). --precision bf16 trains under
-bf16 autocast. --strategy fsdp shards the parameters and optimizer state over the XLA devices (one
-CPU/GPU process runs it as ddp). --checkpoint-dir DIR saves a sharded checkpoint after every epoch
+bf16 autocast. --strategy fsdp shards the parameters and optimizer state over the XLA devices, or
+with --ray over the CPU/GPU workers (torch's FSDP2); one CPU/GPU process runs it as ddp. --checkpoint-dir DIR saves a sharded checkpoint after every epoch
 and, when DIR already holds one, resumes from it (on any device or strategy) with the same shuffles.
 The device can also be chosen with SEAMLESS_TPU_DEVICE=tpu|xla|gpu|cpu.
 A device that is not there (--tpu on a machine without one) or a bad flag combination prints one

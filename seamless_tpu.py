@@ -6,7 +6,8 @@ Usage (the optimizer may be created before the model moves, as most loops do):
     x, y = trainer.to_device(x, y)               # on XLA: batch dim sharded over the mesh
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA the step ends in torch_xla.sync()
 
-SeamlessTPUTrainer(model, strategy="fsdp") shards every parameter over the XLA mesh's "fsdp" axis;
+SeamlessTPUTrainer(model, strategy="fsdp") shards every parameter over the XLA mesh's "fsdp" axis
+(with torch.distributed on GPU/CPU: over the ranks, with torch's FSDP2);
 trainer.save_checkpoint(dir, model=..., optimizer=..., epoch=...) writes a sharded, atomically
 committed checkpoint that trainer.load_checkpoint reshards onto any device, mesh and strategy, and
 consolidate_checkpoint(dir) turns into plain CPU state_dicts.
@@ -850,7 +851,8 @@ class SeamlessTPUTrainer:
     - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over
       its fsdp axis (strategy="fsdp"), every optimizer.step() ends in torch_xla.sync() (the compiler
       inserts the collectives), recompilation watchdog.
-    - GPU/CPU with torch.distributed initialised (Ray, torchrun): DDP, each rank its share of the data.
+    - GPU/CPU with torch.distributed initialised (Ray, torchrun): DDP (strategy="ddp") or torch's
+      FSDP2 (strategy="fsdp"), each rank its share of the data.
     """
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,

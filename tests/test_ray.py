@@ -30,16 +30,20 @@ needs_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, re
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_example_ray_two_workers(tmp_path):
-    """Runs first, before this module's cluster exists: the example starts its own."""
+def test_example_ray_two_workers_fsdp2_with_checkpoints(tmp_path):
+    """Runs first, before this module's cluster exists: the example starts its own. With
+    --strategy fsdp the 2 CPU workers run FSDP2, and both write their shards into one checkpoint."""
     env = dict(os.environ, **RAY_ENV, PYTHONPATH=PYTHONPATH)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "example_train.py"), "--ray", "--num-workers", "2", "--epochs", "2"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "example_train.py"), "--ray", "--num-workers", "2", "--epochs", "2",
+                          "--strategy", "fsdp", "--checkpoint-dir", "ckpt"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     finals = dict(re.findall(r"worker (\d) final loss ([0-9.]+)", text))
-    assert set(finals) == {"0", "1"}, text[-4000:]
+    assert set(finals) == {"0", "1"}, text[-4000:]  # each its own last batch's loss
     assert all(0 < float(v) < 1.2 for v in finals.values())
+    step = (tmp_path / "ckpt" / "LATEST").read_text()
+    assert sorted(p.name for p in (tmp_path / "ckpt" / step).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "values.pt"]
+    assert st.consolidate_checkpoint(tmp_path / "ckpt")["epoch"] == 1
 
 
 @pytest.fixture(scope="module")
