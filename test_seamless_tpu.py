@@ -3,6 +3,7 @@ for the library; tests/test_real_xla.py runs the same scenarios on the real one.
 
 import collections
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -318,6 +319,17 @@ def test_trainer_on_cpu_is_bitwise_the_plain_loop(no_xla, monkeypatch, option, o
     want = scenarios.seed_loop("eager", opt_name)
     assert torch.equal(scenarios.seed_loop(option, opt_name), want)
     assert want[-1] < want[0]
+
+
+def test_fsdp_in_one_cpu_process_runs_as_ddp_and_says_so_once(no_xla, monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    want = scenarios.seed_loop("eager", "adamw")
+    with caplog.at_level(logging.INFO, logger="seamless_tpu"):
+        got = scenarios.seed_loop("option1", "adamw", strategy="fsdp")
+        scenarios.seed_loop("option1", "adamw", strategy="fsdp")
+    assert torch.equal(got, want)
+    said = [r.getMessage() for r in caplog.records if "nothing to shard" in r.getMessage()]
+    assert said == ["seamless_tpu: strategy='fsdp' on one cpu process has nothing to shard over; running as 'ddp'"]
 
 
 def test_trainer_cpu_extras(no_xla, monkeypatch, tmp_path):
