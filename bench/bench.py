@@ -2,6 +2,7 @@
 
     ./dev.sh bench            # full run: writes bench/RESULTS.md and bench/step_times.png
     ./dev.sh bench --smoke    # a few steps of everything (CI), writes nothing unless --out is given
+    ./dev.sh bench --only fsdp [--out F]   # strategy='fsdp' vs 'ddp' alone (issue 9): memory, step time, checkpoints
 
 Every variant lives in its own worker process (the shim installs global optimizer hooks that
 must not touch the hand-written loop; accelerate and Fabric keep process-wide state). After
@@ -16,10 +17,14 @@ comparison runs twice (run 1, run 2), in fresh processes.
 
 import argparse
 import datetime
+import glob
 import json
+import math
 import os
 import platform
 import random
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,7 +37,10 @@ THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
 TARGETS = {("xla_spmd_4dev", "shim"): 1.02, ("eager_cpu", "shim"): 1.01}  # step-time ratio, at most
-BASE_NAMES = {"handwritten_xla": "hand-written torch_xla", "plain": "plain PyTorch"}
+BASE_NAMES = {"handwritten_xla": "hand-written torch_xla", "plain": "plain PyTorch", "shim": "seamless_tpu ddp"}
+FSDP = "xla_fsdp_vs_ddp"  # the comparison's title: strategy='fsdp' against 'ddp', both through the shim
+FSDP_MEMORY_TARGET = 0.30  # per-device parameter + optimizer-state bytes, fsdp / ddp, at most
+DUMP_HLO = "SEAMLESS_TPU_BENCH_DUMP_HLO"  # set: the worker has XLA dump the HLO it compiles (compile time only)
 AA = " (A/A)"  # label suffix of the baseline's second, independent worker
 
 
@@ -96,10 +104,10 @@ class Variant:
         self.wait, self.metrics = (lambda: None), None
         if name == "plain":
             pass
-        elif name == "shim":
+        elif name in ("shim", "shim_fsdp"):
             import seamless_tpu as st
 
-            trainer = st.SeamlessTPUTrainer(model)
+            trainer = st.SeamlessTPUTrainer(model, strategy="fsdp" if name == "shim_fsdp" else "ddp")
             x, y = trainer.to_device(x, y)
             self.trainer = trainer
             if st.is_xla_backend():
@@ -205,8 +213,142 @@ def shim_overhead(variant, reps=20000):
     return {"global_optimizer_hooks": hooks, "us_per_step": (time.perf_counter() - start) / reps * 1e6}
 
 
+def local_bytes(tensor, devices):
+    """Bytes of `tensor` held by each device, from the shapes of its shards (the helper of
+    tests/scenarios.py). A tensor with no sharding spec is replicated: every device holds all of it
+    (torch_xla refuses to list its shards)."""
+    import torch_xla
+
+    if not torch_xla._XLAC._get_xla_sharding_spec(tensor):
+        return [tensor.numel() * tensor.element_size()] * devices
+    return [shard.numel() * shard.element_size() for shard, _ in torch_xla._XLAC._get_local_shards([tensor])[0]]
+
+
+def device_bytes(model, optimizer):
+    """Parameter + optimizer-state bytes on each device, and in one whole replica. AdamW's scalar
+    `step` is left out: it lives on the CPU."""
+    import torch
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    xm.wait_device_ops()  # a tensor's shards are readable once the step that made them ran
+    devices = xr.global_runtime_device_count()
+    tensors = list(model.parameters()) + [v for state in optimizer.state.values() for v in state.values()
+                                          if isinstance(v, torch.Tensor) and v.dim()]
+    per_device = [sum(col) for col in zip(*(local_bytes(t, devices) for t in tensors))]
+    return {"per_device": per_device, "replica": sum(t.numel() * t.element_size() for t in tensors)}
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+PARAM_GATHER = "all-gather of a parameter's shape"
+COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")\(")
+SHAPE = re.compile(r"\b(f32|bf16|f16|f64|s32|s64|u32|pred)\[([0-9,]*)\]")
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "s64": 8, "u32": 4, "pred": 1}
+
+
+def step_collectives(dump, param_shapes):
+    """Collectives in the last graph XLA compiled (the steady-state step), read from the
+    partitioned, optimized HLO that XLA_FLAGS=--xla_dump_to wrote: {op: (count, bytes)}, bytes being
+    each op's result on one device. "all-gather of a parameter's shape" counts the all-gathers whose
+    result has the shape of a whole parameter (or its transpose): FSDP's weight gathers; the other
+    all-gathers move activations."""
+    files = sorted(glob.glob(os.path.join(dump, "module_*after_optimizations.txt")))
+    if not files:
+        return {}
+    with open(files[-1]) as f:
+        hlo = f.read()
+    shapes = {tuple(s) for s in param_shapes} | {tuple(reversed(s)) for s in param_shapes}
+    found = {}
+    for shape, op in COLLECTIVE.findall(hlo):
+        parts = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in SHAPE.findall(shape)]
+        size = sum(DTYPE_BYTES[t] * math.prod(dims) for t, dims in parts)
+        keys = [op] + ([PARAM_GATHER] if op == "all-gather" and all(d in shapes for _, d in parts) else [])
+        for key in keys:
+            count, total = found.get(key, (0, 0))
+            found[key] = (count + 1, total + size)
+    return found
+
+
+def profile(variant, dump):
+    """Per-device bytes and the step's collectives. Asked after the timed rounds: the optimizer
+    state exists, and the last graph compiled is the steady-state step."""
+    variant.step()  # a fresh variant gets its optimizer state; a warm one compiles nothing
+    shapes = [tuple(p.shape) for p in variant.model.parameters()]
+    return {"bytes": device_bytes(variant.model, variant.optimizer), "collectives": step_collectives(dump, shapes) if dump else {}}
+
+
+def tree_bytes(path):
+    """(bytes, files) of a file, or of everything under a directory."""
+    if os.path.isfile(path):
+        return os.path.getsize(path), 1
+    sizes = [os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files]
+    return sum(sizes), len(sizes)
+
+
+def checkpoint_cost(variant, reps):
+    """Seconds and bytes of a sharded checkpoint (save_checkpoint / load_checkpoint) and of one
+    consolidated file (trainer.save / torch.load + load_state_dict), `reps` times. Rep 0 runs the
+    sharded pair first and is reported on its own (it pays one-time imports, e.g. of
+    torch.distributed.checkpoint); later reps shuffle the two pairs. Every timed call ends with the
+    device idle, so a lazy load is counted whole. After each load, one training step, untimed."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model, optimizer, trainer, met = variant.model, variant.optimizer, variant.trainer, variant.metrics
+    root = tempfile.mkdtemp(prefix="seamless_tpu_bench_")
+    sharded, single = os.path.join(root, "sharded"), os.path.join(root, "single.pt")
+
+    def load_single():
+        state = torch.load(single, map_location="cpu")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    calls = {"save_checkpoint": lambda: trainer.save_checkpoint(sharded, model=model, optimizer=optimizer, epoch=0),
+             "load_checkpoint": lambda: trainer.load_checkpoint(sharded, model=model, optimizer=optimizer),
+             "save": lambda: trainer.save({"model": model, "optimizer": optimizer}, single),
+             "torch.load + load_state_dict": load_single}
+    pairs = [("save_checkpoint", "load_checkpoint"), ("save", "torch.load + load_state_dict")]
+    times = {name: [] for name in calls}
+    written, resume = {}, {}
+    rng = random.Random(1)
+    try:
+        for rep in range(reps):
+            for save, load in (pairs if rep == 0 else rng.sample(pairs, len(pairs))):
+                for name in (save, load):
+                    xm.wait_device_ops()
+                    start = time.perf_counter()
+                    calls[name]()
+                    torch_xla.sync()  # loads leave lazy copies: they count until they are on the devices
+                    xm.wait_device_ops()
+                    times[name].append(time.perf_counter() - start)
+                written[save] = tree_bytes(sharded if save == "save_checkpoint" else single)
+                after_load = device_bytes(model, optimizer) if rep == 0 else None
+                compiles = met.counter_value("UncachedCompile") or 0
+                variant.step()  # fresh values on the devices for the next save
+                if rep == 0:
+                    resume[load] = {"after_load": after_load, "after_next_step": device_bytes(model, optimizer),
+                                    "compiles_in_next_step": (met.counter_value("UncachedCompile") or 0) - compiles}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"seconds": times, "written": written, "resume": resume}
+
+
 def worker_main(name, workload):
-    """Line protocol on stdin/stdout: 'warm N', 'run N' (-> seconds and counter deltas), 'compiles', 'quit'."""
+    """Line protocol on stdin/stdout: 'warm N', 'run N' (-> seconds and counter deltas), 'compiles',
+    'overhead', 'profile', 'checkpoint N', 'quit'."""
+    dump = None
+    if os.environ.get(DUMP_HLO):  # before torch_xla starts: XLA reads XLA_FLAGS once
+        dump = tempfile.mkdtemp(prefix="seamless_tpu_hlo_")
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
+    try:
+        serve(name, workload, dump)
+    finally:
+        if dump:
+            shutil.rmtree(dump, ignore_errors=True)
+
+
+def serve(name, workload, dump):
     variant = None
     out = sys.stdout
     sys.stdout = sys.stderr  # libraries' prints must not corrupt the protocol
@@ -219,6 +361,12 @@ def worker_main(name, workload):
         elif cmd == "overhead":
             variant = variant or Variant(name, workload)
             reply = shim_overhead(variant)
+        elif cmd == "profile":
+            variant = variant or Variant(name, workload)
+            reply = profile(variant, dump)
+        elif cmd == "checkpoint":
+            variant = variant or Variant(name, workload)
+            reply = checkpoint_cost(variant, int(arg[0]))
         else:
             variant = variant or Variant(name, workload)
             n = int(arg[0])
@@ -313,14 +461,22 @@ def verdict(low, high, target):
     return "not resolved at this noise"
 
 
-def compare(title, workload, names, baseline, env, warm, rounds, steps, repeats, rng):
+def compare(title, workload, names, baseline, env, warm, rounds, steps, repeats, rng, after=()):
+    """Rows of one comparison, `repeats` times in fresh workers. `after`: commands that, once the
+    last run's rounds are over, each worker of `names` answers in turn (one worker busy at a time,
+    so they may be timed); the replies go into that run's rows as row["after"][command]."""
     rows = []
     for repeat in range(repeats):
         load_before = os.getloadavg()[0]
         workers = [Worker(baseline, workload, env), Worker(baseline, workload, env, label=baseline + AA)]
         workers += [Worker(n, workload, env) for n in names if n != baseline]
+        replies = {}
         try:
             times, deltas = interleaved(workers, warm, rounds, steps, rng)
+            for cmd in (after if repeat == repeats - 1 else ()):
+                for w in workers:
+                    if w.name in names:
+                        replies.setdefault(w.name, {})[cmd] = w.ask(cmd)
         finally:
             for w in workers:
                 w.close()
@@ -335,7 +491,7 @@ def compare(title, workload, names, baseline, env, warm, rounds, steps, repeats,
                          "median_ms": s["median"] * 1e3, "iqr_ms": s["iqr"] * 1e3, "round_ratios": ratios,
                          "ratio": interval(ratios), "load": load, "samples_ms": [t * 1e3 for t in times[n]],
                          "transfers_per_step": (sum(transfers) / (len(transfers) * steps)) if transfers else None,
-                         "compiles_in_steady_state": sum(compiles) if compiles else None})
+                         "compiles_in_steady_state": sum(compiles) if compiles else None, "after": replies.get(n, {})})
     return rows
 
 
@@ -401,6 +557,19 @@ ray.shutdown()
     return results
 
 
+def fsdp_vs_ddp(warm, rounds, steps, repeats, checkpoint_reps, rng):
+    """Issue 9: strategy='fsdp' against 'ddp', both through the shim, on XLA with 4 devices and the
+    transformer. Step time in rounds (ddp is the baseline, with its A/A twin). Then the last run's
+    ddp and fsdp workers, which dump the HLO they compile, count their per-device bytes and their
+    step's collectives, and time checkpoints. Reusing them saves two start-ups and their compiles,
+    most of a smoke run."""
+    checkpoint = f"checkpoint {checkpoint_reps}"
+    rows = compare(FSDP, "transformer", ["shim", "shim_fsdp"], "shim", dict(XLA_ENV, **{DUMP_HLO: "1"}),
+                   warm, rounds, steps, repeats, rng, after=("profile", checkpoint))
+    profiles = {r["variant"]: {**r["after"]["profile"], "checkpoint": r["after"][checkpoint]} for r in rows if r["after"]}
+    return {"rows": rows, "profiles": profiles}
+
+
 def versions():
     from importlib.metadata import PackageNotFoundError, version
 
@@ -424,13 +593,13 @@ def chart(rows, path):
         key = (r["comparison"], r["workload"])
         if key not in groups:
             groups.append(key)
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(10, 5 * len(groups)), 4.5), squeeze=False)  # the title needs 10 in
     for ax, key in zip(axes[0], groups):
         sel = [r for r in rows if (r["comparison"], r["workload"]) == key]
         labels = [f"{r['variant']}\nrun {r['run']}" for r in sel]
         boxes = ax.boxplot([r["samples_ms"] for r in sel], showfliers=True, patch_artist=True)
         for box, r in zip(boxes["boxes"], sel):  # the baseline and its A/A twin in grey: their gap is the noise floor
-            box.set_facecolor("lightgrey" if r["variant"].startswith(sel[0]["variant"]) else "lightsteelblue")
+            box.set_facecolor("lightgrey" if r["baseline"] or r["variant"].endswith(AA) else "lightsteelblue")
         ax.set_xticks(range(1, len(sel) + 1), labels, fontsize=7, rotation=45, ha="right")
         ax.set_title(f"{key[0]}: {key[1]}", fontsize=9)
         ax.set_ylabel("ms per step (one point per block)")
@@ -445,20 +614,35 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="Markdown results (default: bench/RESULTS.md, none in --smoke)")
     p.add_argument("--png", default=None, help="chart (default: bench/step_times.png, none in --smoke)")
     p.add_argument("--skip-ray", action="store_true")
+    p.add_argument("--only", choices=["fsdp"], help="run one section alone; writes only to --out/--png if given")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--workload", default="mlp", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.workload)
     smoke = args.smoke
-    out = args.out or (None if smoke else os.path.join(ROOT, "bench", "RESULTS.md"))
-    png = args.png or (None if smoke else os.path.join(ROOT, "bench", "step_times.png"))
+    quiet = smoke or args.only  # a smoke run or one section alone must not overwrite the full results
+    out = args.out or (None if quiet else os.path.join(ROOT, "bench", "RESULTS.md"))
+    png = args.png or (None if quiet else os.path.join(ROOT, "bench", "step_times.png"))
     warm, repeats = (3, 1) if smoke else (10, 2)
     # (rounds, steps per block): short blocks, so a burst of load spans whole rounds; the MLP, whose
     # steps are the cheapest and the noisiest, gets the most rounds
     plan = {"mlp": (3, 2), "transformer": (3, 2)} if smoke else {"mlp": (150, 10), "transformer": (20, 4)}
     rng = random.Random(0)  # the order of variants in each round
     started, load_before = time.time(), os.getloadavg()[0]
+    # fsdp vs ddp: XLA transformer blocks of 2 steps (1 in smoke), checkpoint calls 5 times (2 in smoke)
+    fsdp_args = (warm, plan["transformer"][0], plan["transformer"][1] // 2, repeats, 2 if smoke else 5)
+    if args.only == "fsdp":
+        fsdp = fsdp_vs_ddp(*fsdp_args, rng)
+        load = (load_before, os.getloadavg()[0])
+        report = render_fsdp_alone(fsdp, smoke, time.time() - started, load)
+        print(report["text"])
+        if out:
+            with open(out, "w") as f:
+                f.write(report["markdown"])
+        if png:
+            chart(fsdp["rows"], png)
+        return
     rows = []
     for workload in ("mlp", "transformer"):
         rounds, steps = plan[workload]
@@ -482,8 +666,9 @@ def main(argv=None):
             w.close()
     imports = import_cost(3 if smoke else 7)
     ray_times = None if args.skip_ray else ray_fit_times(1 if smoke else 3, rng)
+    fsdp = fsdp_vs_ddp(*fsdp_args, rng)
     load = (load_before, os.getloadavg()[0])
-    report = render(rows, compiles, overhead, imports, ray_times, smoke, time.time() - started, load)
+    report = render(rows, compiles, overhead, imports, ray_times, fsdp, smoke, time.time() - started, load)
     print(report["text"])
     if out:
         findings = ""
@@ -494,7 +679,7 @@ def main(argv=None):
         with open(out, "w") as f:
             f.write(report["markdown"] + findings)
     if png:
-        chart(rows, png)
+        chart(rows + fsdp["rows"], png)
 
 
 def fmt(stats):
@@ -507,18 +692,40 @@ def pooled(rows, comparison, workload, variant):
                      for x in r["round_ratios"]])
 
 
-def render(rows, compiles, overhead, imports, ray_times, smoke, elapsed, load):
+def header(title, smoke, elapsed, load):
     v = versions()
-    md = [f"# seamless_tpu benchmark results{' (smoke run)' if smoke else ''}", "",
-          f"- date: {datetime.date.today().isoformat()}; wall time {elapsed / 60:.1f} min",
-          f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; torch threads pinned to {THREADS}",
-          f"- load (1-minute average, os.getloadavg): {load[0]:.2f} at the start, {load[1]:.2f} at the end; per comparison run in the table below",
-          "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
-          "- method: each variant in its own process, plus a second, independent baseline process (A/A: the noise floor); "
-          "after warm-up, rounds of one short block per variant in random order; ratio = median over rounds of "
-          "(variant block / baseline block, same round), [95% bootstrap interval over rounds]; every comparison run twice (run 1, run 2)",
-          "- verdict: met when the interval's upper end is under the target, missed when its lower end is over it, "
-          "otherwise not resolved at this noise", "",
+    return [f"# {title}{' (smoke run)' if smoke else ''}", "",
+            f"- date: {datetime.date.today().isoformat()}; wall time {elapsed / 60:.1f} min",
+            f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; torch threads pinned to {THREADS}",
+            f"- load (1-minute average, os.getloadavg): {load[0]:.2f} at the start, {load[1]:.2f} at the end; per comparison run in the table below",
+            "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+            "- method: each variant in its own process, plus a second, independent baseline process (A/A: the noise floor); "
+            "after warm-up, rounds of one short block per variant in random order; ratio = median over rounds of "
+            "(variant block / baseline block, same round), [95% bootstrap interval over rounds]; every comparison run twice (run 1, run 2)",
+            "- verdict: met when the interval's upper end is under the target, missed when its lower end is over it, "
+            "otherwise not resolved at this noise", ""]
+
+
+RUN_TABLE = ["| comparison | workload | run | variant | median ms/step | IQR ms | ratio [95% interval] | load before→after | device->host transfers/step | compiles in steady state |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def run_rows(rows):
+    """One line per (comparison, run, variant) of the per-run table."""
+    md, seen = [], set()
+    for r in rows:
+        run = (r["comparison"], r["workload"], r["run"])
+        load_cell = "" if run in seen else f"{r['load'][0]:.2f}→{r['load'][1]:.2f}"
+        seen.add(run)
+        ratio = "1 (baseline)" if r["baseline"] else fmt(r["ratio"])
+        t = "" if r["transfers_per_step"] is None else f"{r['transfers_per_step']:.2f}"
+        c = "" if r["compiles_in_steady_state"] is None else str(r["compiles_in_steady_state"])
+        md.append(f"| {r['comparison']} | {r['workload']} | {r['run']} | {r['variant']} | {r['median_ms']:.3f} | {r['iqr_ms']:.3f} | {ratio} | {load_cell} | {t} | {c} |")
+    return md
+
+
+def render(rows, compiles, overhead, imports, ray_times, fsdp, smoke, elapsed, load):
+    md = header("seamless_tpu benchmark results", smoke, elapsed, load) + [
           "## Step-time ratios (both runs' rounds pooled)", "",
           "| comparison | workload | variant | ratio [95% interval] | A/A floor [95% interval] | target | verdict |",
           "|---|---|---|---|---|---|---|"]
@@ -536,18 +743,7 @@ def render(rows, compiles, overhead, imports, ray_times, smoke, elapsed, load):
         line = (f"{comparison} {workload}: {variant} / {BASE_NAMES[base]} = {fmt(stats)} "
                 f"(runs {', '.join(f'{x:.3f}' for x in runs)}); A/A floor {fmt(floor)}")
         headline.append(line + (f"; target <= {target}: {judged}" if target else ""))
-    md += ["", "## Step time per run (ratio = median over rounds of variant block / baseline block)", "",
-           "| comparison | workload | run | variant | median ms/step | IQR ms | ratio [95% interval] | load before→after | device->host transfers/step | compiles in steady state |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    seen = set()
-    for r in rows:
-        run = (r["comparison"], r["workload"], r["run"])
-        load_cell = "" if run in seen else f"{r['load'][0]:.2f}→{r['load'][1]:.2f}"
-        seen.add(run)
-        ratio = "1 (baseline)" if r["baseline"] else fmt(r["ratio"])
-        t = "" if r["transfers_per_step"] is None else f"{r['transfers_per_step']:.2f}"
-        c = "" if r["compiles_in_steady_state"] is None else str(r["compiles_in_steady_state"])
-        md.append(f"| {r['comparison']} | {r['workload']} | {r['run']} | {r['variant']} | {r['median_ms']:.3f} | {r['iqr_ms']:.3f} | {ratio} | {load_cell} | {t} | {c} |")
+    md += ["", "## Step time per run (ratio = median over rounds of variant block / baseline block)", "", *RUN_TABLE, *run_rows(rows)]
     md += ["", "## Compilations over 3 epochs (70 samples, batch 8: the last batch has 6)", ""]
     for name, counts in compiles.items():
         after = counts[-1] - counts[min(1, len(counts) - 1)]
@@ -579,10 +775,93 @@ def render(rows, compiles, overhead, imports, ray_times, smoke, elapsed, load):
                 f"A/A floor {fmt(floor)}; report only (no target)")
         md += ["", f"- {line}"]
         headline.append(line)
+    section, lines = fsdp_section(fsdp)
+    md += ["", *section]
+    headline += lines
     headline.append(f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end")
     md += ["", "## Headline ratios", ""] + [f"- {h}" for h in headline] + [""]
     text = "\n".join(["seamless_tpu benchmark" + (" (smoke)" if smoke else ""), *headline])
     return {"markdown": "\n".join(md), "text": text}
+
+
+def mb(n):
+    return f"{n / 1e6:.2f} MB" if n >= 10_000 else f"{n:,} B"
+
+
+def fsdp_section(fsdp):
+    """Markdown lines of the fsdp-vs-ddp section, and its headline lines."""
+    rows, profiles = fsdp["rows"], fsdp["profiles"]
+    strategies = {"ddp": profiles["shim"], "fsdp": profiles["shim_fsdp"]}
+    per_device = {k: max(p["bytes"]["per_device"]) for k, p in strategies.items()}
+    ratio = per_device["fsdp"] / per_device["ddp"]
+    judged = "met" if ratio <= FSDP_MEMORY_TARGET else "missed"  # a count of bytes, not a timing: no interval
+    md = ["## strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", "",
+          "Both through `SeamlessTPUTrainer(model, strategy=...)`, the optimizer made before the trainer, the plain loop.", "",
+          "### Parameter + optimizer-state bytes per device (after the timed rounds; counted from the shapes of each tensor's shards)", "",
+          "| strategy | bytes on each device | one whole replica | per device / replica |", "|---|---|---|---|"]
+    for k, p in strategies.items():
+        b = p["bytes"]
+        cells = f"{len(b['per_device'])} × {b['per_device'][0]:,}" if len(set(b["per_device"])) == 1 else ", ".join(f"{x:,}" for x in b["per_device"])
+        md.append(f"| {k} | {cells} | {b['replica']:,} | {max(b['per_device']) / b['replica']:.3f} |")
+    memory = f"fsdp / ddp per-device parameter + AdamW-state bytes = {ratio:.3f}; target <= {FSDP_MEMORY_TARGET}: {judged}"
+    md += ["", f"- {memory} (an exact count, no interval)"]
+
+    stats, floor = pooled(rows, FSDP, "transformer", "shim_fsdp"), pooled(rows, FSDP, "transformer", "shim" + AA)
+    runs = [r["ratio"][0] for r in rows if r["variant"] == "shim_fsdp"]
+    step = (f"xla transformer step: fsdp / ddp = {fmt(stats)} (runs {', '.join(f'{x:.3f}' for x in runs)}); "
+            f"A/A floor {fmt(floor)}; report only (no target)")
+    md += ["", "### Step time, fsdp / ddp (same rounds method; ddp is the baseline, with its A/A twin)", "",
+           f"- {step}", "", *RUN_TABLE, *run_rows(rows)]
+
+    ops = [op for op in (COLLECTIVES[0], PARAM_GATHER, *COLLECTIVES[1:]) if any(op in p["collectives"] for p in strategies.values())]
+    md += ["", "### Collectives in the compiled steady-state step (count, result bytes on one device)", "",
+           "From the partitioned, optimized HLO that XLA:CPU dumps (`--xla_dump_to`). The partitioner (GSPMD) is the one TPUs use; "
+           "a TPU backend may still combine or rewrite collectives differently.", ""]
+    if ops:
+        md += ["| strategy | " + " | ".join(ops) + " | all |", "|---" * (len(ops) + 2) + "|"]
+        for k, p in strategies.items():
+            c = p["collectives"]
+            cells = [f"{c[op][0]} ({mb(c[op][1])})" if op in c else "0" for op in ops]
+            total = [v for op, v in c.items() if op in COLLECTIVES]  # PARAM_GATHER is part of all-gather: not added twice
+            md.append(f"| {k} | " + " | ".join(cells) + f" | {sum(n for n, _ in total)} ({mb(sum(b for _, b in total))}) |")
+    else:
+        md.append("- no HLO dump was found")
+    gathers = {k: (p["collectives"].get("all-gather", (0, 0)), p["collectives"].get(PARAM_GATHER, (0, 0)))
+               for k, p in strategies.items()}
+    collectives = ("all-gathers per step (count, MB per device; of which a parameter's shape): " +
+                   ", ".join(f"{k} {n}, {b / 1e6:.1f} ({pn}, {pb / 1e6:.3f})" for k, ((n, b), (pn, pb)) in gathers.items()))
+
+    md += ["", "### Checkpoints (one process holds all 4 devices, so bytes per process = bytes written)", "",
+           "| strategy | call | first call s | median s [min–max] of the other calls | bytes written | files |", "|---|---|---|---|---|---|"]
+    for k, p in strategies.items():
+        ck = p["checkpoint"]
+        for call, secs in ck["seconds"].items():
+            rest = secs[1:] or secs
+            size, files = ck["written"].get(call, ("", ""))
+            md.append(f"| {k} | `{call}` | {secs[0]:.3f} | {statistics.median(rest):.3f} [{min(rest):.3f}–{max(rest):.3f}] ({len(rest)}) | "
+                      f"{'' if size == '' else f'{size:,}'} | {files} |")
+    md += ["", "After the first load of each kind, per-device bytes (as above) and the next training step. The sharded "
+           "checkpoint is loaded first, so the step after the one-file load may find its graph compiled already.", ""]
+    for k, p in strategies.items():
+        for call, r in p["checkpoint"]["resume"].items():
+            replica = r["after_load"]["replica"]
+            md.append(f"- {k}, right after `{call}`: {max(r['after_load']['per_device']) / replica:.3f} of a replica per device; "
+                      f"after the next step {max(r['after_next_step']['per_device']) / replica:.3f}; that step compiled "
+                      f"{r['compiles_in_next_step']} new graph(s)")
+    ck = strategies["fsdp"]["checkpoint"]
+    med = {call: statistics.median(secs[1:] or secs) for call, secs in ck["seconds"].items()}
+    checkpoint = (f"fsdp checkpoints (median s): save_checkpoint {med['save_checkpoint']:.3f} ({mb(ck['written']['save_checkpoint'][0])} in "
+                  f"{ck['written']['save_checkpoint'][1]} files), load_checkpoint {med['load_checkpoint']:.3f}; trainer.save "
+                  f"{med['save']:.3f} ({mb(ck['written']['save'][0])}, 1 file), torch.load + load_state_dict {med['torch.load + load_state_dict']:.3f}")
+    return md, [memory, step, collectives, checkpoint]
+
+
+def render_fsdp_alone(fsdp, smoke, elapsed, load):
+    section, headline = fsdp_section(fsdp)
+    md = header("seamless_tpu benchmark: strategy='fsdp' vs 'ddp' alone (--only fsdp)", smoke, elapsed, load) + section
+    text = "\n".join(["seamless_tpu benchmark, --only fsdp" + (" (smoke)" if smoke else ""), *headline,
+                      f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end; wall time {elapsed / 60:.1f} min"])
+    return {"markdown": "\n".join(md) + "\n", "text": text}
 
 
 if __name__ == "__main__":
