@@ -65,8 +65,9 @@ def main():
         elif strategy == "fsdp":
             import torch_xla
 
-            report["sharded"] = all(torch_xla._XLAC._get_xla_sharding_spec(p).startswith("{devices=")
-                                    for p in model.parameters() if p.dim() == 2)
+            matrices = [p for p in model.parameters() if p.dim() == 2]
+            state = [optimizer.state[p][k] for p in matrices for k in ("exp_avg", "exp_avg_sq")]
+            report["sharded"] = all(torch_xla._XLAC._get_xla_sharding_spec(t).startswith("{devices=") for t in matrices + state)
         report["losses"] = train(model, optimizer, x, y, 10)
     print("REPORT" + json.dumps(report), flush=True)
 

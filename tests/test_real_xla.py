@@ -148,7 +148,7 @@ def test_checkpoint_reshards_on_load(tmp_path, saved_as, loaded_as):
     saved = reshard_side(saved_as, "save", tmp_path)
     loaded = reshard_side(loaded_as, "load", tmp_path)
     assert loaded["bitwise"] and loaded["epoch"] == 10
-    assert loaded.get("sharded", True), "fsdp parameters are sharded again after loading"
+    assert loaded.get("sharded", True), "fsdp parameters and their optimizer state are sharded again after loading"
     assert not (loaded_as in ("eager", "gloo2") and loaded["torch_xla_imported"])
     diff = max(abs(a - b) for a, b in zip(saved["losses"], loaded["losses"]))
     assert diff <= 1e-5, f"resumed {loaded['losses']} vs uninterrupted {saved['losses']}"
