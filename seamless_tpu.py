@@ -152,6 +152,7 @@ def _initial_environ():
 
 _PJRT_SEEN = set()  # PJRT_DEVICE values seen while torch_xla was not loaded: the user's own
 _ENV_WE_SET = {}  # env values this module (the Ray hook, XLA activation) wrote on the user's behalf
+_GROUP_WE_STARTED = []  # the process group the Ray xla_tpu hook started (only that one is destroyed)
 
 
 def _note_user_pjrt():
@@ -1532,12 +1533,14 @@ def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, time
         dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                                 rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        _GROUP_WE_STARTED.append(True)
     return {"rank": ctx.get_world_rank(), "set": applied, "mesh_shape": tuple(mesh.mesh_shape)}
 
 
 def _xla_worker_shutdown():
     _clear_mesh()
-    if torch.distributed.is_initialized():
+    if _GROUP_WE_STARTED and torch.distributed.is_initialized():
+        _GROUP_WE_STARTED.clear()
         torch.distributed.destroy_process_group()
 
 
@@ -1631,6 +1634,7 @@ def _reset_caches():
     while _HOOKS:
         _HOOKS.pop().remove()
     _ENV_WE_SET.clear()
+    _GROUP_WE_STARTED.clear()
     _PJRT_SEEN.clear()
     _WARNED.clear()
     _XLA = _XLA_KIND = None

@@ -938,6 +938,18 @@ def test_ray_backend_with_fake_worker_group(fake, monkeypatch):
     st._reset_caches()
 
 
+def test_ray_hook_destroys_only_the_group_it_started(monkeypatch, fresh):
+    destroyed = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: destroyed.append(1))
+    st._xla_worker_shutdown()
+    assert destroyed == [], "a group the user started is theirs"
+    st._GROUP_WE_STARTED.append(True)
+    st._xla_worker_shutdown()
+    st._xla_worker_shutdown()
+    assert destroyed == [1]
+
+
 # --- vendoring: one file, no torch_xla, no ray ---------------------------------------------------
 
 
