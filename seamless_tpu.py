@@ -757,7 +757,7 @@ def _fsdp_spec(shape, shards):
     return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
 
 
-def _shard_parameters(module, mesh, force=False):
+def _shard_parameters(module, mesh):
     """FSDPv2 over the SPMD mesh: every parameter sharded along one dimension over the fsdp axis,
     replicated over the others. XLA's sharding propagation gives the gradients and the optimizer
     state the same sharding, and inserts the all-gathers and reduce-scatters in the step graph.
@@ -766,7 +766,7 @@ def _shard_parameters(module, mesh, force=False):
     xlac = _import("torch_xla")._XLAC
     shards = dict(zip(mesh.axis_names, mesh.mesh_shape))[FSDP_AXIS]
     for param in module.parameters():
-        if param.dim() and (force or not xlac._get_xla_sharding_spec(param)):
+        if param.dim() and not xlac._get_xla_sharding_spec(param):
             xs.mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
 
 
@@ -861,6 +861,9 @@ class SeamlessTPUTrainer:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         _check_strategy(strategy)
+        if strategy == "fsdp" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("strategy='fsdp' shards the parameters itself and cannot work inside DDP; pass the "
+                             "plain module (model.module), or use strategy='ddp' to keep your DDP wrapper")
         if mesh is not None and xla_spmd_config is not None:
             raise ValueError("pass either mesh= (a built Mesh) or xla_spmd_config= (to build one), not both")
         self.device = get_device(device)
@@ -869,7 +872,8 @@ class SeamlessTPUTrainer:
         self.drop_last = drop_last
         self.strategy = strategy
         self.mesh = None
-        if _is_xla(self.device):
+        on_xla = _is_xla(self.device)
+        if on_xla:
             if mesh is not None:
                 if strategy == "fsdp":
                     _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
@@ -879,13 +883,10 @@ class SeamlessTPUTrainer:
             self.mesh = get_xla_mesh()
         elif mesh is not None or xla_spmd_config is not None:
             raise ValueError(f"mesh/xla_spmd_config apply to XLA devices only, but the device is {self.device}")
-        distributed = not _is_xla(self.device) and _torch_dist_ranks()[0] > 1
-        if strategy == "fsdp" and not distributed and not _is_xla(self.device) and not _WARNED.get("fsdp_single"):
+        distributed = not on_xla and _torch_dist_ranks()[0] > 1
+        if strategy == "fsdp" and not on_xla and not distributed and not _WARNED.get("fsdp_single"):
             _WARNED["fsdp_single"] = True
             _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
-        if strategy == "fsdp" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError("strategy='fsdp' shards the parameters itself and cannot work inside DDP; pass the "
-                             "plain module (model.module), or use strategy='ddp' to keep your DDP wrapper")
         model.to(self.device)
         if strategy == "fsdp" and self.mesh is not None:
             _shard_parameters(model, self.mesh)
@@ -1073,9 +1074,9 @@ class SeamlessTPUTrainer:
                 module = _unwrap(obj)
                 current = module.state_dict()
                 _check_state_matches(current, saved[name], f"{name!r} in {directory!r}")
+                kept = _xla_shardings(module.parameters())
                 module.load_state_dict({k: _placed_like(v, current[k]) for k, v in saved[name].items()})
-                if self.strategy == "fsdp" and _is_xla(self.device):
-                    _shard_parameters(module, self.mesh, force=True)  # loading swapped in replicated tensors
+                _mark_shardings(kept)
             else:
                 self._adopt(obj)
                 params = [p for group in obj.param_groups for p in group["params"]]
@@ -1084,8 +1085,9 @@ class SeamlessTPUTrainer:
                     if isinstance(i, int) and i < len(params):
                         per_param[i] = {k: _placed_like(v, params[i], k) for k, v in values.items()}
                 obj.load_state_dict(saved[name])
-                if _is_xla(self.device):
-                    _shard_state_like_parameters(obj)
+                # Each state tensor of its parameter's shape (Adam's moments) is laid out as that parameter.
+                _mark_shardings((v, sharding) for p, sharding in _xla_shardings(params) for v in obj.state.get(p, {}).values()
+                                if isinstance(v, torch.Tensor) and v.shape == p.shape)
         return plain
 
     def compile_stats(self):
@@ -1128,17 +1130,21 @@ def _state_dicts(obj):
     return obj
 
 
-def _shard_state_like_parameters(optimizer):
-    """Optimizer.load_state_dict puts its state on the XLA device replicated: a whole copy on every
-    device, 3x the memory of sharded AdamW state on 4 devices, until a step propagated the sharding
-    back. Each state tensor of a parameter's shape gets that parameter's sharding now."""
+def _xla_shardings(tensors):
+    """(tensor, its sharding) for each sharded XLA tensor: loading a state_dict swaps replicated
+    tensors into parameters and optimizer state (a whole copy on every device: 4x the memory of an
+    fsdp shard on 4 devices), so the layout is taken before and given back after, whoever chose it."""
+    tensors = [t for t in tensors if _is_xla(t.device)]
+    if not tensors:
+        return []
     xlac = _import("torch_xla")._XLAC
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            sharding = xlac._get_xla_op_sharding(p) if _is_xla(p.device) else None
-            for v in optimizer.state.get(p, {}).values() if sharding else ():
-                if isinstance(v, torch.Tensor) and _is_xla(v.device) and v.shape == p.shape:
-                    xlac._xla_mark_sharding(v, sharding)
+    return [(t, sharding) for t in tensors if (sharding := xlac._get_xla_op_sharding(t))]
+
+
+def _mark_shardings(pairs):
+    for tensor, sharding in pairs:
+        if _is_xla(tensor.device):
+            _import("torch_xla")._XLAC._xla_mark_sharding(tensor, sharding)
 
 
 def _full_tensor(t):

@@ -56,7 +56,19 @@ def main():
         trainer.save_checkpoint(DIRECTORY, model=model, optimizer=optimizer, epoch=10)
         report["losses"] = train(model, optimizer, x, y, 10)
     else:
+        chosen = None
+        if trainer.mesh is not None:  # a layout the user chose for one weight must survive the load
+            import torch_xla
+            import torch_xla.distributed.spmd as xs
+
+            head = model[1].weight
+            xs.clear_sharding(head)
+            xs.mark_sharding(head, trainer.mesh, (None, trainer.mesh.axis_names[0]))
+            chosen = torch_xla._XLAC._get_xla_sharding_spec(head)
         values = trainer.load_checkpoint(DIRECTORY, model=model, optimizer=optimizer)
+        if chosen is not None:
+            report["user_sharding_kept"] = [chosen] * 2 == [torch_xla._XLAC._get_xla_sharding_spec(t)
+                                                            for t in (head, optimizer.state[head]["exp_avg"])]
         saved = st.consolidate_checkpoint(DIRECTORY)
         report["bitwise"] = all(torch.equal(getattr(v, "full_tensor", lambda: v)().cpu(), saved["model"][k]) for k, v in model.state_dict().items())
         report["epoch"] = values["epoch"]

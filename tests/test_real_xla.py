@@ -149,6 +149,7 @@ def test_checkpoint_reshards_on_load(tmp_path, saved_as, loaded_as):
     loaded = reshard_side(loaded_as, "load", tmp_path)
     assert loaded["bitwise"] and loaded["epoch"] == 10
     assert loaded.get("sharded", True), "fsdp parameters and their optimizer state are sharded again after loading"
+    assert loaded.get("user_sharding_kept", True), "a weight the user sharded keeps that layout, and so does its Adam state"
     assert not (loaded_as in ("eager", "gloo2") and loaded["torch_xla_imported"])
     diff = max(abs(a - b) for a, b in zip(saved["losses"], loaded["losses"]))
     assert diff <= 1e-5, f"resumed {loaded['losses']} vs uninterrupted {saved['losses']}"
