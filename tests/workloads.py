@@ -16,7 +16,6 @@ random weights: nothing is downloaded.
 
 import contextlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -31,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [p for p in (ROOT, HERE) if p not in sys.path]
 
+import scenarios  # noqa: E402  (the real tier's helpers)
 import seamless_tpu as st  # noqa: E402
 
 XLA_VARS = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "SEAMLESS_TPU_DEVICE", "XLA_FLAGS")
@@ -73,6 +73,20 @@ def compiles(trainer):
     return trainer.compile_stats()["compiles"] if trainer else 0
 
 
+def plain_steps(trainer, model, optimizer, batches, loss_of):
+    """The user's loop, one optimizer step per batch: losses stay on the device until the end, and
+    the compile count is taken after every step."""
+    losses, counts = [], []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = loss_of(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        counts.append(compiles(trainer))
+    return {"losses": host(losses), "compiles": counts}
+
+
 def host(losses):
     """Device losses -> floats, once, at the end: no host sync inside the loop."""
     return [float(v) for v in torch.stack([loss.float() for loss in losses]).cpu()]
@@ -94,24 +108,6 @@ def assert_flat(counts, after, what):
     """UncachedCompile recorded after every step must stop growing after step `after` (1-based)."""
     print(f"{what}: UncachedCompile after each step {counts}")
     assert counts[after - 1] == counts[-1], f"{what}: compiles grew after step {after}: {counts}"
-
-
-class CapturedWarnings(logging.Handler):
-    """seamless_tpu's log warnings, collected."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logging.getLogger(st.__name__).addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger(st.__name__).removeHandler(self)
 
 
 def quiet():
@@ -263,17 +259,9 @@ def resnet_loop(xla, steps=4):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(steps)]
     model.train()
-    losses, counts = [], []
-    for x, y in batches:
-        x, y = on_device(trainer, x, y)
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-        counts.append(compiles(trainer))
-    return {"losses": host(losses), "compiles": counts, "bn_running_var": bn_running_var(trainer),
-            "bn1_running_var": model.bn1.running_var.cpu().tolist()}
+    moved = (on_device(trainer, x, y) for x, y in batches)  # one batch at a time, inside the loop
+    result = plain_steps(trainer, model, optimizer, moved, lambda m, xy: F.cross_entropy(m(xy[0]), xy[1]))
+    return {**result, "bn_running_var": bn_running_var(trainer), "bn1_running_var": model.bn1.running_var.cpu().tolist()}
 
 
 def resnet_eager():
@@ -351,11 +339,11 @@ def gan_eager():
 
 def gan_two_optimizers():
     want = eager_reference("gan_two_optimizers")
-    with CapturedWarnings() as caught:
+    with scenarios.Warnings() as caught:
         got = gan_loop(True)
     # The eval forward stays pending and compiles into the next step's graph once: a stable loop,
     # which the watchdog must not warn about.
-    assert not [m for m in caught.messages if "compiled" in m], caught.messages
+    assert not caught.recompiles, caught.messages
     assert_close(got["d_losses"], want["d_losses"], 1e-5, "GAN discriminator losses vs eager")
     assert_close(got["g_losses"], want["g_losses"], 1e-5, "GAN generator losses vs eager")
     assert_close(got["evals"], want["evals"], 1e-5, "GAN eval metrics vs eager")
@@ -390,15 +378,7 @@ def checkpoint_mlp_loop(xla, use_reentrant, steps=6):
     trainer = trainer_for(model, xla)
     g = torch.Generator().manual_seed(1)
     x, y = on_device(trainer, torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))
-    losses, counts = [], []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-        counts.append(compiles(trainer))
-    return {"losses": host(losses), "compiles": counts}
+    return plain_steps(trainer, model, optimizer, [(x, y)] * steps, lambda m, xy: F.mse_loss(m(xy[0]), xy[1]))
 
 
 def checkpoint_torch_utils_eager():
@@ -421,16 +401,8 @@ def hf_checkpoint_loop(xla, use_reentrant, steps=5):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trainer = trainer_for(model, xla)
-    ds = TokenBatches(LM_BATCH * steps, seed=2)
-    losses, counts = [], []
-    for batch in loader_on(trainer, torch.utils.data.DataLoader(ds, batch_size=LM_BATCH)):
-        optimizer.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-        counts.append(compiles(trainer))
-    return {"losses": host(losses), "compiles": counts}
+    loader = loader_on(trainer, torch.utils.data.DataLoader(TokenBatches(LM_BATCH * steps, seed=2), batch_size=LM_BATCH))
+    return plain_steps(trainer, model, optimizer, loader, lambda m, batch: m(**batch).loss)
 
 
 def checkpoint_hf_eager():
