@@ -214,9 +214,9 @@ def shim_overhead(variant, reps=20000):
 
 
 def local_bytes(tensor, devices):
-    """Bytes of `tensor` held by each device, from the shapes of its shards (the helper of
-    tests/scenarios.py). A tensor with no sharding spec is replicated: every device holds all of it
-    (torch_xla refuses to list its shards)."""
+    """Bytes of `tensor` held by each device, from the shapes of its shards. A tensor with no
+    sharding spec is replicated: every device holds all of it (torch_xla refuses to list its shards).
+    tests/scenarios.py asserts the fsdp memory ratio with device_bytes too."""
     import torch_xla
 
     if not torch_xla._XLAC._get_xla_sharding_spec(tensor):

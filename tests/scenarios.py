@@ -381,11 +381,6 @@ def mixed_device_optimizer_is_synced():
     assert len(syncs) == 3, f"{len(syncs)} syncs for 3 steps"
 
 
-def local_bytes(tensor):
-    """Bytes of `tensor` held by each device."""
-    return [shard.numel() * shard.element_size() for shard, _ in _xla()._XLAC._get_local_shards([tensor])[0]]
-
-
 def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):
     """Trains `model` with strategy='fsdp' and AdamW; returns (losses, per-device bytes of params +
     optimizer state, the same replicated, compile counts per step, host transfers per step)."""
@@ -402,16 +397,15 @@ def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):
         stats = trainer.compile_stats()
         compiles.append(stats["compiles"])
         transfers.append(stats["device_to_host_transfers"])
-    __import__("torch_xla.core.xla_model", fromlist=["_"]).wait_device_ops()  # shards are readable once the step ran
-    tensors = list(model.parameters()) + [v for state in optimizer.state.values() for v in state.values() if v.dim()]
+    from bench.bench import device_bytes  # the benchmark's count: bytes per device from the shards' shapes
+
+    held = device_bytes(model, optimizer)
     for name, p in model.named_parameters():
         if p.dim() == 2:
             spec = sharding(p)
             assert spec.startswith("{devices=[") and sorted(spec.split("]")[1].rstrip("}").split(",")) == ["0", "1", "2", "3"] \
                 and ("4,1]" in spec or "1,4]" in spec), f"{name} is not split over all 4 devices: {spec}"
-    per_device = max(sum(local_bytes(t)[d] for t in tensors) for d in range(4))
-    replicated = sum(t.numel() * t.element_size() for t in tensors)
-    return torch.stack([l.cpu() for l in losses]), per_device, replicated, compiles, transfers
+    return torch.stack([l.cpu() for l in losses]), max(held["per_device"]), held["replica"], compiles, transfers
 
 
 def transformer(seed=0):
