@@ -1,44 +1,33 @@
 """seamless_tpu: one plain PyTorch training loop on TPU (XLA SPMD), GPU or CPU, and under Ray Train.
 
-Usage (the optimizer may be created before the model moves, as most loops do):
+    trainer = SeamlessTPUTrainer(model)          # TPU, then GPU, then CPU; the optimizer may predate it
+    x, y = trainer.to_device(x, y)               # on XLA: dim 0 split over the mesh's batch axes
+    loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step ends in torch_xla.sync()
 
-    trainer = SeamlessTPUTrainer(model)          # picks TPU, then GPU, then CPU
-    x, y = trainer.to_device(x, y)               # on XLA: batch dim sharded over the mesh
-    loss_fn(model(x), y).backward(); optimizer.step()   # on XLA the step ends in torch_xla.sync()
+strategy="fsdp" shards every parameter (XLA: over the mesh's "fsdp" axis; torch.distributed: FSDP2).
+trainer.save_checkpoint / load_checkpoint write atomic sharded checkpoints that reshard onto any device,
+mesh and strategy; consolidate_checkpoint(dir) gives plain CPU state_dicts. TorchConfig / TorchTrainer
+run the loop under Ray Train. Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another
+PJRT device, e.g. PJRT_DEVICE=CPU CPU_NUM_DEVICES=4), "gpu", "cpu". torch_xla and ray load only when used.
 
-SeamlessTPUTrainer(model, strategy="fsdp") shards every parameter over the XLA mesh's "fsdp" axis
-(with torch.distributed on GPU/CPU: over the ranks, with torch's FSDP2);
-trainer.save_checkpoint(dir, model=..., optimizer=..., epoch=...) writes a sharded, atomically
-committed checkpoint that trainer.load_checkpoint reshards onto any device, mesh and strategy, and
-consolidate_checkpoint(dir) turns into plain CPU state_dicts.
+Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu or a torch.device string); PJRT_DEVICE (only a value
+the user set: torch_xla's import writes a guess); TPU_ACCELERATOR_TYPE (named in errors); RANK (without a
+process group or XLA: which process logs at info and writes trainer.save); LOCAL_RANK (the CUDA device);
+TPU_VISIBLE_CHIPS (warned about on Ray workers). Env set, only where unset: PJRT_DEVICE on first XLA use;
+on Ray "xla_tpu" workers also MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+NODE_RANK, TPU_WORKER_ID, TPU_WORKER_HOSTNAMES. (torch_xla itself sets XLA_USE_SPMD=1.)
 
-Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another PJRT device, e.g.
-PJRT_DEVICE=CPU CPU_NUM_DEVICES=4), "gpu" (CUDA), "cpu". torch_xla and ray are imported only when
-a code path needs them, so this file can be copied alone into a project that has neither.
-
-Environment variables read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu or a torch.device string),
-PJRT_DEVICE (only as the user set it: torch_xla's import writes its own guess, which is ignored),
-TPU_ACCELERATOR_TYPE (named in errors), RANK / LOCAL_RANK (logging and CUDA device choice),
-TPU_VISIBLE_CHIPS (warning).
-Set only where unset: PJRT_DEVICE when an XLA device is requested; and, by the Ray "xla_tpu" backend
-on each worker, PJRT_DEVICE, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, NODE_RANK, TPU_WORKER_ID, TPU_WORKER_HOSTNAMES. torch_xla itself sets
-XLA_USE_SPMD=1 when SPMD is enabled.
+Process-wide changes, made on first XLA use (get_device, a trainer, or to_device on XLA): SPMD on (one-way);
+torch.__future__.set_swap_module_params_on_conversion(True), so model.to keeps Parameter objects and an
+optimizer built earlier still trains; a torch.xla device module (torch's checkpoint needs its RNG state);
+torch.utils.checkpoint.CheckpointFunction and _CheckpointFrame.__init__ routed so that XLA recomputation
+sits behind an optimization barrier; global optimizer-step hooks (the sync, the recompile watchdog). With
+FSDP2 off XLA: one pre-step hook that rebinds optimizers built before the trainer. Nothing at import.
 """
 
 __all__ = [
-    "get_device",
-    "device_type",
-    "is_xla_backend",
-    "to_device",
-    "SeamlessTPUTrainer",
-    "parse_topology",
-    "mesh_shape_for",
-    "create_xla_mesh",
-    "get_xla_mesh",
-    "consolidate_checkpoint",
-    "TorchConfig",
-    "TorchTrainer",
+    "get_device", "device_type", "is_xla_backend", "to_device", "SeamlessTPUTrainer", "parse_topology",
+    "mesh_shape_for", "create_xla_mesh", "get_xla_mesh", "consolidate_checkpoint", "TorchConfig", "TorchTrainer",
 ]
 
 import collections
@@ -50,6 +39,7 @@ import functools
 import glob
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -70,18 +60,20 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 logger = logging.getLogger(__name__)
 
-# --- constants and flags -------------------------------------------------------------------------
+# --- 1. constants --------------------------------------------------------------------------------
 
 ENV_DEVICE = "SEAMLESS_TPU_DEVICE"
 DEVICE_KINDS = ("auto", "tpu", "xla", "gpu", "cpu")
-XLA_KINDS = ("tpu", "xla")
-XLA_BACKENDS = ("xla_tpu", "xla")
+XLA_DEVICE_KINDS = ("tpu", "xla")  # device kinds that run on torch_xla
+RAY_XLA_BACKENDS = ("xla_tpu", "xla")  # TorchConfig(backend=...) names that pick the torch_xla backend
 PRECISIONS = (None, "fp32", "bf16")
+STRATEGIES = ("ddp", "fsdp")  # replicate the parameters, or shard them over FSDP_AXIS
 SPMD_CONFIG_KEYS = ("mesh_shape", "axis_names", "data_parallel_size", "model_parallel_size")
-MODEL_AXES = ("model",)  # axes that carry model parallelism; an explicit mesh's other axes shard the batch
-CHECKPOINT_POINTER = "LATEST"  # names the committed step directory; a save that never wrote it never happened
-STRATEGIES = ("ddp", "fsdp")  # replicate the parameters, or shard them over the mesh's FSDP_AXIS
 FSDP_AXIS = "fsdp"
+MODEL_AXES = ("model",)  # axes that split the model; batches are split over every other axis
+CHECKPOINT_POINTER = "LATEST"  # names the committed save attempt; a save that never wrote it never happened
+SAVE_ATTEMPT = re.compile(r"(save|step)-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
+                                                          # ('step-' is how releases before this one named it)
 WARMUP_STEPS = 2  # step 1 compiles the step graph, step 2 the one with optimizer state; then stable
 LATE_COMPILES_TO_WARN = 2  # one late compile is a one-off (an eval pass folded into the next step, an
                            # epoch's short last batch), cached from then on; a second means shapes keep changing
@@ -90,10 +82,65 @@ _INSTALL = {
     "ray": "pip install 'ray[train]'",
 }
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as PCI devices of this vendor on TPU VMs
-_TOPOLOGY_RE = re.compile(r"[0-9]+(x[0-9]+){1,2}")  # used with fullmatch: '$' would allow a trailing newline
 MAX_TOPOLOGY_CHIPS = 65536  # the largest TPU slices hold under 10k chips; more is a typo
+# fullmatch ('$' would allow a trailing newline); at most 5 digits a dimension, so int() never sees
+# a string past Python's 4300-digit conversion limit.
+_TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")
 
-# --- lazy imports and probes ---------------------------------------------------------------------
+# --- 2. process state ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _ProcessState:
+    """Everything this module remembers between calls. Tests swap in a fresh one (_reset_caches)."""
+
+    xla_device: torch.device = None  # the activated XLA device; None until first XLA use
+    xla_kind: str = None  # "tpu" or "xla": what it was activated as
+    mesh: object = None  # the process's SPMD mesh: get_xla_mesh()
+    batch_sharding: object = None  # how to_device() splits batches over `mesh`
+    user_pjrt_values: set = dataclasses.field(default_factory=set)  # PJRT_DEVICE seen before torch_xla loaded
+    env_we_set: dict = dataclasses.field(default_factory=dict)  # written on the user's behalf, never over theirs
+    group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
+    optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # name -> handle of a global step hook
+    torch_patches: list = dataclasses.field(default_factory=list)  # undo functions (see the header)
+    watchdog: object = None  # the _CompileWatchdog, from first XLA use
+    rebound: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    # ^ optimizer -> parameter count when _place_optimizer_state last ran for it (FSDP2 rebinding)
+    warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
+    activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
+
+
+_STATE = _ProcessState()
+
+
+def _once(key):
+    """True the first time `key` is asked for in this process: one-time warnings."""
+    if key in _STATE.warned:
+        return False
+    _STATE.warned.add(key)
+    return True
+
+
+def _log(msg, *args, main=None):
+    """Rank 0 (or `main`) logs at info, the other ranks at debug, so N workers do not print N copies."""
+    level = logging.INFO if (_is_main_process() if main is None else main) else logging.DEBUG
+    logger.log(level, msg, *args)
+
+
+def _add_step_hook(name, when, hook):
+    """Install a global optimizer-step hook once per process (when: 'pre' or 'post')."""
+    if name not in _STATE.optimizer_hooks:
+        register = register_optimizer_step_pre_hook if when == "pre" else register_optimizer_step_post_hook
+        _STATE.optimizer_hooks[name] = register(hook)
+
+
+def _patch(owner, name, value):
+    """owner.name = value for this process, remembering how to undo it (_reset_caches)."""
+    old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, value)
+    _STATE.torch_patches.append(lambda: setattr(owner, name, old))
+
+# --- 3. lazy imports and probes ------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,33 +197,61 @@ def _initial_environ():
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
 
 
-_PJRT_SEEN = set()  # PJRT_DEVICE values seen while torch_xla was not loaded: the user's own
-_ENV_WE_SET = {}  # env values this module (the Ray hook, XLA activation) wrote on the user's behalf
-_GROUP_WE_STARTED = []  # the process group the Ray xla_tpu hook started (only that one is destroyed)
-
-
 def _note_user_pjrt():
     if "torch_xla" not in sys.modules and os.environ.get("PJRT_DEVICE"):
-        _PJRT_SEEN.add(os.environ["PJRT_DEVICE"])
+        _STATE.user_pjrt_values.add(os.environ["PJRT_DEVICE"])
 
 
 def _user_pjrt_device():
-    """PJRT_DEVICE as the user chose it, or None ('' counts as unset).
-
-    Importing torch_xla (which transformers, accelerate and others do whenever it is installed)
-    writes a default PJRT_DEVICE (CPU, CUDA, TPU, ...). Such a value is torch_xla's guess, not the
-    user's choice: it counts only if it was there before torch_xla was imported.
-    """
+    """PJRT_DEVICE as the user chose it, or None ('' counts as unset). Importing torch_xla (which
+    transformers and others do whenever it is installed) writes a default: torch_xla's guess, not
+    the user's choice, so a value counts only if it was there before torch_xla was imported."""
     _note_user_pjrt()
     value = os.environ.get("PJRT_DEVICE") or None
     if value is None or "torch_xla" not in sys.modules:
         return value
-    if value in _PJRT_SEEN or _ENV_WE_SET.get("PJRT_DEVICE") == value or _initial_environ().get("PJRT_DEVICE") == value:
+    if (value in _STATE.user_pjrt_values or _STATE.env_we_set.get("PJRT_DEVICE") == value
+            or _initial_environ().get("PJRT_DEVICE") == value):
         return value
     return None
 
 
-_note_user_pjrt()
+_note_user_pjrt()  # a value set before this import is the user's, whatever loads torch_xla later
+
+
+def _torch_dist_ranks():
+    """(world size, rank) of torch.distributed, or (1, 0) when it is not running."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _is_main_process():
+    """Rank 0 of torch.distributed, else of torch_xla's processes, else of RANK."""
+    size, rank = _torch_dist_ranks()
+    if size > 1:
+        return rank == 0
+    if _STATE.xla_device is not None:
+        return _import("torch_xla.runtime").process_index() == 0
+    return os.environ.get("RANK", "0") in ("0", "")
+
+
+_CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
+
+
+def _reset_caches():
+    """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
+    global _STATE
+    for probe in _CACHED_PROBES:
+        probe.cache_clear()
+    for handle in _STATE.optimizer_hooks.values():
+        handle.remove()
+    for undo in reversed(_STATE.torch_patches):
+        undo()
+    _STATE = _ProcessState()
+
+# --- 4. device detection -------------------------------------------------------------------------
 
 
 def _tpu_present():
@@ -186,10 +261,14 @@ def _tpu_present():
     return _tpu_chip_count() > 0
 
 
+def _auto_xla_kind():
+    return "tpu" if _tpu_present() else "xla"
+
+
 def _auto_kind():
     # Not cached: the answer must follow the user's env, and it costs a few dict lookups.
-    if _XLA is not None:
-        return _XLA_KIND
+    if _STATE.xla_device is not None:
+        return _STATE.xla_kind
     if _xla_installed():
         if _tpu_present():
             return "tpu"
@@ -198,11 +277,6 @@ def _auto_kind():
     if torch.cuda.is_available():
         return "gpu"
     return "cpu"
-
-
-_CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
-
-# --- device detection ----------------------------------------------------------------------------
 
 
 def _as_request(kind):
@@ -221,7 +295,7 @@ def _resolve_kind(kind=None):
     kind = _as_request(kind if kind is not None else (os.environ.get(ENV_DEVICE) or "auto"))
     if isinstance(kind, torch.device):
         if kind.type == "xla":
-            return _XLA_KIND if _XLA is not None else _auto_xla_kind()
+            return _STATE.xla_kind if _STATE.xla_device is not None else _auto_xla_kind()
         if kind.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device {str(kind)!r} was requested but torch.cuda.is_available() is False; use 'auto' or 'cpu'")
         return "gpu" if kind.type == "cuda" else "cpu"
@@ -230,7 +304,7 @@ def _resolve_kind(kind=None):
     requested = kind.lower()
     if requested == "auto":
         return _auto_kind()
-    if requested in XLA_KINDS and not _xla_installed():
+    if requested in XLA_DEVICE_KINDS and not _xla_installed():
         raise ImportError(f"device {requested!r} needs torch_xla, which is not installed: {_INSTALL['torch_xla']}")
     if requested == "tpu" and not _tpu_present():
         hint = os.environ.get("TPU_ACCELERATOR_TYPE")
@@ -245,32 +319,26 @@ def _resolve_kind(kind=None):
     return requested
 
 
-def _auto_xla_kind():
-    return "tpu" if _tpu_present() else "xla"
-
-
 def device_type():
     """'tpu', 'xla', 'gpu' or 'cpu': what get_device() would use. Creates nothing, writes no env."""
     return _resolve_kind(None)
 
 
 def is_xla_backend():
-    return device_type() in XLA_KINDS
+    return device_type() in XLA_DEVICE_KINDS
 
 
 def get_device(kind=None):
-    """The torch.device for `kind` (auto|tpu|xla|gpu|cpu; default SEAMLESS_TPU_DEVICE, else auto).
-
-    A torch.device is passed through. On XLA this is the moment SPMD is switched on (before any
-    XLA tensor can exist) and the process mesh is built.
-    """
+    """The torch.device for `kind` (auto|tpu|xla|gpu|cpu; default SEAMLESS_TPU_DEVICE, else auto). A
+    torch.device is passed through. On XLA this switches SPMD on (before any XLA tensor can exist)
+    and builds the process mesh."""
     request = _as_request(kind if kind is not None else os.environ.get(ENV_DEVICE) or None)
     kind = _resolve_kind(kind)
     if isinstance(request, torch.device) and request.type != "xla":
         return request
-    if kind in XLA_KINDS:
+    if kind in XLA_DEVICE_KINDS:
         device = _activate_xla(kind)
-        if _MESH is None:
+        if _STATE.mesh is None:
             create_xla_mesh()
         return device
     if kind == "gpu":
@@ -280,40 +348,18 @@ def get_device(kind=None):
     return torch.device("cpu")
 
 
-def _torch_dist_ranks():
-    """(world size, rank) of torch.distributed, or (1, 0) when it is not running."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
+def _is_xla(device):
+    return _STATE.xla_device is not None and device.type == _STATE.xla_device.type
+
+# --- 5. moving data ------------------------------------------------------------------------------
 
 
-def _is_main_process():
-    size, rank = _torch_dist_ranks()
-    if size > 1:
-        return rank == 0
-    if _XLA is not None:
-        return _import("torch_xla.runtime").process_index() == 0
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _log(msg, *args):
-    """Rank 0 logs at info, the other ranks at debug, so N workers do not print N copies."""
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.DEBUG
-    logger.log(level, msg, *args)
-
-
-# --- moving data ---------------------------------------------------------------------------------
-
-
-def _apply(obj, on_tensor, on_other=None):
+def _map_tensors(obj, on_tensor, on_other=None):
     """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means.
-
-    Objects with their own .to go to `on_other` (when given) and are never rebuilt from their
-    parts: PackedSequence, HF BatchEncoding, modules. Containers keep their types where they can be
-    rebuilt, else become the plain dict/list/tuple. Dataclasses are copied field by field without
-    running __init__ or __post_init__. Everything else passes through unchanged.
-    """
+    Objects with their own .to go to `on_other` (when given), never rebuilt from their parts:
+    PackedSequence, HF BatchEncoding, modules. Containers keep their types where they can be rebuilt,
+    else become the plain dict/list/tuple. Dataclasses are copied field by field without __init__
+    or __post_init__, forgetting values cached from their old fields. All else passes unchanged."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
     if on_other is not None and callable(getattr(obj, "to", None)) and not isinstance(obj, type):
@@ -321,7 +367,7 @@ def _apply(obj, on_tensor, on_other=None):
         return obj if moved is None else moved  # in-place movers (.to returns None) stay themselves
 
     def recurse(v):
-        return _apply(v, on_tensor, on_other)
+        return _map_tensors(v, on_tensor, on_other)
 
     if isinstance(obj, Mapping):
         items = {k: recurse(v) for k, v in obj.items()}
@@ -338,15 +384,26 @@ def _apply(obj, on_tensor, on_other=None):
         return _rebuild(type(obj), [recurse(v) for v in obj], list if isinstance(obj, list) else tuple)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)  # no __init__: __post_init__, InitVar and init=False fields stay as they are
+        for name in _cached_values(new):
+            del vars(new)[name]  # computed from the old fields; the next access computes it from the moved ones
         for f in dataclasses.fields(obj):
             object.__setattr__(new, f.name, recurse(getattr(obj, f.name)))  # frozen ones too
         return new
     return obj
 
 
+def _cached_values(obj):
+    """Names in obj's instance dict that a caching descriptor of its class wrote there: a non-data
+    descriptor that is no method (functools.cached_property, and the many built like it)."""
+    def caches(attr):
+        return (hasattr(type(attr), "__get__") and not hasattr(type(attr), "__set__")
+                and not isinstance(attr, (types.FunctionType, staticmethod, classmethod)))
+    return [name for name in getattr(obj, "__dict__", ()) if caches(inspect.getattr_static(type(obj), name, None))]
+
+
 def _rebuild(cls, items, plain):
-    """cls(items), or the plain container when cls cannot be built from one (MappingProxyType, a
-    list subclass with required arguments)."""
+    """cls(items), or the plain container when cls cannot be built from the moved items alone (a
+    subclass whose constructor needs other arguments). MappingProxyType(dict) rebuilds itself."""
     if cls is plain:
         return plain(items)
     try:
@@ -364,37 +421,26 @@ def _mover(device, sharding=None):
 
 def _move(objs, device, sharding=None):
     on_tensor = _mover(device, sharding)
-    moved = tuple(_apply(o, on_tensor, lambda m: _own_to(m, device)) for o in objs)
+    moved = tuple(_map_tensors(o, on_tensor, lambda obj: _move_by_own_to(obj, device)) for o in objs)
     return moved[0] if len(moved) == 1 else moved
 
 
-def _own_to(obj, device):
-    if _is_xla(device) and not isinstance(obj, torch.nn.Module) and not _WARNED.get("own_to"):
-        _WARNED["own_to"] = True
+def _move_by_own_to(obj, device):
+    if _is_xla(device) and not isinstance(obj, torch.nn.Module) and _once("own_to"):
         logger.warning("seamless_tpu: %s is moved by its own .to(), so its tensors are replicated on every "
                        "device instead of split over the mesh; pass dict(batch) to have them sharded", type(obj).__name__)
     return obj.to(device)
 
 
 def to_device(*objs, device=None):
-    """Move tensors, nested batches (dict, list, tuple, namedtuple, dataclass) and modules to `device`.
-
-    One argument returns it moved; several return a tuple. On XLA with the default device, every
-    tensor's dim 0 is sharded over the mesh's batch axes, so each device computes its own slice.
-    """
+    """Move tensors, nested batches (dict, list, tuple, namedtuple, dataclass) and modules to `device`
+    (default: get_device()'s choice). One argument returns it moved; several return a tuple. On XLA,
+    every tensor's dim 0 is split over the process mesh's batch axes: each device computes its slice."""
     target = get_device(device)
-    sharding = _batch_sharding() if _is_xla(target) else None
+    sharding = _STATE.batch_sharding if _is_xla(target) else None
     return _move(objs, target, sharding)
 
-
-# --- mesh and SPMD -------------------------------------------------------------------------------
-
-_XLA = None  # the activated XLA device; None until get_device() first resolves to tpu/xla
-_XLA_KIND = None  # 'tpu' or 'xla': what _XLA was activated as
-_MESH = None  # the process mesh: get_xla_mesh()
-_SHARDING = None  # how inputs are sharded over _MESH: dim 0 over its batch axes
-_HOOKS = []  # global optimizer hooks installed on XLA activation
-_WARNED = {}  # one-time warnings already given in this process
+# --- 6. mesh validation (pure: no torch_xla, no devices) -----------------------------------------
 
 
 def _positive_int(name, value):
@@ -405,12 +451,19 @@ def _positive_int(name, value):
     return value
 
 
+def _shown(value, limit=80):
+    """repr(value), cut to `limit` characters: a message must not quote 5,000 characters back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def parse_topology(topology):
     """'2x2' -> (2, 2), '2x2x1' -> (2, 2, 1): a TPU slice's chip layout."""
     if not isinstance(topology, str):
-        raise TypeError(f"topology must be a str like '2x2' or '2x2x1', got {topology!r} ({type(topology).__name__})")
+        raise TypeError(f"topology must be a str like '2x2' or '2x2x1', got {_shown(topology)} ({type(topology).__name__})")
     if not _TOPOLOGY_RE.fullmatch(topology):
-        raise ValueError(f"topology must look like 'AxB' or 'AxBxC' with positive ints (e.g. '2x2', '4x4x4'), got {topology!r}")
+        raise ValueError(f"topology must look like 'AxB' or 'AxBxC' with positive ints of at most 5 digits "
+                         f"(e.g. '2x2', '4x4x4'), got {_shown(topology)}")
     dims = tuple(int(d) for d in topology.split("x"))
     if 0 in dims:
         raise ValueError(f"topology dimensions must be positive, got {topology!r}")
@@ -446,15 +499,12 @@ def _mesh_from_config(config, num_devices):
         if not shape:
             raise ValueError("mesh_shape must have at least one dimension, got []")
     elif dp is not None or mp is not None:
-        if dp is None:
-            dp = num_devices // mp if num_devices % mp == 0 else 0
-        mp = mp if mp is not None else (num_devices // dp if num_devices % dp == 0 else 0)
+        dp = dp if dp is not None else num_devices // mp
+        mp = mp if mp is not None else num_devices // dp
         if dp * mp != num_devices:
-            raise ValueError(
-                f"data_parallel_size x model_parallel_size must equal the device count: "
-                f"{config.get('data_parallel_size')} x {config.get('model_parallel_size')} != {num_devices} devices; "
-                "pick sizes whose product is the device count"
-            )
+            raise ValueError(f"data_parallel_size x model_parallel_size must equal the device count: "
+                             f"{config.get('data_parallel_size')} x {config.get('model_parallel_size')} != {num_devices} devices; "
+                             "pick sizes whose product is the device count")
         shape = (dp, mp)
     else:
         shape = (num_devices,)
@@ -467,31 +517,27 @@ def _mesh_from_config(config, num_devices):
     if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
         raise ValueError(f"axis_names must be unique non-empty strings, got {names!r}")
     if math.prod(shape) != num_devices:
-        raise ValueError(
-            f"mesh_shape {shape!r} holds {math.prod(shape)} devices but the runtime has {num_devices}; "
-            "the product of mesh_shape must equal the device count"
-        )
+        raise ValueError(f"mesh_shape {shape!r} holds {math.prod(shape)} devices but the runtime has {num_devices}; "
+                         "the product of mesh_shape must equal the device count")
     # The sizes must describe this mesh as the trainer uses it, whatever the axes are called:
     # axes named in MODEL_AXES carry the model, all others split the batch.
     model_size = math.prod(n for name, n in zip(names, shape) if name in MODEL_AXES)
     actual = {"data_parallel_size": math.prod(shape) // model_size, "model_parallel_size": model_size}
     for key, size in (("data_parallel_size", dp), ("model_parallel_size", mp)):
         if size is not None and size != actual[key]:
-            raise ValueError(
-                f"xla_spmd_config contradicts itself: {key}={size}, but mesh_shape {shape!r} with axis_names "
-                f"{names!r} has data-parallel size {actual['data_parallel_size']} (axes not named {MODEL_AXES}) "
-                f"and model-parallel size {actual['model_parallel_size']} (axes named {MODEL_AXES}); drop {key} or fix the mesh"
-            )
+            raise ValueError(f"xla_spmd_config contradicts itself: {key}={size}, but mesh_shape {shape!r} with axis_names "
+                             f"{names!r} has data-parallel size {actual['data_parallel_size']} (axes not named {MODEL_AXES}) "
+                             f"and model-parallel size {actual['model_parallel_size']} (axes named {MODEL_AXES}); drop {key} or fix the mesh")
     return shape, names
 
 
 def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_config=None, strategy="ddp"):
     """(mesh_shape, axis_names) for an SPMD mesh. Pure: needs no torch_xla.
-
-    "ddp": 1 process x N devices -> (N,), ("data",); P processes x L devices each -> (P, L), ("data", "model").
-    "fsdp": (N,), ("fsdp",); P x L -> (P, L), ("data", "fsdp"): data parallel across hosts, parameters
-    sharded within a host. An explicit xla_spmd_config wins (for "fsdp" it needs an "fsdp" axis).
-    A topology is checked against the device count, never trusted for it (a v7 chip holds 2 devices).
+    "ddp": (N,), ("data",) however many processes hold the N devices.
+    "fsdp": (N,), ("fsdp",); P processes x L devices each -> (P, L), ("data", "fsdp"): data parallel
+    across hosts, parameters sharded within a host. An explicit xla_spmd_config wins (for "fsdp" it
+    needs an "fsdp" axis). A topology is checked against the device count, never trusted for it
+    (a v7 chip holds 2 devices).
     """
     _check_strategy(strategy)
     _positive_int("num_devices", num_devices)
@@ -501,20 +547,19 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
     if topology is not None:
         chips = math.prod(parse_topology(topology))
         if num_devices % chips:
-            raise ValueError(
-                f"topology {topology!r} has {chips} chips but the runtime has {num_devices} devices; "
-                "the device count must be the chip count (or a multiple: 2 devices per chip on v7). "
-                "Check the slice you are on or drop the topology"
-            )
+            raise ValueError(f"topology {topology!r} has {chips} chips but the runtime has {num_devices} devices; "
+                             "the device count must be the chip count (or a multiple: 2 devices per chip on v7). "
+                             "Check the slice you are on or drop the topology")
     if xla_spmd_config is not None:
         shape, names = _mesh_from_config(xla_spmd_config, num_devices)
         if strategy == "fsdp":
             _check_fsdp_axis(names, "xla_spmd_config")
         return shape, names
-    fsdp = strategy == "fsdp"
+    if strategy == "ddp":
+        return (num_devices,), ("data",)
     if num_processes == 1:
-        return (num_devices,), (FSDP_AXIS if fsdp else "data",)
-    return (num_processes, num_devices // num_processes), ("data", FSDP_AXIS if fsdp else "model")
+        return (num_devices,), (FSDP_AXIS,)
+    return (num_processes, num_devices // num_processes), ("data", FSDP_AXIS)
 
 
 def _check_strategy(strategy):
@@ -524,10 +569,69 @@ def _check_strategy(strategy):
 
 def _check_fsdp_axis(names, where):
     if FSDP_AXIS not in tuple(names or ()):
-        raise ValueError(
-            f"strategy='fsdp' shards parameters over a mesh axis named {FSDP_AXIS!r}, but {where} has axes "
-            f"{tuple(names or ())!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or use strategy='ddp'"
-        )
+        raise ValueError(f"strategy='fsdp' shards parameters over a mesh axis named {FSDP_AXIS!r}, but {where} has axes "
+                         f"{tuple(names or ())!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or use strategy='ddp'")
+
+
+def _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    _check_strategy(strategy)
+    if strategy == "fsdp" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("strategy='fsdp' shards the parameters itself and cannot work inside DDP; pass the "
+                         "plain module (model.module), or use strategy='ddp' to keep your DDP wrapper")
+    if mesh is not None and xla_spmd_config is not None:
+        raise ValueError("pass either mesh= (a built Mesh) or xla_spmd_config= (to build one), not both")
+
+
+def _spmd_config_devices(config):
+    """A device count that an xla_spmd_config can be checked against before any device exists."""
+    if not isinstance(config, Mapping):
+        return 1  # _mesh_from_config names what is wrong with it
+    shape = config.get("mesh_shape")
+    if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
+        return math.prod(shape)  # anything else: _mesh_from_config names what is wrong with it
+    dp, mp = config.get("data_parallel_size") or 1, config.get("model_parallel_size") or 1
+    return dp * mp
+
+
+def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
+    """Before any Ray worker starts: the slice must hold exactly num_workers x TPU-per-worker chips."""
+    if topology is None:
+        return
+    chips = math.prod(parse_topology(topology))
+    requested = num_workers * tpu_per_worker
+    if requested != chips:
+        raise ValueError(f"ScalingConfig asks for num_workers={num_workers} x TPU per worker={tpu_per_worker} = "
+                         f"{requested:g} chips, but topology {topology!r} has {chips} chips. The xla_tpu backend runs "
+                         "one SPMD process per TPU host holding all of its chips: set num_workers to the number of "
+                         f"hosts and resources_per_worker={{'TPU': chips per host}} so they multiply to {chips}.")
+
+# --- 7. XLA activation and the torch patches -----------------------------------------------------
+
+
+def _activate_xla(kind):
+    """First XLA use: SPMD on, autograd ready, torch patched, step hooks in. Idempotent, across threads too."""
+    with _STATE.activation_lock:
+        if _STATE.xla_device is not None:
+            return _STATE.xla_device
+        if _user_pjrt_device() is None:  # unset, '', or torch_xla's own guess: ours to choose
+            pjrt = "TPU" if kind == "tpu" else (os.environ.get("PJRT_DEVICE") or "CPU")
+            _STATE.env_we_set["PJRT_DEVICE"] = os.environ["PJRT_DEVICE"] = pjrt
+            _log("seamless_tpu: set PJRT_DEVICE=%s", pjrt)
+        torch_xla = _import("torch_xla")
+        _enable_spmd()
+        # The device count must be known before the first backward on XLA, or autograd has no
+        # queue for the device (INTERNAL ASSERT device_ready_queues_); the query starts the runtime.
+        _import("torch_xla.runtime").global_runtime_device_count()
+        device = torch_xla.device()
+        _check_autograd_ready(device)
+        _patch_torch_for_xla()
+        _STATE.watchdog = _CompileWatchdog()
+        _add_step_hook("xla_before_step", "pre", _before_xla_step)
+        _add_step_hook("xla_after_step", "post", _after_xla_step)
+        _STATE.xla_device, _STATE.xla_kind = device, kind
+        return device
 
 
 def _enable_spmd():
@@ -544,100 +648,10 @@ def _enable_spmd():
         what = ("XLA tensors were created" if created else
                 "an XLA device was requested (torch_xla.device(), or the deprecated xla_device of "
                 "xla_model; accelerate's PartialState() and Accelerator() call it)")
-        raise RuntimeError(
-            f"{what} before seamless_tpu switched on SPMD. torch_xla 2.9 cannot switch to SPMD after "
-            "that: training then segfaults. Create the SeamlessTPUTrainer, or call "
-            "seamless_tpu.get_device(), first, before anything touches an XLA device."
-        )
+        raise RuntimeError(f"{what} before seamless_tpu switched on SPMD. torch_xla 2.9 cannot switch to SPMD after "
+                           "that: training then segfaults. Create the SeamlessTPUTrainer, or call "
+                           "seamless_tpu.get_device(), first, before anything touches an XLA device.")
     xr.use_spmd()
-
-
-_ACTIVATION = threading.RLock()  # first use may come from several threads (loader workers, servers)
-
-
-def _activate_xla(kind):
-    """First XLA use in this process: SPMD on, autograd ready, optimizer hooks in. Idempotent,
-    also when several threads get here at once."""
-    global _XLA, _XLA_KIND
-    with _ACTIVATION:
-        if _XLA is not None:
-            return _XLA
-        if _user_pjrt_device() is None:  # unset, '', or torch_xla's own guess: ours to choose
-            pjrt = "TPU" if kind == "tpu" else (os.environ.get("PJRT_DEVICE") or "CPU")
-            _ENV_WE_SET["PJRT_DEVICE"] = os.environ["PJRT_DEVICE"] = pjrt
-            _log("seamless_tpu: set PJRT_DEVICE=%s", pjrt)
-        torch_xla = _import("torch_xla")
-        xr = _import("torch_xla.runtime")
-        _enable_spmd()
-        # The device count must be known before the first backward on XLA, or autograd has no
-        # queue for the device (INTERNAL ASSERT device_ready_queues_); the query starts the runtime.
-        xr.global_runtime_device_count()
-        device = torch_xla.device()
-        _check_autograd_ready(device)
-        # model.to(xla) would otherwise make new Parameter objects and strand an optimizer built
-        # before the move: the loop would run and silently never train.
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        _enable_xla_checkpointing()
-        _HOOKS.append(register_optimizer_step_pre_hook(_xla_step_pre_hook))
-        _HOOKS.append(register_optimizer_step_post_hook(_xla_step_post_hook))
-        _XLA, _XLA_KIND = device, kind
-        return device
-
-
-def _enable_xla_checkpointing():
-    """Make torch.utils.checkpoint (and transformers' gradient checkpointing) work on XLA in both
-    use_reentrant modes, and save memory there. Process-wide, like torch_xla's own patches; CPU/GPU
-    tensors take torch's code unchanged.
-
-    - torch's checkpoint looks up the device module torch.xla for the RNG state, which torch_xla
-      2.9 never registers (AttributeError). Ours saves and restores the XLA seed, so a recomputed
-      dropout draws the same mask (without it the gradients are silently wrong).
-    - XLA's common-subexpression pass merges a plain recomputation back into the forward: nothing
-      is saved. use_reentrant=True goes to torch_xla's CheckpointFunction, whose optimization
-      barrier also covers the incoming gradients (39% less memory on a 4-block MLP, against 11-17%
-      for a barrier on the inputs alone). use_reentrant=False, which torch_xla lacks, gets the
-      barrier on its recompute inputs, the most its frame can reach.
-    # TODO(remove when torch_xla registers torch.xla and supports use_reentrant=False)
-    """
-    ckpt = importlib.import_module("torch.utils.checkpoint")
-    if getattr(ckpt, "_seamless_tpu_patched", False):
-        return
-    xm = _import("torch_xla.core.xla_model")
-    if not hasattr(torch, "xla"):
-        module = types.ModuleType("torch.xla")
-        module._initialized = True  # torch saves a device's RNG state only for an initialised module
-        module.is_available = lambda: True
-        module.device_count = lambda: 1
-        module.current_device = lambda: 0
-        module.device = lambda device=None: contextlib.nullcontext()
-        module.get_rng_state = lambda device=None: xm.get_rng_state()  # an unsigned 64-bit seed: kept as int
-        module.set_rng_state = lambda state, device=None: xm.set_rng_state(state)
-        torch._register_device_module("xla", module)
-
-    def is_xla(t):
-        return isinstance(t, torch.Tensor) and t.device.type == "xla"
-
-    torch_function, xla_function = ckpt.CheckpointFunction, _import("torch_xla.utils.checkpoint").CheckpointFunction
-
-    class RoutedCheckpointFunction:  # checkpoint() looks the name up per call: transformers' bound copy too
-        @staticmethod
-        def apply(function, preserve_rng_state, *args):
-            chosen = xla_function if any(map(is_xla, args)) else torch_function
-            return chosen.apply(function, preserve_rng_state, *args)
-
-    ckpt.CheckpointFunction = RoutedCheckpointFunction
-    frame_init = ckpt._CheckpointFrame.__init__
-
-    def init_with_barrier(self, recompute_fn, *args, **kwargs):
-        def recompute(kwargs_of_fn, *inputs):
-            inputs = [t.detach().requires_grad_(t.requires_grad) if is_xla(t) else t for t in inputs]
-            if any(map(is_xla, inputs)):
-                xm.optimization_barrier_([t for t in inputs if is_xla(t)])
-            return recompute_fn(kwargs_of_fn, *inputs)
-        frame_init(self, recompute, *args, **kwargs)
-
-    ckpt._CheckpointFrame.__init__ = init_with_barrier
-    ckpt._seamless_tpu_patched = True
 
 
 def _check_autograd_ready(device):
@@ -648,17 +662,116 @@ def _check_autograd_ready(device):
     except RuntimeError as e:
         if "device_ready_queues_" not in str(e):
             raise
-        raise RuntimeError(
-            "a backward() ran on CPU in this process before XLA was initialised, and torch's "
-            "autograd engine now has no queue for XLA devices, so every XLA backward would fail. "
-            "Create the SeamlessTPUTrainer (or call seamless_tpu.get_device()) before the first "
-            "CPU backward, e.g. before computing an eager reference in the same process."
-        ) from e
+        raise RuntimeError("a backward() ran on CPU in this process before XLA was initialised, and torch's "
+                           "autograd engine now has no queue for XLA devices, so every XLA backward would fail. "
+                           "Create the SeamlessTPUTrainer (or call seamless_tpu.get_device()) before the first "
+                           "CPU backward, e.g. before computing an eager reference in the same process.") from e
+
+
+def _patch_torch_for_xla():
+    """The process-wide changes the header lists, each undone by _reset_caches; CPU/GPU tensors keep
+    torch's own code paths. Why each: model.to(xla) would make new Parameters and strand an optimizer
+    built before the move (the loop runs and never trains). torch.utils.checkpoint needs a torch.xla
+    module for the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a
+    recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back into the
+    forward, saving nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier
+    also covers the incoming gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone);
+    use_reentrant=False, which torch_xla lacks, gets the barrier on its recompute inputs.
+    # TODO(remove the checkpoint parts when torch_xla registers torch.xla and supports use_reentrant=False)
+    """
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    _STATE.torch_patches.append(lambda: torch.__future__.set_swap_module_params_on_conversion(swap))
+    xm = _import("torch_xla.core.xla_model")
+    if not hasattr(torch, "xla"):
+        module = types.ModuleType("torch.xla")  # the RNG state is the XLA seed, an unsigned 64-bit int
+        module.__dict__.update(  # torch saves a device's RNG state only for an _initialized module
+            _initialized=True, is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0,
+            device=lambda device=None: contextlib.nullcontext(), get_rng_state=lambda device=None: xm.get_rng_state(),
+            set_rng_state=lambda state, device=None: xm.set_rng_state(state))
+        torch._register_device_module("xla", module)
+        _STATE.torch_patches.append(lambda: (delattr(torch, "xla"), sys.modules.pop("torch.xla", None)))
+
+    ckpt = importlib.import_module("torch.utils.checkpoint")
+    if getattr(ckpt.CheckpointFunction, "routes_xla", False):  # patched by an earlier process state
+        return
+
+    def is_xla(t):
+        return isinstance(t, torch.Tensor) and t.device.type == "xla"
+
+    torch_function, xla_function = ckpt.CheckpointFunction, _import("torch_xla.utils.checkpoint").CheckpointFunction
+
+    class RoutedCheckpointFunction:  # checkpoint() looks the name up per call: transformers' bound copy too
+        routes_xla = True
+
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            chosen = xla_function if any(map(is_xla, args)) else torch_function
+            return chosen.apply(function, preserve_rng_state, *args)
+
+    frame_init = ckpt._CheckpointFrame.__init__
+
+    def init_with_barrier(self, recompute_fn, *args, **kwargs):
+        def recompute(kwargs_of_fn, *inputs):
+            inputs = [t.detach().requires_grad_(t.requires_grad) if is_xla(t) else t for t in inputs]
+            if any(map(is_xla, inputs)):
+                xm.optimization_barrier_([t for t in inputs if is_xla(t)])
+            return recompute_fn(kwargs_of_fn, *inputs)
+        frame_init(self, recompute, *args, **kwargs)
+
+    _patch(ckpt, "CheckpointFunction", RoutedCheckpointFunction)
+    _patch(ckpt._CheckpointFrame, "__init__", init_with_barrier)
+
+
+class _CompileWatchdog:
+    """Counts XLA compilations inside optimizer steps; warns once per process when, after each
+    optimizer's warm-up, steps keep compiling. Evaluation graphs between steps are not counted."""
+
+    def __init__(self):
+        self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken on XLA
+        self.late_compiles = 0  # steps after warm-up that compiled
+        self._before = 0
+
+    def before_step(self, met):
+        self._before = met.counter_value("UncachedCompile") or 0
+
+    def after_step(self, optimizer, met):
+        step = self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
+        compiled = (met.counter_value("UncachedCompile") or 0) - self._before
+        self.late_compiles += bool(compiled and step > WARMUP_STEPS)
+        if self.late_compiles >= LATE_COMPILES_TO_WARN and _once("recompiles"):
+            logger.warning(
+                "seamless_tpu: step %d compiled %d new XLA graph(s) after warm-up. Each recompile "
+                "stalls training. Likely causes: input shapes that change between steps (a smaller "
+                "last batch: use trainer.prepare_data_loader, which drops it), Python control flow "
+                "on tensor values, or .item()/print(tensor) inside the step. PT_XLA_DEBUG=1 names the cause.",
+                step, compiled,
+            )
+
+
+def _steps_on_xla(optimizer):
+    # Any XLA parameter needs the sync, or its graph grows without bound; the first usually answers.
+    return any(_is_xla(p.device) for group in optimizer.param_groups for p in group["params"])
+
+
+def _before_xla_step(optimizer, args, kwargs):
+    if _steps_on_xla(optimizer):
+        _STATE.watchdog.before_step(_import("torch_xla.debug.metrics"))
+
+
+def _after_xla_step(optimizer, args, kwargs):
+    if _steps_on_xla(optimizer):
+        # Sync point: compiles (first time) and runs forward+backward+step as one graph.
+        _import("torch_xla").sync()
+        _STATE.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
+
+# --- 8. meshes, batch sharding, FSDPv2 on XLA ----------------------------------------------------
 
 
 def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
-    """Build the torch_xla SPMD Mesh from the runtime's counts (checked against the arguments) and
-    make it this process's mesh (get_xla_mesh())."""
+    """Build the torch_xla SPMD Mesh for this runtime and make it the process mesh (get_xla_mesh()).
+    The device count comes from the runtime: num_devices and topology are checked against it.
+    num_processes (default: the runtime's process count) picks the default "fsdp" mesh's layout."""
     xr = _import("torch_xla.runtime")
     xs = _import("torch_xla.distributed.spmd")
     np = _import("numpy")  # a torch_xla dependency, so present whenever torch_xla is
@@ -669,57 +782,58 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     processes = num_processes if num_processes is not None else xr.process_count()
     shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config, strategy=strategy)
     mesh = xs.Mesh(np.arange(runtime_devices), shape, names)
-    _set_mesh(mesh, explicit=xla_spmd_config is not None)
-    _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _SHARDING.axes)
+    _set_mesh(mesh)
+    _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _STATE.batch_sharding.axes)
     return mesh
 
 
-def _set_mesh(mesh, explicit):
-    global _MESH, _SHARDING
-    _MESH, _SHARDING = mesh, _BatchSharding.for_mesh(mesh, explicit)
+def _set_mesh(mesh):
+    _STATE.mesh, _STATE.batch_sharding = mesh, _BatchSharding.for_mesh(mesh)
     _import("torch_xla.distributed.spmd").set_global_mesh(mesh)
 
 
 def get_xla_mesh():
     """The SPMD mesh in use in this process, or None (not on XLA, or not set up yet)."""
-    return _MESH
+    return _STATE.mesh
 
 
-def _clear_mesh():
-    global _MESH, _SHARDING
-    _MESH = _SHARDING = None
-
-
-def _partition_spec(ndim, axes):
-    if ndim == 0:
-        return ()
-    head = axes[0] if len(axes) == 1 else tuple(axes)
-    return (head,) + (None,) * (ndim - 1)
+def _trainer_mesh(device, mesh, xla_spmd_config, strategy):
+    """(mesh, batch sharding) that a trainer keeps for its life: the one it was given, built, or
+    found. A later trainer or create_xla_mesh may replace the process mesh; this one stays."""
+    if not _is_xla(device):
+        if mesh is not None or xla_spmd_config is not None:
+            raise ValueError(f"mesh/xla_spmd_config apply to XLA devices only, but the device is {device}")
+        return None, None
+    if mesh is not None:
+        if strategy == "fsdp":
+            _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
+        _set_mesh(mesh)
+    elif xla_spmd_config is not None or strategy == "fsdp":
+        create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
+    return _STATE.mesh, _STATE.batch_sharding
 
 
 class _BatchSharding:
     """A sharding spec for whole batches: dim 0 over the batch axes, whatever each tensor's rank.
-
     torch_xla's ShardingSpec fits one rank only and silently leaves the others replicated (a 1-D
-    label tensor beside 2-D features, under MpDeviceLoader). send_cpu_data_to_device, which
-    MpDeviceLoader calls, needs only `xla_spec(tensor)` and `minibatch`, so this delegates to one
-    real ShardingSpec per rank.
-    """
+    label beside 2-D features, under MpDeviceLoader), whose send_cpu_data_to_device needs only
+    `xla_spec(tensor)` and `minibatch`: this keeps one real ShardingSpec per rank, built on first use."""
 
     def __init__(self, mesh, axes, minibatch=False):
         self.mesh, self.axes, self.minibatch = mesh, axes, minibatch
         self._by_rank = {}
 
     @classmethod
-    def for_mesh(cls, mesh, explicit=True):
-        """All axes of a mesh derived from the counts; all but the model axes of one the user chose."""
+    def for_mesh(cls, mesh):
+        """Every axis but the model axes; all of them when the mesh has nothing else."""
         names = tuple(mesh.axis_names or range(len(mesh.mesh_shape)))
-        batch = tuple(n for n in names if n not in MODEL_AXES) if explicit else names
+        batch = tuple(n for n in names if n not in MODEL_AXES)
         # Multi-host SPMD: each host feeds only its slice of the global batch.
         return cls(mesh, batch or names, minibatch=_import("torch_xla.runtime").process_count() > 1)
 
     def spec_for(self, ndim):
-        return _partition_spec(ndim, self.axes)
+        head = self.axes[0] if len(self.axes) == 1 else tuple(self.axes)
+        return (head,) + (None,) * (ndim - 1) if ndim else ()
 
     def xla_spec(self, tensor):
         spec = self._by_rank.get(tensor.dim())
@@ -727,12 +841,6 @@ class _BatchSharding:
             xs = _import("torch_xla.distributed.spmd")
             spec = self._by_rank[tensor.dim()] = xs.ShardingSpec(self.mesh, self.spec_for(tensor.dim()), minibatch=self.minibatch)
         return spec.xla_spec(tensor)
-
-
-def _batch_sharding(mesh=None):
-    if mesh is None or mesh is _MESH:
-        return _SHARDING
-    return _BatchSharding.for_mesh(mesh)
 
 
 def _to_xla(tensor, device, sharding):
@@ -759,449 +867,56 @@ def _fsdp_spec(shape, shards):
 
 def _shard_parameters(module, mesh):
     """FSDPv2 over the SPMD mesh: every parameter sharded along one dimension over the fsdp axis,
-    replicated over the others. XLA's sharding propagation gives the gradients and the optimizer
-    state the same sharding, and inserts the all-gathers and reduce-scatters in the step graph.
-    Parameters the user sharded already are left as they are."""
+    replicated over the others. XLA's sharding propagation gives the gradients the same sharding,
+    and inserts the all-gathers and reduce-scatters in the step graph. Parameters the user split
+    already are left as they are."""
     xs = _import("torch_xla.distributed.spmd")
-    xlac = _import("torch_xla")._XLAC
     shards = dict(zip(mesh.axis_names, mesh.mesh_shape))[FSDP_AXIS]
     for param in module.parameters():
-        if param.dim() and not xlac._get_xla_sharding_spec(param):
+        if param.dim() and not _is_split(param):
             xs.mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
 
 
-# --- the training-loop helper --------------------------------------------------------------------
-
-
-class _Watchdog:
-    """Counts XLA compilations inside optimizer steps; warns once per process when, after each
-    optimizer's warm-up, steps keep compiling. Evaluation graphs between steps are not counted."""
-
-    def __init__(self):
-        self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken on XLA
-        self.late_compiles = 0  # steps after warm-up that compiled
-        self.warned = False
-        self._before = 0
-
-    def before_step(self, met):
-        self._before = met.counter_value("UncachedCompile") or 0
-
-    def after_step(self, optimizer, met):
-        step = self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
-        compiled = (met.counter_value("UncachedCompile") or 0) - self._before
-        self.late_compiles += bool(compiled and step > WARMUP_STEPS)
-        if self.late_compiles >= LATE_COMPILES_TO_WARN and not self.warned:
-            self.warned = True
-            logger.warning(
-                "seamless_tpu: step %d compiled %d new XLA graph(s) after warm-up. Each recompile "
-                "stalls training. Likely causes: input shapes that change between steps (a smaller "
-                "last batch: use trainer.prepare_data_loader, which drops it), Python control flow "
-                "on tensor values, or .item()/print(tensor) inside the step. PT_XLA_DEBUG=1 names the cause.",
-                step, compiled,
-            )
-
-
-_WATCHDOG = _Watchdog()
-
-
-def _is_xla(device):
-    return _XLA is not None and device.type == _XLA.type
-
-
-def _on_xla(optimizer):
-    # Any XLA parameter needs the sync, or its graph grows without bound; the first usually answers.
-    return any(_is_xla(p.device) for group in optimizer.param_groups for p in group["params"])
-
-
-def _xla_step_pre_hook(optimizer, args, kwargs):
-    if _on_xla(optimizer):
-        _WATCHDOG.before_step(_import("torch_xla.debug.metrics"))
-
-
-def _xla_step_post_hook(optimizer, args, kwargs):
-    if _on_xla(optimizer):
-        # Sync point: compiles (first time) and runs forward+backward+step as one graph.
-        _import("torch_xla").sync()
-        _WATCHDOG.after_step(optimizer, _import("torch_xla.debug.metrics"))
-
-
-def _move_optimizer_state(optimizer, device):
-    for state in optimizer.state.values():
-        for k, v in state.items():
-            # Adam keeps a CPU scalar 'step' on purpose unless capturable/fused; leave 0-d tensors be.
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                state[k] = v.to(device)
-
-
-def _average_gradients(params):
-    """All-reduce and average grads in one flat buffer: every rank ends with identical grads."""
-    dist = torch.distributed
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat)
-    flat.div_(dist.get_world_size())
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
-
-
-class SeamlessTPUTrainer:
-    """Puts `model` on the best device and makes the user's plain loop correct there.
-
-    - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over
-      its fsdp axis (strategy="fsdp"), every optimizer.step() ends in torch_xla.sync() (the compiler
-      inserts the collectives), recompilation watchdog.
-    - GPU/CPU with torch.distributed initialised (Ray, torchrun): DDP (strategy="ddp") or torch's
-      FSDP2 (strategy="fsdp"), each rank its share of the data.
-    """
-
-    def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
-                 drop_last=None, strategy="ddp"):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        _check_strategy(strategy)
-        if strategy == "fsdp" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError("strategy='fsdp' shards the parameters itself and cannot work inside DDP; pass the "
-                             "plain module (model.module), or use strategy='ddp' to keep your DDP wrapper")
-        if mesh is not None and xla_spmd_config is not None:
-            raise ValueError("pass either mesh= (a built Mesh) or xla_spmd_config= (to build one), not both")
-        self.device = get_device(device)
-        self.kind = _resolve_kind(self.device)
-        self.precision = precision
-        self.drop_last = drop_last
-        self.strategy = strategy
-        self.mesh = None
-        on_xla = _is_xla(self.device)
-        if on_xla:
-            if mesh is not None:
-                if strategy == "fsdp":
-                    _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
-                _set_mesh(mesh, explicit=True)
-            elif xla_spmd_config is not None or strategy == "fsdp":
-                create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
-            self.mesh = get_xla_mesh()
-        elif mesh is not None or xla_spmd_config is not None:
-            raise ValueError(f"mesh/xla_spmd_config apply to XLA devices only, but the device is {self.device}")
-        distributed = not on_xla and _torch_dist_ranks()[0] > 1
-        if strategy == "fsdp" and not on_xla and not distributed and not _WARNED.get("fsdp_single"):
-            _WARNED["fsdp_single"] = True
-            _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
-        model.to(self.device)
-        if strategy == "fsdp" and self.mesh is not None:
-            _shard_parameters(model, self.mesh)
-        if optimizer is not None:
-            _move_optimizer_state(optimizer, self.device)
-        self.model = model
-        self._ddp_forward_seen = False
-        self._hook = None
-        self._sharded = {}  # id(a parameter before fully_shard) -> (weakref to it, the DTensor that replaced it)
-        self._adopted = weakref.WeakSet()  # optimizers already moved over to the DTensors
-        if distributed and strategy == "fsdp":
-            self._fully_shard(model)
-            if optimizer is not None:
-                self._adopt(optimizer)
-        elif distributed:
-            self._wrap_ddp(model)
-
-    def _before_every_step(self, method):
-        """method(self, optimizer) before each optimizer.step() in the process, while this trainer lives."""
-        trainer = weakref.ref(self)
-
-        def pre_step(optimizer, args, kwargs):
-            t = trainer()
-            if t is not None:
-                method(t, optimizer)
-
-        self._hook = register_optimizer_step_pre_hook(pre_step)
-        weakref.finalize(self, self._hook.remove)
-
-    def _fully_shard(self, model):
-        """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its
-        own, gathered just before its forward and freed after, then the root holds the rest.
-
-        fully_shard replaces every parameter with a new DTensor one, so an optimizer made before the
-        trainer holds parameters the model no longer uses: each optimizer is moved over to the new
-        ones before its first step (or when passed to the trainer or to load_checkpoint)."""
-        fsdp = importlib.import_module("torch.distributed.fsdp")
-        device_mesh = importlib.import_module("torch.distributed.device_mesh")
-        mesh = device_mesh.init_device_mesh(self.device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
-        before = dict(model.named_parameters())
-        blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
-        for block in reversed(blocks):  # innermost first: a unit must not already hold another's parameters
-            if next(block.parameters(), None) is not None:
-                fsdp.fully_shard(block, mesh=mesh)
-        fsdp.fully_shard(model, mesh=mesh)
-        after = dict(model.named_parameters())
-        self._sharded = {id(p): (weakref.ref(p), after[name]) for name, p in before.items() if after[name] is not p}
-        self._before_every_step(SeamlessTPUTrainer._adopt)
-
-    def _adopt(self, optimizer):
-        """Point `optimizer` at the FSDP2 parameters that replaced the ones it was built with."""
-        if not self._sharded or optimizer in self._adopted:
-            return
-        self._adopted.add(optimizer)
-        for group in optimizer.param_groups:
-            for i, p in enumerate(group["params"]):
-                ref, new = self._sharded.get(id(p), (None, None))
-                if ref is not None and ref() is p:
-                    group["params"][i] = new
-                    if p in optimizer.state:  # state loaded before the trainer existed: split it the same way
-                        optimizer.state[new] = {k: _placed_like(v, new, k) for k, v in optimizer.state.pop(p).items()}
-
-    def _wrap_ddp(self, model):
-        DDP = torch.nn.parallel.DistributedDataParallel
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        # A model the user wrapped already is used as is: wrapping twice all-reduces twice.
-        self.model = model if isinstance(model, DDP) else DDP(model, device_ids=ids)
-        self.model.register_forward_pre_hook(self._saw_ddp_forward)
-        self._param_ids = {id(p) for p in self.model.module.parameters()}
-        # The seed loops call the original module, which bypasses DDP's reducer; average the
-        # gradients at the step instead so the ranks stay in lockstep either way.
-        self._before_every_step(SeamlessTPUTrainer._sync_unreduced_grads)
-
-    def _saw_ddp_forward(self, module, args):
-        # DDP's reducer only runs for forwards that will be backpropagated (not eval, not no_sync).
-        if torch.is_grad_enabled() and module.require_backward_grad_sync:
-            self._ddp_forward_seen = True
-
-    def _sync_unreduced_grads(self, optimizer):
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not any(id(p) in self._param_ids for p in params):
-            return
-        if not self._ddp_forward_seen:
-            _average_gradients(params)
-        self._ddp_forward_seen = False
-
-    def to_device(self, *objs):
-        """Like to_device(); on XLA every tensor's dim 0 is sharded over this trainer's mesh."""
-        sharding = _batch_sharding(self.mesh) if _is_xla(self.device) else None
-        return _move(objs, self.device, sharding)
-
-    def prepare_data_loader(self, loader, drop_last=None):
-        """Wrap `loader` so batches arrive on the device (sharded on XLA) and, with several
-        workers, each rank reads a disjoint part of the dataset.
-
-        On XLA the last incomplete batch is dropped by default: its new shape would compile a
-        second graph (seconds to minutes on TPU). Pass drop_last=False (here or to the trainer)
-        to keep it.
-        """
-        drop_last = self.drop_last if drop_last is None else drop_last
-        drop_last = _is_xla(self.device) if drop_last is None else drop_last
-        loader = _rebuild_loader(loader, drop_last, self.device)
-        return _DeviceLoader(loader, self)
-
-    def autocast(self):
-        """Context for the forward pass: bf16 autocast when precision='bf16', else a no-op."""
-        if self.precision != "bf16":
-            return contextlib.nullcontext()
-        device_type = "xla" if self.kind in XLA_KINDS else ("cuda" if self.kind == "gpu" else "cpu")
-        return torch.autocast(device_type, dtype=torch.bfloat16)
-
-    def save(self, obj, path):
-        """Sync, copy to CPU, write from process 0 only. The file loads on any device, with the
-        model's own keys (no DDP or torch.compile prefixes). The write is atomic: a crash mid-save
-        leaves the previous file. Every rank returns, or raises the same error, together."""
-        if _is_xla(self.device):
-            _import("torch_xla").sync()
-        cpu = _apply(_state_dicts(obj), lambda t: _full_tensor(t).detach().to("cpu"))
-        error = None
-        if _is_main_process():
-            try:
-                _atomic_save(cpu, path)
-            except Exception as e:  # shared with every rank below, then raised here too
-                error = e
-        _same_outcome_on_every_rank(error, f"trainer.save(..., {path!r})")
-        return path
-
-    def save_checkpoint(self, directory, **state):
-        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states).
-
-        Every process writes only the shards it holds (torch.distributed.checkpoint; on XLA with
-        torch_xla's SPMD planner). It is committed by replacing `directory/LATEST` atomically, so
-        a crash at any point leaves the previous checkpoint loadable. Returns `directory`.
-        """
-        directory = os.fspath(directory)
-        if not state:
-            raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, optimizer=optimizer, epoch=epoch)")
-        if _is_xla(self.device):
-            _import("torch_xla").sync()
-        step, error = None, None
-        if _is_main_process():
-            try:
-                os.makedirs(directory, exist_ok=True)
-                step = f"step-{os.getpid()}-{time.time_ns()}"
-            except Exception as e:  # shared with every rank below
-                error = e
-        _same_outcome_on_every_rank(error, f"save_checkpoint({directory!r})")
-        step = _broadcast_from_main(step)
-        path = os.path.join(directory, step)
-        tensors = {k: _state_dicts(v) for k, v in state.items() if _is_stateful(v)}
-        plain = {k: v for k, v in state.items() if not _is_stateful(v)}
-        error = None
-        try:
-            dcp = importlib.import_module("torch.distributed.checkpoint")  # part of torch, slow to import: on use
-            planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner() if _is_xla(self.device) else None
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner)
-        except Exception as e:
-            error = e
-        if error is None and _is_main_process():
-            try:
-                _atomic_save(plain, os.path.join(path, "values.pt"))
-                _commit_checkpoint(directory, step)
-            except Exception as e:
-                error = e
-        _same_outcome_on_every_rank(error, f"save_checkpoint({directory!r})")
-        return directory
-
-    def load_checkpoint(self, directory, **state):
-        """Load modules and optimizers saved by save_checkpoint in place, onto this trainer's device,
-        mesh and strategy, whatever they were at save time. Returns the plain values (epoch, ...).
-
-        The checkpoint is consolidated on the CPU first (each process reads all of it), so any
-        saved layout loads into any current one.
-        """
-        directory = os.fspath(directory)
-        for name, obj in state.items():
-            if not _is_stateful(obj):
-                raise TypeError(f"load_checkpoint loads modules and optimizers in place; {name!r} is a "
-                                f"{type(obj).__name__}. Plain values come back from the call instead")
-        saved, plain = _read_checkpoint(directory)
-        for name, obj in state.items():
-            if name not in saved:
-                raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds {sorted(saved)}")
-            if isinstance(obj, torch.nn.Module):
-                module = _unwrap(obj)
-                current = module.state_dict()
-                _check_state_matches(current, saved[name], f"{name!r} in {directory!r}")
-                kept = _xla_shardings(module.parameters())
-                module.load_state_dict({k: _placed_like(v, current[k]) for k, v in saved[name].items()})
-                _mark_shardings(kept)
-            else:
-                self._adopt(obj)
-                params = [p for group in obj.param_groups for p in group["params"]]
-                per_param = saved[name].get("state", {})
-                for i, values in per_param.items():
-                    if isinstance(i, int) and i < len(params):
-                        per_param[i] = {k: _placed_like(v, params[i], k) for k, v in values.items()}
-                obj.load_state_dict(saved[name])
-                # Each state tensor of its parameter's shape (Adam's moments) is laid out as that parameter.
-                _mark_shardings((v, sharding) for p, sharding in _xla_shardings(params) for v in obj.state.get(p, {}).values()
-                                if isinstance(v, torch.Tensor) and v.shape == p.shape)
-        return plain
-
-    def compile_stats(self):
-        """XLA compiles, cached compiles, executions and device->host transfers (all 0 off XLA)."""
-        if not _is_xla(self.device):
-            return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
-        met = _import("torch_xla.debug.metrics")
-        transfers = met.metric_data("TransferFromDeviceTime")
-        return {
-            "compiles": met.counter_value("UncachedCompile") or 0,
-            "cached_compiles": met.counter_value("CachedCompile") or 0,
-            "executions": met.counter_value("ExecuteReplicated") or 0,
-            "device_to_host_transfers": transfers[0] if transfers else 0,
-        }
-
-
-def _unwrap(module):
-    """The user's own module inside DDP and torch.compile wrappers, nested in any order."""
-    while True:
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
-            module = module._orig_mod
-        else:
-            return module
-
-
-def _state_dicts(obj):
-    """Modules and optimizers (also as values of a dict) become their state_dicts, with the
-    model's own keys: a submodule compiled on its own adds '_orig_mod.' inside the keys."""
-    if isinstance(obj, torch.nn.Module):
-        state = _unwrap(obj).state_dict()
-        if any("_orig_mod." in k for k in state):
-            state = type(state)((k.replace("_orig_mod.", ""), v) for k, v in state.items())
-        return state
-    if isinstance(obj, torch.optim.Optimizer):
-        return obj.state_dict()
-    if isinstance(obj, Mapping):
-        return {k: _state_dicts(v) for k, v in obj.items()}
-    return obj
-
-
 def _xla_shardings(tensors):
-    """(tensor, its sharding) for each sharded XLA tensor: loading a state_dict swaps replicated
-    tensors into parameters and optimizer state (a whole copy on every device: 4x the memory of an
-    fsdp shard on 4 devices), so the layout is taken before and given back after, whoever chose it."""
+    """(tensor, its sharding) of each sharded XLA tensor: given back after a load_state_dict swaps in
+    replicated tensors (a whole copy per device: 4x an fsdp shard on 4 devices)."""
     tensors = [t for t in tensors if _is_xla(t.device)]
     if not tensors:
         return []
     xlac = _import("torch_xla")._XLAC
-    return [(t, sharding) for t in tensors if (sharding := xlac._get_xla_op_sharding(t))]
+    return [(t, sharding) for t in tensors if (sharding := xlac._get_xla_op_sharding(t)) is not None]
 
 
 def _mark_shardings(pairs):
+    """Give each tensor its sharding, unless something split it already."""
     for tensor, sharding in pairs:
-        if _is_xla(tensor.device):
+        if _is_xla(tensor.device) and not _is_split(tensor):
             _import("torch_xla")._XLAC._xla_mark_sharding(tensor, sharding)
 
 
-def _full_tensor(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2 DTensor: a collective, every rank calls it
+def _is_split(tensor):
+    # XLA marks every tensor that a replicated graph computed "{replicated}": nobody chose that.
+    return _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor) not in ("", "{replicated}")
 
 
-def _placed_like(value, like, key=None):
-    """A full tensor from a checkpoint, split the way `like` (an FSDP2 DTensor) is; anything else as is.
-    Every rank holds the same full value, so each keeps its own part and nothing is sent."""
-    mesh = getattr(like, "device_mesh", None)
-    if (mesh is None or key == "step" or not isinstance(value, torch.Tensor) or hasattr(value, "device_mesh")
-            or value.shape != like.shape):
-        return value
-    dtensor = importlib.import_module("torch.distributed.tensor")
-    return dtensor.distribute_tensor(value.to(like.device), mesh, like.placements, src_data_rank=None)
+def _device_bytes(tensors):
+    """Bytes of `tensors` on each device. On XLA from the shards' shapes (xm.get_memory_info does
+    not work under SPMD); a tensor with no sharding is whole on every device. Off XLA, this rank's
+    local part (an FSDP2 DTensor's shard)."""
+    tensors = list(tensors)
+    if _STATE.xla_device is None:
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        return [sum(t.numel() * t.element_size() for t in local)]
+    xlac = _import("torch_xla")._XLAC
+    _import("torch_xla.core.xla_model").wait_device_ops()  # shards are readable once the step that made them ran
+    per_device = [0] * _import("torch_xla.runtime").global_runtime_device_count()
+    for t in tensors:  # torch_xla lists no shards of a tensor without a sharding: it is whole everywhere
+        shards = xlac._get_local_shards([t])[0] if xlac._get_xla_sharding_spec(t) else [(t, None)] * len(per_device)
+        for i, (shard, _) in enumerate(shards):
+            per_device[i] += shard.numel() * shard.element_size()
+    return per_device
 
-
-def _atomic_save(obj, path):
-    """torch.save `obj` to `path` atomically (a file object is written as given: its owner decides)."""
-    if not isinstance(path, (str, os.PathLike)):
-        torch.save(obj, path)
-        return
-    _atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def _atomic_write(path, write):
-    """write(f) into a temporary sibling, fsync, rename: `path` holds the old file or the new one,
-    never a torn one, whatever kills the process (os.replace is atomic on POSIX and Windows)."""
-    path = os.path.abspath(os.fspath(path))
-    directory = os.path.dirname(path)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"cannot save to {path!r}: the directory {directory!r} does not exist; create it first (os.makedirs)")
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:  # created with the user's umask, as torch.save would
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def _same_outcome_on_every_rank(error, what):
-    """Process 0 tells every rank whether `what` worked; all raise if it did not. This is also
-    the barrier: nobody reads a checkpoint before it is complete, and nobody hangs on a failure."""
-    size, rank = _torch_dist_ranks()
-    if size > 1:
-        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-        torch.distributed.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None and error is None:
-            raise RuntimeError(f"{what} failed on process 0: {outcome[0]}")
-    if error is not None:
-        raise error
+# --- 9. data loading -----------------------------------------------------------------------------
 
 
 def _loader_ranks(device):
@@ -1220,12 +935,9 @@ def _plain_sampler(sampler):
 
 
 def _rebuild_loader(loader, drop_last, device):
-    """`loader` split over the ranks, with fixed batch shapes where asked.
-
-    Each rank gets its share of exactly what the user's sampling yields: RandomSampler and
-    SequentialSampler take the DistributedSampler fast path; any other sampler, batch sampler or
-    IterableDataset is split by batches (_ShardedBatches).
-    """
+    """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of
+    exactly what the user's sampling yields: RandomSampler and SequentialSampler take the
+    DistributedSampler fast path; other samplers, batch samplers and IterableDatasets are split by batches."""
     data = torch.utils.data
     replicas, rank = _loader_ranks(device)
     if not isinstance(loader, data.DataLoader):
@@ -1236,11 +948,8 @@ def _rebuild_loader(loader, drop_last, device):
     own_batches = loader.batch_size is None  # a user batch_sampler (or an iterable yielding batches)
     if replicas == 1 and (drop_last == loader.drop_last or own_batches):
         return loader
-    kwargs = dict(
-        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-    )
+    kwargs = {k: getattr(loader, k) for k in ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                                              "generator", "persistent_workers")}
     if loader.num_workers:
         kwargs.update(prefetch_factor=loader.prefetch_factor, multiprocessing_context=loader.multiprocessing_context)
     if iterable:
@@ -1264,11 +973,10 @@ def _rebuild_loader(loader, drop_last, device):
 
 
 class _ShardedBatches:
-    """Rank r of n takes batches r, r+n, r+2n, ... of `batches` (a batch sampler, or a loader over
-    an IterableDataset), so together the ranks see what the user's sampling yields, each batch
-    once. Every rank gets the same number of batches, or a collective would hang: an incomplete
-    last round is dropped (drop_last) or completed from the epoch's first batches, as
-    DistributedSampler pads."""
+    """Rank r of n takes batches r, r+n, r+2n, ... of `batches` (a batch sampler, or a loader over an
+    IterableDataset): together the ranks see each batch of the user's sampling once. Every rank gets
+    as many batches, or a collective would hang: an incomplete last round is dropped (drop_last) or
+    completed from the epoch's first batches, as DistributedSampler pads."""
 
     def __init__(self, batches, replicas, rank, drop_last):
         self.batches, self.replicas, self.rank, self.drop_last = batches, replicas, rank, drop_last
@@ -1303,22 +1011,22 @@ def _set_epoch(loader, epoch):
             part.set_epoch(epoch)
 
 
-class _Slot:
-    """Stands in a batch for a tensor that MpDeviceLoader moves in its background thread."""
+class _PendingTensor:
+    """Stands in a batch for the `index`-th tensor MpDeviceLoader moves in its thread, due in `arrived`."""
 
-    def __init__(self, box, index):
-        self.box, self.index = box, index
+    def __init__(self, arrived, index):
+        self.arrived, self.index = arrived, index
 
     def to(self, device):
-        return self.box[0][self.index]
+        return self.arrived[0][self.index]
 
 
 class _DeviceLoader:
     """Iterates a loader with batches already on the trainer's device; advances sampler epochs
     (call set_epoch(n) when resuming at epoch n, so shuffles match an uninterrupted run)."""
 
-    def __init__(self, loader, trainer):
-        self.loader, self._trainer, self._epoch = loader, trainer, 0
+    def __init__(self, loader, device, sharding):
+        self.loader, self._device, self._sharding, self._epoch = loader, device, sharding, 0
 
     def __len__(self):
         return len(self.loader)
@@ -1329,54 +1037,400 @@ class _DeviceLoader:
     def __iter__(self):
         _set_epoch(self.loader, self._epoch)
         self._epoch += 1
-        trainer = self._trainer
-        if not _is_xla(trainer.device):
-            return (trainer.to_device(batch) for batch in self.loader)
-        return self._xla_batches(trainer.device, _batch_sharding(trainer.mesh))
+        if not _is_xla(self._device):
+            return (_move((batch,), self._device) for batch in self.loader)
+        return self._xla_batches()
 
-    def _xla_batches(self, device, sharding):
+    def _xla_batches(self):
         # MpDeviceLoader moves and shards the plain host tensors in a background thread. The batch
         # around them is rebuilt here by to_device's rules, so a batch means the same on every path.
+        device, sharding = self._device, self._sharding
         templates = collections.deque()
 
         def plain_tensors():  # runs in MpDeviceLoader's thread, ahead of the consumer
             for batch in self.loader:
-                tensors, box = [], []
+                tensors, arrived = [], []
 
                 def take(t):
                     if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu":
                         return t  # moved by to_device's rules below
                     tensors.append(t)
-                    return _Slot(box, len(tensors) - 1)
+                    return _PendingTensor(arrived, len(tensors) - 1)
 
-                templates.append((_apply(batch, take, lambda obj: obj), box))
+                templates.append((_map_tensors(batch, take, lambda obj: obj), arrived))
                 yield tensors
 
         on_tensor = _mover(device, sharding)
 
         def on_other(obj):
-            return obj.to(device) if isinstance(obj, _Slot) else _own_to(obj, device)
+            return obj.to(device) if isinstance(obj, _PendingTensor) else _move_by_own_to(obj, device)
 
         pl = _import("torch_xla.distributed.parallel_loader")
         for moved in pl.MpDeviceLoader(plain_tensors(), device, input_sharding=sharding):
-            template, box = templates.popleft()
-            box.append(moved)
-            yield _apply(template, on_tensor, on_other)
+            template, arrived = templates.popleft()
+            arrived.append(moved)
+            yield _map_tensors(template, on_tensor, on_other)
+
+# --- 10. strategies off XLA (DDP, FSDP2) and optimizer state placement ---------------------------
+
+_SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced: the DTensor that replaced it
 
 
-# --- checkpoints ---------------------------------------------------------------------------------
+def _wrap_ddp(model, device):
+    """(the DDP model, its step-time gradient sync). A model the user wrapped already is used as is:
+    wrapping twice all-reduces twice."""
+    DDP = torch.nn.parallel.DistributedDataParallel
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = model if isinstance(model, DDP) else DDP(model, device_ids=ids)
+    return ddp, _GradSyncAtStep(ddp)
+
+
+class _GradSyncAtStep:
+    """DDP averages gradients only for forwards through its wrapper; for a loop that calls the original
+    module they are averaged just before optimizer.step(). Lives as long as its holder (the trainer)."""
+
+    def __init__(self, ddp):
+        self.forward_seen = False
+        self.param_ids = {id(p) for p in ddp.module.parameters()}
+        ddp.register_forward_pre_hook(self._saw_forward)
+        me = weakref.ref(self)
+
+        def pre_step(optimizer, args, kwargs):
+            sync = me()
+            if sync is not None:
+                sync.before_step(optimizer)
+
+        weakref.finalize(self, register_optimizer_step_pre_hook(pre_step).remove)
+
+    def _saw_forward(self, module, args):
+        # DDP's reducer only runs for forwards that will be backpropagated (not eval, not no_sync).
+        if torch.is_grad_enabled() and module.require_backward_grad_sync:
+            self.forward_seen = True
+
+    def before_step(self, optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any(id(p) in self.param_ids for p in params):
+            return
+        if not self.forward_seen:
+            _average_gradients(params)
+        self.forward_seen = False
+
+
+def _average_gradients(params):
+    """All-reduce and average grads in one flat buffer: every rank ends with identical grads."""
+    dist = torch.distributed
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def _fully_shard(model, device):
+    """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own,
+    gathered just before its forward and freed after; the root holds the rest. fully_shard replaces
+    every parameter with a DTensor, which an optimizer made earlier does not hold: each replaced one
+    names its replacement, and optimizers move over before their first step (_rebind_before_step)."""
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    device_mesh = importlib.import_module("torch.distributed.device_mesh")
+    mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
+    before = dict(model.named_parameters())
+    blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    for block in reversed(blocks):  # innermost first: a unit must not already hold another's parameters
+        if next(block.parameters(), None) is not None:
+            fsdp.fully_shard(block, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    after = dict(model.named_parameters())
+    for name, old in before.items():
+        if after[name] is not old:
+            setattr(old, _SHARDED_AS, after[name])
+    _add_step_hook("fsdp2_rebind", "pre", _rebind_before_step)
+
+
+def _rebind_before_step(optimizer, args, kwargs):
+    # Costs one count per step; the walk runs again only when param_groups grew.
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _STATE.rebound.get(optimizer) != count:
+        _place_optimizer_state(optimizer)
+        _STATE.rebound[optimizer] = count
+
+
+def _place_optimizer_state(optimizer):
+    """Point `optimizer` at the FSDP2 parameters that replaced its own, and lay out each state tensor
+    like its parameter (device, FSDP2 placements, XLA sharding). Every path comes here: the trainer's
+    constructor, the FSDP2 pre-step rebinding and load_checkpoint."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, old in enumerate(params):
+            param = params[i] = getattr(old, _SHARDED_AS, old)
+            state = optimizer.state.pop(old, None)
+            if state:
+                optimizer.state[param] = {k: _placed_like(v, param, k) for k, v in state.items()}
+
+
+def _placed_like(value, param, key=None):
+    """A full tensor (optimizer state, a checkpoint's value) laid out like `param`: split like an FSDP2
+    DTensor (each rank keeps its part, nothing is sent), sharded like an XLA tensor, or on its device."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or key == "step":
+        return value  # Adam keeps a CPU scalar 'step' on purpose unless capturable/fused
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None:
+        if hasattr(value, "device_mesh") or value.shape != param.shape:
+            return value
+        dtensor = importlib.import_module("torch.distributed.tensor")
+        return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
+    value = value.to(param.device)
+    if value.shape == param.shape:
+        _mark_shardings((value, sharding) for _, sharding in _xla_shardings([param]))
+    return value
+
+# --- 11. the trainer -----------------------------------------------------------------------------
+
+
+class SeamlessTPUTrainer:
+    """Puts `model` on the best device and makes the user's plain loop correct there.
+
+    - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over
+      its fsdp axis ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
+    - GPU/CPU with torch.distributed running (Ray, torchrun): DDP ("ddp") or FSDP2 ("fsdp").
+    An optimizer passed here gets its existing state laid out like its parameters.
+    """
+
+    def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
+                 drop_last=None, strategy="ddp"):
+        _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy)
+        self.device = get_device(device)
+        self.kind = _resolve_kind(self.device)
+        self.precision, self.drop_last, self.strategy = precision, drop_last, strategy
+        self.mesh, self._batch_sharding = _trainer_mesh(self.device, mesh, xla_spmd_config, strategy)
+        distributed = self.mesh is None and _torch_dist_ranks()[0] > 1
+        if strategy == "fsdp" and self.mesh is None and not distributed and _once("fsdp_single"):
+            _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
+        model.to(self.device)
+        if strategy == "fsdp" and self.mesh is not None:
+            _shard_parameters(model, self.mesh)
+        self.model, self._grad_sync = model, None
+        if distributed and strategy == "fsdp":
+            _fully_shard(model, self.device)
+        elif distributed:
+            self.model, self._grad_sync = _wrap_ddp(model, self.device)
+        if optimizer is not None:
+            _place_optimizer_state(optimizer)
+
+    def to_device(self, *objs):
+        """Like to_device(); on XLA every tensor's dim 0 is sharded over this trainer's mesh."""
+        return _move(objs, self.device, self._batch_sharding)
+
+    def prepare_data_loader(self, loader, drop_last=None):
+        """Wrap `loader` so batches arrive on the device (sharded on XLA) and each rank reads its own
+        part of the dataset. On XLA the last incomplete batch is dropped by default: its shape would
+        compile a second graph (seconds to minutes on TPU). drop_last=False (here or to the trainer) keeps it."""
+        drop_last = self.drop_last if drop_last is None else drop_last
+        drop_last = _is_xla(self.device) if drop_last is None else drop_last
+        return _DeviceLoader(_rebuild_loader(loader, drop_last, self.device), self.device, self._batch_sharding)
+
+    def autocast(self):
+        """Context for the forward pass: bf16 autocast when precision='bf16', else a no-op."""
+        if self.precision != "bf16":
+            return contextlib.nullcontext()
+        device_type = "xla" if self.kind in XLA_DEVICE_KINDS else ("cuda" if self.kind == "gpu" else "cpu")
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+
+    def save(self, obj, path):
+        """Sync, copy to CPU, write from process 0 only. The file loads on any device, with the
+        model's own keys (no DDP or torch.compile prefixes). The write is atomic: a crash mid-save
+        leaves the previous file. Every rank returns, or raises the same error, together."""
+        return _save_file(obj, path)
+
+    def save_checkpoint(self, directory, **state):
+        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states).
+        Every process writes only its shards (torch.distributed.checkpoint; on XLA torch_xla's SPMD
+        planner); replacing `directory/LATEST` atomically commits it, so a crash at any point leaves
+        the previous checkpoint loadable. Returns `directory`."""
+        return _save_checkpoint(directory, state)
+
+    def load_checkpoint(self, directory, **state):
+        """Load modules and optimizers saved by save_checkpoint in place, onto this trainer's device,
+        mesh and strategy, whatever they were at save time; returns the plain values (epoch, ...).
+        Each process reads the whole checkpoint on the CPU, so any saved layout loads into any current one."""
+        return _load_checkpoint(directory, state)
+
+    def compile_stats(self):
+        """XLA compiles, cached compiles, executions and device->host transfers (all 0 off XLA)."""
+        if not _is_xla(self.device):
+            return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
+        met = _import("torch_xla.debug.metrics")
+        transfers = met.metric_data("TransferFromDeviceTime")
+        return {
+            "compiles": met.counter_value("UncachedCompile") or 0,
+            "cached_compiles": met.counter_value("CachedCompile") or 0,
+            "executions": met.counter_value("ExecuteReplicated") or 0,
+            "device_to_host_transfers": transfers[0] if transfers else 0,
+        }
+
+    def memory_stats(self, *optimizers):
+        """{"per_device": [bytes on each device], "replica": bytes of one whole copy} of the model's
+        parameters and each optimizer's tensor state, counted from the shards (torch_xla's memory
+        query does not work under SPMD). Off XLA, per_device holds this rank's bytes."""
+        tensors = list(self.model.parameters()) + [v for opt in optimizers for state in opt.state.values()
+                                                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
+        return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
+
+# --- 12. checkpoints -----------------------------------------------------------------------------
+
+
+def _save_file(obj, path):
+    """trainer.save: one torch.save file written by process 0, every rank returning together."""
+    _sync_if_xla()
+    cpu = _map_tensors(_state_dicts(obj), lambda t: _full_tensor(t).detach().to("cpu"))
+    error = None
+    if _is_main_process():
+        try:
+            _atomic_write(cpu, path)
+        except Exception as e:  # shared with every rank below, then raised here too
+            error = e
+    _agree(f"trainer.save(..., {path!r})", error=error)
+    return path
+
+
+def _save_checkpoint(directory, state):
+    """trainer.save_checkpoint: every process writes its shards into one new save attempt, which
+    process 0 commits by pointing LATEST at it."""
+    directory = os.fspath(directory)
+    if not state:
+        raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, optimizer=optimizer, epoch=epoch)")
+    _sync_if_xla()
+    attempt, error = None, None
+    if _is_main_process():
+        try:
+            os.makedirs(directory, exist_ok=True)
+            attempt = f"save-{os.getpid()}-{time.time_ns()}"
+        except Exception as e:  # shared with every rank below
+            error = e
+    attempt = _agree(f"save_checkpoint({directory!r})", attempt, error)
+    path = os.path.join(directory, attempt)
+    tensors = {k: _state_dicts(v) for k, v in state.items() if _is_stateful(v)}
+    plain = {k: v for k, v in state.items() if not _is_stateful(v)}
+    error = None
+    try:
+        dcp = importlib.import_module("torch.distributed.checkpoint")  # part of torch, slow to import: on use
+        planner = None if _STATE.xla_device is None else _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner()
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner)
+        if _is_main_process():
+            _atomic_write(plain, os.path.join(path, "values.pt"))
+            _commit_checkpoint(directory, attempt)
+    except Exception as e:
+        error = e
+    _agree(f"save_checkpoint({directory!r})", error=error)
+    return directory
+
+
+def _load_checkpoint(directory, state):
+    """trainer.load_checkpoint: modules and optimizers in place, plain values returned."""
+    directory = os.fspath(directory)
+    for name, obj in state.items():
+        if not _is_stateful(obj):
+            raise TypeError(f"load_checkpoint loads modules and optimizers in place; {name!r} is a "
+                            f"{type(obj).__name__}. Plain values come back from the call instead")
+    saved, plain = _read_checkpoint(directory)
+    for name, obj in state.items():
+        if name not in saved:
+            raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds {sorted(saved)}")
+        if isinstance(obj, torch.nn.Module):
+            module = _unwrap(obj)
+            current = module.state_dict()
+            _check_state_matches(current, saved[name], f"{name!r} in {directory!r}")
+            kept = _xla_shardings(module.parameters())  # whoever chose them: the strategy or the user
+            module.load_state_dict({k: _placed_like(v, current[k]) for k, v in saved[name].items()})
+            _mark_shardings(kept)
+        else:
+            obj.load_state_dict(saved[name])
+            _place_optimizer_state(obj)
+    return plain
 
 
 def _is_stateful(value):
     return isinstance(value, (torch.nn.Module, torch.optim.Optimizer))
 
 
-def _broadcast_from_main(value):
-    if _torch_dist_ranks()[0] > 1:
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+def _sync_if_xla():
+    if _STATE.xla_device is not None:
+        _import("torch_xla").sync()  # sync point: what is saved is what the loop computed so far
+
+
+def _unwrap(module):
+    """The user's own module inside DDP and torch.compile wrappers, nested in any order."""
+    while True:
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _state_dicts(obj):
+    """Modules and optimizers (also as values of a dict) become their state_dicts, with the
+    model's own keys: a submodule compiled on its own adds '_orig_mod.' inside the keys."""
+    if isinstance(obj, torch.nn.Module):
+        state = _unwrap(obj).state_dict()
+        if any("_orig_mod." in k for k in state):
+            state = type(state)((k.replace("_orig_mod.", ""), v) for k, v in state.items())
+        return state
+    if isinstance(obj, torch.optim.Optimizer):
+        return obj.state_dict()
+    if isinstance(obj, Mapping):
+        return {k: _state_dicts(v) for k, v in obj.items()}
+    return obj
+
+
+def _full_tensor(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2 DTensor: a collective, every rank calls it
+
+
+def _agree(what, value=None, error=None):
+    """The one agreement step for collective outcomes: every rank learns whether `what` worked on every
+    rank and gets process 0's `value`; if any failed, all raise together, so nobody hangs. It is also
+    the barrier that keeps readers out of a checkpoint until it is complete."""
+    size, _ = _torch_dist_ranks()
+    if size > 1:
+        outcomes = [None] * size
+        torch.distributed.all_gather_object(outcomes, (value, None if error is None else f"{type(error).__name__}: {error}"))
+        failed = [(rank, message) for rank, (_, message) in enumerate(outcomes) if message is not None]
+        if failed and error is None:
+            raise RuntimeError(f"{what} failed on process {failed[0][0]}: {failed[0][1]}")
+        value = outcomes[0][0]
+    if error is not None:
+        raise error
     return value
+
+
+def _atomic_write(obj, path):
+    """Write `obj` (bytes, or anything torch.save takes) to `path` through a temporary sibling,
+    fsync and rename: `path` holds the old file or the new one, never a torn one, whatever kills
+    the process (os.replace is atomic on POSIX and Windows). A file object is written as given."""
+    write = (lambda f: f.write(obj)) if isinstance(obj, bytes) else (lambda f: torch.save(obj, f))
+    if not isinstance(path, (str, os.PathLike)):
+        return write(path)
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot save to {path!r}: the directory {directory!r} does not exist; create it first (os.makedirs)")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:  # created with the user's umask, as torch.save would
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
 
 
 def _fsync_dir(directory):
@@ -1388,34 +1442,34 @@ def _fsync_dir(directory):
             os.close(fd)
 
 
-def _commit_checkpoint(directory, step):
-    """Point LATEST at `step` with one atomic rename, then drop every other step (older ones, and
-    what killed saves left behind). A reader sees the old checkpoint or the new one, never a mix."""
-    _atomic_write(os.path.join(directory, CHECKPOINT_POINTER), lambda f: f.write(step.encode()))
+def _commit_checkpoint(directory, attempt):
+    """Point LATEST at `attempt` with one atomic rename, then drop every other save attempt (older
+    ones, and what killed saves left behind). A reader sees the old checkpoint or the new one."""
+    _atomic_write(attempt.encode(), os.path.join(directory, CHECKPOINT_POINTER))
     for name in os.listdir(directory):
-        if name.startswith("step-") and name != step:
+        if SAVE_ATTEMPT.fullmatch(name) and name != attempt:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def _committed_step(directory):
+def _committed_attempt(directory):
     pointer = os.path.join(directory, CHECKPOINT_POINTER)
     try:
         with open(pointer) as f:
-            step = f.read().strip()
+            attempt = f.read().strip()
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(
             f"{directory!r} is not a seamless_tpu checkpoint: it has no {CHECKPOINT_POINTER} file, which "
             "save_checkpoint writes last (a save that was killed leaves none). Pass the directory given to save_checkpoint"
         ) from None
-    path = os.path.join(directory, step)
-    if not step.startswith("step-") or not os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileNotFoundError(f"checkpoint {directory!r} is damaged: {CHECKPOINT_POINTER} names {step!r}, which is missing or incomplete")
+    path = os.path.join(directory, attempt)
+    if not SAVE_ATTEMPT.fullmatch(attempt) or not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"checkpoint {directory!r} is damaged: {CHECKPOINT_POINTER} names {attempt!r}, which is missing or incomplete")
     return path
 
 
 def _read_checkpoint(directory):
     """(state_dicts by name, plain values) of the committed checkpoint, on the CPU."""
-    path = _committed_step(directory)
+    path = _committed_attempt(directory)
     format_utils = importlib.import_module("torch.distributed.checkpoint.format_utils")
     with tempfile.TemporaryDirectory() as tmp:
         # The public way to read a DCP checkpoint whole, without a process group or torch_xla.
@@ -1446,54 +1500,27 @@ def consolidate_checkpoint(directory, path=None):
     tensors, plain = _read_checkpoint(os.fspath(directory))
     merged = {**tensors, **plain}
     if path is not None:
-        _atomic_save(merged, path)
+        _atomic_write(merged, path)
     return merged
 
-
-# --- the Ray hook --------------------------------------------------------------------------------
+# --- 13. the Ray hook ----------------------------------------------------------------------------
+# Ray's own _TorchBackend pattern: the backend's hooks only orchestrate; the work is in the
+# top-level worker functions below, which a fake worker group can run in tests.
 
 
 def _xla_worker_env(*, rank, world_size, local_rank, local_world_size, node_rank, master_addr, master_port, hostnames):
     """The env one Ray worker of the xla_tpu backend needs (one SPMD process per TPU host)."""
-    return {
-        "PJRT_DEVICE": "TPU",
-        "MASTER_ADDR": str(master_addr),
-        "MASTER_PORT": str(master_port),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "NODE_RANK": str(node_rank),
-        "TPU_WORKER_ID": str(rank),
-        "TPU_WORKER_HOSTNAMES": ",".join(hostnames),
-    }
+    return {"PJRT_DEVICE": "TPU", "MASTER_ADDR": str(master_addr), "MASTER_PORT": str(master_port), "RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
+            "NODE_RANK": str(node_rank), "TPU_WORKER_ID": str(rank), "TPU_WORKER_HOSTNAMES": ",".join(hostnames)}
 
 
 def _setdefault_env(env):
-    """Set what the user has not set ('' counts as unset, torch_xla's PJRT_DEVICE guess too);
-    return what was set. User values always win."""
-    def users(k):
-        return _user_pjrt_device() if k == "PJRT_DEVICE" else os.environ.get(k)
-
-    applied = {k: v for k, v in env.items() if not users(k)}
+    """Set (and return) what the user has not set; '' and torch_xla's PJRT_DEVICE guess count as unset."""
+    applied = {k: v for k, v in env.items() if not (_user_pjrt_device() if k == "PJRT_DEVICE" else os.environ.get(k))}
     os.environ.update(applied)
-    _ENV_WE_SET.update(applied)
+    _STATE.env_we_set.update(applied)
     return applied
-
-
-def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
-    """Before any worker starts: the slice must hold exactly num_workers x TPU-per-worker chips."""
-    if topology is None:
-        return
-    chips = math.prod(parse_topology(topology))
-    requested = num_workers * tpu_per_worker
-    if requested != chips:
-        raise ValueError(
-            f"ScalingConfig asks for num_workers={num_workers} x TPU per worker={tpu_per_worker} = "
-            f"{requested:g} chips, but topology {topology!r} has {chips} chips. The xla_tpu backend runs "
-            "one SPMD process per TPU host holding all of its chips: set num_workers to the number of "
-            f"hosts and resources_per_worker={{'TPU': chips per host}} so they multiply to {chips}."
-        )
 
 
 def _train_context():
@@ -1516,8 +1543,7 @@ def _worker_rank_and_ip():
 
 
 def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, timeout_s):
-    """Runs in each Ray worker: env (only where unset), SPMD, mesh, and with several workers a gloo
-    process group. Safe to run again."""
+    """In each Ray worker: env (only where unset), SPMD, mesh, and a gloo group for several. Rerunnable."""
     ctx = _train_context()
     env = _xla_worker_env(
         rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
@@ -1525,7 +1551,7 @@ def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, time
         master_addr=master_addr, master_port=master_port, hostnames=hostnames,
     )
     applied = _setdefault_env(env)
-    logger.info("seamless_tpu: worker %s set %s", env["RANK"], applied)
+    _log("seamless_tpu: worker %s set %s", ctx.get_world_rank(), applied, main=ctx.get_world_rank() == 0)
     if os.environ.get("TPU_VISIBLE_CHIPS") and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
         logger.warning("seamless_tpu: TPU_VISIBLE_CHIPS=%s limits this SPMD worker to part of its host; "
                        "give each Ray worker all chips of its host", os.environ["TPU_VISIBLE_CHIPS"])
@@ -1539,40 +1565,37 @@ def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, time
         dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                                 rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        _GROUP_WE_STARTED.append(True)
+        _STATE.group_we_started = True
     return {"rank": ctx.get_world_rank(), "set": applied, "mesh_shape": tuple(mesh.mesh_shape)}
 
 
 def _xla_worker_shutdown():
-    _clear_mesh()
-    if _GROUP_WE_STARTED and torch.distributed.is_initialized():
-        _GROUP_WE_STARTED.clear()
+    _STATE.mesh = _STATE.batch_sharding = None
+    if _STATE.group_we_started and torch.distributed.is_initialized():
+        _STATE.group_we_started = False
         torch.distributed.destroy_process_group()
 
 
-def _build_ray_classes():
-    """Subclass Ray's TorchConfig/TorchTrainer on first use, so importing this module never imports ray."""
+@functools.lru_cache(maxsize=None)
+def _ray_classes():
+    """Ray's classes subclassed on first use (importing this module never imports ray); declarations only."""
     ray_torch = _import("ray.train.torch")
-    ray = _import("ray")
-    Backend = _import("ray.train.backend").Backend
 
-    class _XlaSpmdBackend(Backend):
+    class _XlaSpmdBackend(_import("ray.train.backend").Backend):
         """Ray Train backend: one torch_xla SPMD process per TPU host. The XLA compiler inserts the
         training collectives; a gloo process group across the workers coordinates checkpoints."""
 
         def on_start(self, worker_group, backend_config):
             master_addr, master_port = worker_group.execute_single(0, _rank0_address)
             hostnames = [ip for _, ip in sorted(worker_group.execute(_worker_rank_and_ip))]
-            reports = worker_group.execute(
-                _xla_worker_setup, master_addr, master_port, hostnames, backend_config.xla_spmd_config,
-                backend_config.timeout_s,
-            )
+            reports = worker_group.execute(_xla_worker_setup, master_addr, master_port, hostnames,
+                                           backend_config.xla_spmd_config, backend_config.timeout_s)
             logger.info("seamless_tpu: xla_tpu backend started: %s", reports)
 
         def on_shutdown(self, worker_group, backend_config):
             try:
                 worker_group.execute(_xla_worker_shutdown)
-            except ray.exceptions.RayError as e:  # workers that already died hold no mesh
+            except _import("ray").exceptions.RayError as e:  # workers that already died hold no mesh
                 logger.debug("seamless_tpu: shutdown skipped on dead workers: %s", e)
 
     @dataclasses.dataclass
@@ -1584,18 +1607,18 @@ def _build_ray_classes():
         def __post_init__(self):
             getattr(super(), "__post_init__", lambda: None)()
             if self.xla_spmd_config is not None:
-                if self.backend not in XLA_BACKENDS:
+                if self.backend not in RAY_XLA_BACKENDS:
                     raise ValueError(f"xla_spmd_config needs backend='xla_tpu', got backend={self.backend!r}")
                 _mesh_from_config(self.xla_spmd_config, _spmd_config_devices(self.xla_spmd_config))
 
         @property
         def backend_cls(self):
-            return _XlaSpmdBackend if self.backend in XLA_BACKENDS else super().backend_cls
+            return _XlaSpmdBackend if self.backend in RAY_XLA_BACKENDS else super().backend_cls
 
         @property
         def train_func_context(self):
             # Ray's context calls its torch_tpu device manager where TPUs exist; XLA needs nothing.
-            return contextlib.nullcontext if self.backend in XLA_BACKENDS else super().train_func_context
+            return contextlib.nullcontext if self.backend in RAY_XLA_BACKENDS else super().train_func_context
 
     class TorchTrainer(ray_torch.TorchTrainer):
         """Ray's TorchTrainer; with ScalingConfig(use_tpu=True) and no torch_config it runs the
@@ -1604,45 +1627,17 @@ def _build_ray_classes():
         def __init__(self, train_loop_per_worker, *, torch_config=None, scaling_config=None, **kwargs):
             if torch_config is None and scaling_config is not None and getattr(scaling_config, "use_tpu", False):
                 torch_config = TorchConfig(backend="xla_tpu")
-            if torch_config is not None and torch_config.backend in XLA_BACKENDS and scaling_config is not None:
+            if torch_config is not None and torch_config.backend in RAY_XLA_BACKENDS and scaling_config is not None:
                 _check_tpu_scaling(scaling_config.num_workers, scaling_config.num_tpus_per_worker, scaling_config.topology)
             super().__init__(train_loop_per_worker, torch_config=torch_config, scaling_config=scaling_config, **kwargs)
 
-    # Picklable by reference (Ray ships configs to its controller): name them as module globals.
-    for cls in (_XlaSpmdBackend, TorchConfig, TorchTrainer):
-        cls.__module__, cls.__qualname__ = __name__, cls.__name__
-        globals()[cls.__name__] = cls
-
-
-def _spmd_config_devices(config):
-    """A device count that an xla_spmd_config can be checked against before any device exists."""
-    if not isinstance(config, Mapping):
-        return 1  # _mesh_from_config names what is wrong with it
-    shape = config.get("mesh_shape")
-    if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
-        return math.prod(shape)  # anything else: _mesh_from_config names what is wrong with it
-    dp, mp = config.get("data_parallel_size") or 1, config.get("model_parallel_size") or 1
-    return dp * mp
+    classes = {cls.__name__: cls for cls in (_XlaSpmdBackend, TorchConfig, TorchTrainer)}
+    for name, cls in classes.items():  # picklable by reference (Ray ships configs to its controller)
+        cls.__module__, cls.__qualname__ = __name__, name
+    return classes
 
 
 def __getattr__(name):
     if name in ("TorchConfig", "TorchTrainer", "_XlaSpmdBackend"):
-        _build_ray_classes()
-        return globals()[name]
+        return _ray_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _reset_caches():
-    """For tests: forget probes, the XLA activation, the mesh and the installed hooks."""
-    global _XLA, _XLA_KIND, _WATCHDOG
-    for probe in _CACHED_PROBES:
-        probe.cache_clear()
-    while _HOOKS:
-        _HOOKS.pop().remove()
-    _ENV_WE_SET.clear()
-    _GROUP_WE_STARTED.clear()
-    _PJRT_SEEN.clear()
-    _WARNED.clear()
-    _XLA = _XLA_KIND = None
-    _WATCHDOG = _Watchdog()
-    _clear_mesh()

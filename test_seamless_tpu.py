@@ -1,70 +1,24 @@
 """Fast tier: no XLA runtime, no Ray cluster. A fake torch_xla (tests/fake_torch_xla.py) stands in
-for the library; tests/test_real_xla.py runs the same scenarios on the real one."""
+for the library; tests/test_real_xla.py runs the same scenarios on the real one. The fixtures
+(hygiene, fresh, no_xla, fake) are in conftest.py; what to_device does with batches is in
+tests/test_inputs.py."""
 
-import collections
-import dataclasses
 import logging
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+import child
 import scenarios
 import seamless_tpu as st
 from fake_torch_xla import FakeXLA
 
-try:  # imported up front: ray's import writes RAY_CLIENT_MODE, which the hygiene check would flag
-    import ray.train as ray_train
-except ImportError:
-    ray_train = None
+pytestmark = pytest.mark.fast
 
 NEVER_READ = scenarios.NEVER_READ
-
-
-@pytest.fixture(autouse=True)
-def hygiene():
-    """Fail any test that leaks env vars or leaves the module's caches and XLA state warm."""
-    before = dict(os.environ)
-    yield
-    after = dict(os.environ)
-    leaked = {k: after.get(k) for k in set(before) | set(after) if before.get(k) != after.get(k)}
-    leaked.pop("PYTEST_CURRENT_TEST", None)  # pytest's own bookkeeping
-    warm = [p.__name__ for p in st._CACHED_PROBES if p.cache_info().currsize]
-    for k in leaked:  # put things back so one leak does not fail every later test
-        if k in before:
-            os.environ[k] = before[k]
-        else:
-            del os.environ[k]
-    st._reset_caches()
-    assert not leaked, f"test leaked env vars: {leaked}"
-    assert not warm and st._XLA is None and st._MESH is None and not st._HOOKS, f"warm caches: {warm}"
-
-
-@pytest.fixture
-def fresh():
-    """The module with cold caches at the end of the test."""
-    yield st
-    st._reset_caches()
-
-
-@pytest.fixture
-def no_xla(monkeypatch, fresh):
-    monkeypatch.setitem(sys.modules, "torch_xla", None)
-    for k in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE", "TPU_ACCELERATOR_TYPE"):
-        monkeypatch.delenv(k, raising=False)
-    return st
-
-
-@pytest.fixture
-def fake(monkeypatch, fresh):
-    fx = FakeXLA().install(monkeypatch)
-    monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "xla")
-    return fx
 
 
 # --- device detection ----------------------------------------------------------------------------
@@ -224,110 +178,28 @@ def test_cpu_device(no_xla, monkeypatch):
     assert st.get_device() == torch.device("cpu") and st.get_device("cpu") == torch.device("cpu")
 
 
-# --- moving data: one container type per case ----------------------------------------------------
-
-META = torch.device("meta")  # moving to 'meta' shows every tensor really moved, on any machine
-Point = collections.namedtuple("Point", "x y")
-
-
-@dataclasses.dataclass
-class Batch:
-    x: torch.Tensor
-    label: str
-    extra: list = dataclasses.field(default_factory=list)
-
-
-def moved(obj):
-    return isinstance(obj, torch.Tensor) and obj.device.type == "meta"
-
-
-def test_to_device_tensor():
-    assert moved(st.to_device(torch.ones(2), device=META))
-
-
-def test_to_device_several_return_a_tuple():
-    a, b = st.to_device(torch.ones(2), torch.zeros(3), device=META)
-    assert moved(a) and moved(b)
-
-
-def test_to_device_dict():
-    out = st.to_device({"a": torch.ones(1), "b": {"c": torch.ones(1)}}, device=META)
-    assert type(out) is dict and moved(out["a"]) and moved(out["b"]["c"])
-
-
-def test_to_device_defaultdict_keeps_factory():
-    d = collections.defaultdict(list, a=torch.ones(1))
-    out = st.to_device(d, device=META)
-    assert type(out) is collections.defaultdict and out.default_factory is list and moved(out["a"])
-
-
-def test_to_device_ordereddict_keeps_type_and_order():
-    out = st.to_device(collections.OrderedDict([("b", torch.ones(1)), ("a", torch.ones(1))]), device=META)
-    assert type(out) is collections.OrderedDict and list(out) == ["b", "a"] and moved(out["a"])
-
-
-def test_to_device_list_and_tuple():
-    out = st.to_device([torch.ones(1), (torch.ones(1), 3)], device=META)
-    assert type(out) is list and type(out[1]) is tuple and moved(out[0]) and moved(out[1][0]) and out[1][1] == 3
-
-
-def test_to_device_namedtuple():
-    out = st.to_device(Point(torch.ones(1), torch.ones(2)), device=META)
-    assert type(out) is Point and moved(out.x) and moved(out.y)
-
-
-def test_to_device_dataclass():
-    out = st.to_device(Batch(torch.ones(1), "cat", [torch.ones(1)]), device=META)
-    assert type(out) is Batch and moved(out.x) and out.label == "cat" and moved(out.extra[0])
-
-
-def test_to_device_anything_with_to():
-    out = st.to_device(torch.nn.Linear(2, 2), device=META)
-    assert moved(out.weight)
-
-
-def test_to_device_passes_other_values_through():
-    marker = object()
-    assert st.to_device("text", device=META) == "text"
-    assert st.to_device(marker, device=META) is marker
-    assert st.to_device(None, device=META) is None
-
-
-class RecordsTo:
-    def __init__(self):
-        self.calls = []
-
-    def to(self, *args, **kwargs):
-        self.calls.append(kwargs)
-        return self
-
-
-def test_non_blocking_only_for_cuda():
-    cuda, cpu = RecordsTo(), RecordsTo()
-    st._mover(torch.device("cuda", 0))(cuda)
-    st._mover(torch.device("cpu"))(cpu)
-    assert cuda.calls == [{"non_blocking": True}] and cpu.calls == [{"non_blocking": False}]
-
-
 # --- the trainer on CPU: bitwise equal to the plain loop -----------------------------------------
 
 
 @pytest.mark.parametrize("opt_name", sorted(scenarios.OPTIMIZERS))
-@pytest.mark.parametrize("option", ["option1", "option2"])
-def test_trainer_on_cpu_is_bitwise_the_plain_loop(no_xla, monkeypatch, option, opt_name):
+@pytest.mark.parametrize("how", ["trainer", "to_device"])
+def test_trainer_on_cpu_is_bitwise_the_plain_loop(no_xla, monkeypatch, how, opt_name):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    want = scenarios.seed_loop("eager", opt_name)
-    assert torch.equal(scenarios.seed_loop(option, opt_name), want)
+    want = scenarios.plain_loop("eager", opt_name)
+    assert torch.equal(scenarios.plain_loop(how, opt_name), want)
     assert want[-1] < want[0]
 
 
 def test_fsdp_in_one_cpu_process_runs_as_ddp_and_says_so_once(no_xla, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    want = scenarios.seed_loop("eager", "adamw")
+    want = scenarios.plain_loop("eager", "adamw")
     with caplog.at_level(logging.INFO, logger="seamless_tpu"):
-        got = scenarios.seed_loop("option1", "adamw", strategy="fsdp")
-        scenarios.seed_loop("option1", "adamw", strategy="fsdp")
+        got = scenarios.plain_loop("trainer", "adamw", strategy="fsdp")
+        scenarios.plain_loop("trainer", "adamw", strategy="fsdp")
+        model = torch.nn.Linear(2, 2)
+        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
     assert torch.equal(got, want)
+    assert trainer.model is model and trainer.strategy == "fsdp" and trainer.mesh is None, "the model itself, unwrapped"
     said = [r.getMessage() for r in caplog.records if "nothing to shard" in r.getMessage()]
     assert said == ["seamless_tpu: strategy='fsdp' on one cpu process has nothing to shard over; running as 'ddp'"]
 
@@ -376,18 +248,17 @@ trainer.save({"step": 2, "model": trainer.model}, path)
 
 def kill_when_flagged(code, *args, flag):
     """Run `code` in a child, SIGKILL it (no cleanup runs) once it has created `flag`."""
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(st.__file__)))
-    child = subprocess.Popen([sys.executable, "-c", code, *map(str, args), str(flag)], env=env)
+    proc = child.popen(["-c", code, *args, flag])
     try:
         for _ in range(1200):
-            if flag.exists() or child.poll() is not None:
+            if flag.exists() or proc.poll() is not None:
                 break
             __import__("time").sleep(0.1)
         assert flag.exists(), "the child never got to the point to kill it at"
-        child.send_signal(9)
+        proc.send_signal(9)
     finally:
-        child.kill()
-        child.wait(timeout=60)
+        proc.kill()
+        proc.wait(timeout=60)
 
 
 def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, no_xla, monkeypatch):
@@ -427,12 +298,12 @@ def test_checkpoint_killed_midway_keeps_the_previous_one(tmp_path, no_xla, monke
         model.weight.fill_(1.0)
     trainer.save_checkpoint(directory, model=model, epoch=1)
     kill_when_flagged(KILL_MID_CHECKPOINT, directory, flag=flag)
-    assert len([n for n in os.listdir(directory) if n.startswith("step-")]) == 2, "the killed save left its shards"
+    assert len([n for n in os.listdir(directory) if n.startswith("save-")]) == 2, "the killed save left its shards"
     fresh = torch.nn.Linear(3, 2)
     assert trainer.load_checkpoint(directory, model=fresh) == {"epoch": 1}
     assert torch.equal(fresh.weight, torch.ones(2, 3)), "the previous checkpoint, not the half-written one"
     trainer.save_checkpoint(directory, model=model, epoch=3)  # the next save cleans up the leftovers
-    assert len([n for n in os.listdir(directory) if n.startswith("step-")]) == 1
+    assert len([n for n in os.listdir(directory) if n.startswith("save-")]) == 1
 
 
 def test_checkpoint_bad_input_names_the_key_or_path(tmp_path, no_xla, monkeypatch):
@@ -471,16 +342,11 @@ def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla
 
 
 def run_two_ranks(case, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(st.__file__)), os.path.dirname(scenarios.__file__)]),
-               SEAMLESS_TPU_DEVICE="cpu")
-    script = os.path.join(os.path.dirname(scenarios.__file__), "dist_ranks.py")
-    store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, script, case, str(r), "2", str(store), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]  # a hang fails here instead of stalling CI
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    return [__import__("json").loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    """Both ranks of tests/dist_ranks.py CASE on CPU; what each saw."""
+    env = child.env(SEAMLESS_TPU_DEVICE="cpu")
+    outs = child.run_together([(["tests/dist_ranks.py", case, rank, 2, tmp_path / "store", tmp_path], env) for rank in range(2)],
+                              timeout=120)
+    return [__import__("json").loads(out.strip().splitlines()[-1]) for out in outs]
 
 
 def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):
@@ -489,6 +355,14 @@ def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):
     assert rank1["missing_dir"].startswith("RuntimeError: trainer.save(") and "failed on process 0: FileNotFoundError" in rank1["missing_dir"]
     assert "pickle" in rank0["unpicklable"].lower() and "failed on process 0" in rank1["unpicklable"]
     assert rank0["ok_exists"] and rank1["ok_exists"], "after a failed save the ranks still save together"
+
+
+def test_failure_on_process_1_raises_on_every_rank(tmp_path):
+    rank0, rank1 = run_two_ranks("agreement", tmp_path)
+    assert rank0["value"] == rank1["value"] == "from process 0"
+    assert rank0["failed"] == "RuntimeError: step failed on process 1: OSError: disk full"
+    assert rank1["failed"] == "OSError: disk full", "the failing rank raises its own exception"
+    assert rank0["after"] == rank1["after"] == 0
 
 
 def test_user_ddp_is_not_wrapped_again(tmp_path):
@@ -549,7 +423,7 @@ def test_concurrent_first_use_activates_once(fake):
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len(st._HOOKS) == 2
+    assert not errors and len(st._STATE.optimizer_hooks) == 2
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     st.SeamlessTPUTrainer(model)
@@ -587,12 +461,12 @@ def test_fsdp_shards_every_parameter_on_one_dimension(fake):
     model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
     trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
     assert (tuple(trainer.mesh.mesh_shape), tuple(trainer.mesh.axis_names)) == ((4,), ("fsdp",))
-    specs = {name: fake.shardings.get(id(p)) for name, p in model.named_parameters()}
+    specs = {name: fake.shardings.get(p) for name, p in model.named_parameters()}
     # The largest dimension that splits evenly over 4; the 6-row weight shards its 32 columns.
     assert specs == {"0.weight": "{devices=[4,1]0,1,2,3}", "0.bias": "{devices=[4]0,1,2,3}",
                      "2.weight": "{devices=[1,4]0,1,2,3}", "2.bias": "{devices=[4]0,1,2,3}"}
     x = trainer.to_device(torch.ones(8, 10))
-    assert fake.shardings[id(x)] == "{devices=[4,1]0,1,2,3}", "the batch goes over every axis"
+    assert fake.shardings[x] == "{devices=[4,1]0,1,2,3}", "the batch goes over every axis"
 
 
 def test_fsdp_spec_picks_one_dimension():
@@ -600,13 +474,6 @@ def test_fsdp_spec_picks_one_dimension():
     assert st._fsdp_spec((256, 64), 4) == ("fsdp", None)
     assert st._fsdp_spec((6, 3), 4) == ("fsdp", None), "nothing splits evenly: the largest, padded by XLA"
     assert st._fsdp_spec((), 4) == ()
-
-
-def test_fsdp_on_one_cpu_process_runs_as_ddp(no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    model = torch.nn.Linear(2, 2)
-    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
-    assert trainer.model is model and trainer.strategy == "fsdp" and trainer.mesh is None
 
 
 # --- the example's command line ------------------------------------------------------------------
@@ -635,15 +502,9 @@ def test_example_usage_errors_are_one_line_and_status_2(argv, text, capsys, fres
 
 
 def test_example_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
-    root = os.path.dirname(os.path.abspath(st.__file__))
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE")}
-
     def run(epochs, ckpt):
-        argv = [sys.executable, os.path.join(root, "example_train.py"), "--device", "cpu", "--samples", "300",
-                "--epochs", str(epochs), "--checkpoint-dir", str(ckpt)]
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
+        argv = ["example_train.py", "--device", "cpu", "--samples", 300, "--epochs", epochs, "--checkpoint-dir", ckpt]
+        return child.run(argv, env=child.env(drop=child.DEVICE_VARS), timeout=300).stdout
 
     whole = run(4, tmp_path / "a")
     run(2, tmp_path / "b")
@@ -657,9 +518,7 @@ def test_example_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path)
 def test_example_tpu_without_a_tpu_prints_no_traceback(fresh):
     if st._tpu_chip_count():
         pytest.skip("this machine has a TPU")
-    root = os.path.dirname(os.path.abspath(st.__file__))
-    out = subprocess.run([sys.executable, os.path.join(root, "example_train.py"), "--tpu"], capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE")})
+    out = child.run(["example_train.py", "--tpu"], env=child.env(drop=child.DEVICE_VARS), timeout=300, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("example_train.py: error: ")
 
@@ -689,18 +548,18 @@ def test_fake_sharding_text_matches_xla_format(fake):
     assert fake._sharding_text(mesh, ("model", None)) == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
 
 
-def test_fake_xla_2d_default_mesh_shards_batch_over_all_axes(monkeypatch, fresh):
+def test_fake_xla_multi_process_default_mesh_shards_batch_over_all_devices(monkeypatch, fresh):
     FakeXLA(num_devices=16, process_count=4).install(monkeypatch)
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     trainer = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla")
-    assert (tuple(trainer.mesh.mesh_shape), trainer.mesh.axis_names) == ((4, 4), ("data", "model"))
+    assert (tuple(trainer.mesh.mesh_shape), trainer.mesh.axis_names) == ((16,), ("data",)), "no 'model' axis unless asked for"
     x = trainer.to_device(torch.ones(16, 10))
     assert sys.modules["torch_xla"]._XLAC._get_xla_sharding_spec(x).startswith("{devices=[16,1]")
 
 
 def test_fake_xla_explicit_model_axis_keeps_batch_on_data(fake):
     trainer = st.SeamlessTPUTrainer(scenarios.mlp(), xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2})
-    assert st._SHARDING.axes == ("data",)
+    assert st._STATE.batch_sharding.axes == ("data",)
     assert scenarios.sharding(trainer.to_device(torch.ones(4, 10))) == scenarios.SPEC_DATA_OF_2X2
 
 
@@ -729,8 +588,8 @@ def test_fake_xla_sets_pjrt_device_only_when_unset(fake, monkeypatch):
 @pytest.mark.parametrize("devices,processes,shape,names", [
     (8, 1, (8,), ("data",)),
     (4, 1, (4,), ("data",)),
-    (16, 4, (4, 4), ("data", "model")),
-    (16, 2, (2, 8), ("data", "model")),
+    (16, 4, (16,), ("data",)),  # however many processes hold them: a "model" axis is only ever asked for
+    (16, 2, (16,), ("data",)),
 ])
 def test_mesh_table(devices, processes, shape, names):
     assert st.mesh_shape_for(devices, processes) == (shape, names)
@@ -779,19 +638,32 @@ def test_bad_counts(args, error, text):
         st.mesh_shape_for(*args)
 
 
-@pytest.mark.parametrize("topology,dims", [("2x2", (2, 2)), ("2x2x1", (2, 2, 1)), ("4x4x8", (4, 4, 8)), ("1x1", (1, 1))])
+# 16x16x16: a full v4 pod (4096 chips); the size limit must let real slices through.
+@pytest.mark.parametrize("topology,dims", [("2x2", (2, 2)), ("2x2x1", (2, 2, 1)), ("4x4x4", (4, 4, 4)), ("4x4x8", (4, 4, 8)),
+                                           ("16x16x16", (16, 16, 16)), ("1x1", (1, 1))])
 def test_parse_topology(topology, dims):
     assert st.parse_topology(topology) == dims
 
 
 @pytest.mark.parametrize("topology,error", [
-    ("2", ValueError), ("2x", ValueError), ("x2", ValueError), ("2x0", ValueError), ("2*2", ValueError),
-    ("", ValueError), ("1x2x3x4", ValueError), (" 2x2", ValueError), ("-2x2", ValueError),
+    ("2", ValueError), ("2x", ValueError), ("x2", ValueError), ("2x0", ValueError), ("0x2", ValueError), ("2*2", ValueError),
+    ("", ValueError), ("1x2x3x4", ValueError), ("2x2x2x2", ValueError), (" 2x2", ValueError), ("-2x2", ValueError),
+    ("2x2\n", ValueError), ("4x4x4\n", ValueError), ("100000x100000", ValueError),
     (4, TypeError), (None, TypeError), ((2, 2), TypeError),
 ])
 def test_bad_topology(topology, error):
-    with pytest.raises(error, match=r"topology .*got"):
+    """The error says what a topology looks like and names the value it got."""
+    with pytest.raises(error, match=r"topology .*got") as info:
         st.parse_topology(topology)
+    assert repr(topology) in str(info.value)
+
+
+@pytest.mark.parametrize("topology", ["1" * 5000, "1" * 5000 + "x2", "2x" + "9" * 5000, "2x2x" + "0" * 4400 + "1", "100000x1"])
+def test_topology_digits_are_bounded_before_conversion(topology):
+    """More digits than any slice has: our rule, not Python's int-conversion limit (4300 digits)."""
+    with pytest.raises(ValueError, match=r"topology must look like 'AxB' or 'AxBxC' with positive ints of at most 5 digits") as info:
+        st.parse_topology(topology)
+    assert "Exceeds the limit" not in str(info.value) and len(str(info.value)) < 400, "the value is shown truncated"
 
 
 def test_topology_checked_against_device_count():
@@ -823,7 +695,7 @@ def test_worker_env_contract():
     assert not set(NEVER_READ) & set(env)
 
 
-def test_user_env_survives(monkeypatch):
+def test_user_env_survives(monkeypatch, fresh):
     monkeypatch.setenv("TPU_WORKER_ID", "7")
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     for k in worker_env():
@@ -869,26 +741,25 @@ class FakeContext:
 
 
 class FakeWorkerGroup:
-    """Ray's worker group as the backend sees it (execute, execute_single, len). Each worker
-    keeps its own env and module state, as separate processes would; order is not rank order."""
+    """Ray's worker group as the backend sees it (execute, execute_single, len). Each worker keeps its
+    own env and its own module process state (one st._STATE object, swapped in), as separate
+    processes would; order is not rank order."""
 
     def __init__(self, monkeypatch, envs):
         self.monkeypatch, self.envs, self.order = monkeypatch, envs, [1, 0]
         self.started_with = {rank: dict(env) for rank, env in envs.items()}  # each process's initial env
-        self.state, self.meshes = {}, {}
+        self.state, self.meshes, self.logs = {}, {}, []
 
     def __len__(self):
         return len(self.envs)
 
     def _run(self, rank, fn, *args, **kwargs):
-        saved = dict(os.environ)
+        saved, outer = dict(os.environ), st._STATE
         os.environ.clear()
         os.environ.update(self.envs[rank])
         for probe in st._CACHED_PROBES:
             probe.cache_clear()
-        st._XLA, st._MESH, st._SHARDING, written = self.state.get(rank, (None, None, None, {}))
-        st._ENV_WE_SET.clear()
-        st._ENV_WE_SET.update(written)
+        st._STATE = self.state.setdefault(rank, st._ProcessState())
         self.monkeypatch.setattr(st, "_initial_environ", lambda: self.started_with[rank])
         self.monkeypatch.setattr(st, "_train_context", lambda: FakeContext(rank, len(self)))
         self.monkeypatch.setattr(st, "_node_ip", lambda: f"10.0.0.{rank + 1}")
@@ -897,10 +768,16 @@ class FakeWorkerGroup:
             self.meshes[rank] = st.get_xla_mesh()
             return out
         finally:
-            self.state[rank] = (st._XLA, st._MESH, st._SHARDING, dict(st._ENV_WE_SET))
             self.envs[rank] = dict(os.environ)
             os.environ.clear()
             os.environ.update(saved)
+            st._STATE = outer
+
+    def close(self):
+        """What each worker process's exit would undo: its hooks and torch patches, newest first."""
+        for rank in reversed(list(self.state)):
+            st._STATE = self.state.pop(rank)
+            st._reset_caches()
 
     def execute(self, fn, *args, **kwargs):
         return [self._run(rank, fn, *args, **kwargs) for rank in self.order]
@@ -909,7 +786,7 @@ class FakeWorkerGroup:
         return self._run(rank, fn, *args, **kwargs)
 
 
-@pytest.mark.skipif(ray_train is None, reason="needs ray[train]")
+@child.requires("ray")
 def test_ray_backend_with_fake_worker_group(fake, monkeypatch):
     base = {"PATH": os.environ.get("PATH", "")}
     group = FakeWorkerGroup(monkeypatch, {0: dict(base), 1: dict(base, TPU_WORKER_ID="7", PJRT_DEVICE="CPU")})
@@ -935,7 +812,21 @@ def test_ray_backend_with_fake_worker_group(fake, monkeypatch):
         assert group.meshes == {0: None, 1: None}
         for rank in (0, 1):  # back to what the user gave, for the next attempt
             group.envs[rank] = dict(base, **({"TPU_WORKER_ID": "7", "PJRT_DEVICE": "CPU"} if rank else {}))
-    st._reset_caches()
+    group.close()
+
+
+@child.requires("ray")
+def test_ray_worker_setup_logs_at_info_on_rank_0_only(fake, monkeypatch, caplog):
+    """N workers do not print N copies: rank 0 at info, the others at debug, even where the user's
+    own RANK env var says otherwise (the setup never overwrites it)."""
+    base = {"PATH": os.environ.get("PATH", "")}
+    group = FakeWorkerGroup(monkeypatch, {0: dict(base, RANK="1"), 1: dict(base, RANK="0")})
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: None)
+    with caplog.at_level(logging.DEBUG, logger="seamless_tpu"):
+        group.execute(st._xla_worker_setup, "10.0.0.1", 1234, "10.0.0.1,10.0.0.2", None, 60)
+    said = {(r.levelname, r.getMessage().split(" set ")[0]) for r in caplog.records if " set " in r.getMessage()}
+    assert said == {("INFO", "seamless_tpu: worker 0"), ("DEBUG", "seamless_tpu: worker 1")}, said
+    group.close()
 
 
 def test_ray_hook_destroys_only_the_group_it_started(monkeypatch, fresh):
@@ -944,7 +835,7 @@ def test_ray_hook_destroys_only_the_group_it_started(monkeypatch, fresh):
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: destroyed.append(1))
     st._xla_worker_shutdown()
     assert destroyed == [], "a group the user started is theirs"
-    st._GROUP_WE_STARTED.append(True)
+    st._STATE.group_we_started = True
     st._xla_worker_shutdown()
     st._xla_worker_shutdown()
     assert destroyed == [1]
@@ -981,12 +872,12 @@ def test_vendored_copy_imports_without_torch_xla_or_ray(tmp_path):
         try:
             m.get_device("xla")
         except ImportError as e:
-            assert "pip install 'torch_xla[tpu]==2.9.0'" in str(e)
+            assert "'xla' needs torch_xla" in str(e) and "pip install 'torch_xla[tpu]==2.9.0'" in str(e), str(e)
+        else:
+            raise AssertionError("get_device('xla') without torch_xla raised no ImportError")
         assert sys.modules["torch_xla"] is None and sys.modules["ray"] is None
         assert not [k for k in sys.modules if k.startswith(("torch_xla.", "ray."))]
         print("vendored OK")
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE")}
-    env["PYTHONPATH"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "vendored OK" in out.stdout, out.stderr[-2000:]
+    out = child.run(["-c", code], env=child.env(drop=child.DEVICE_VARS, path=str(tmp_path)), cwd=tmp_path, timeout=120)
+    assert "vendored OK" in out.stdout, out.stderr[-2000:]

@@ -34,6 +34,20 @@ def save_errors(out_dir):
     return seen
 
 
+def agreement(out_dir):
+    """The one agreement step: every rank gets process 0's value; a failure on any rank (here process
+    1) raises on every rank, with that rank's reason, and the group still works afterwards."""
+    rank = dist.get_rank()
+    seen = {"value": st._agree("pick", value=f"from process {rank}")}
+    try:
+        st._agree("step", error=OSError("disk full") if rank == 1 else None)
+        seen["failed"] = None
+    except Exception as e:
+        seen["failed"] = f"{type(e).__name__}: {e}"
+    seen["after"] = st._agree("again", value=rank)
+    return seen
+
+
 def user_ddp(out_dir):
     """A model the user wrapped in DDP is used as is: one all-reduce, the user's keys."""
     torch.manual_seed(0)

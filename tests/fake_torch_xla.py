@@ -15,6 +15,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 import torch.utils.checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 
 FAKE_API = {
     "torch_xla": ("device", "devices", "device_count", "sync"),
@@ -38,7 +39,8 @@ class FakeXLA:
         self.transfers = 0
         self.pending_shapes = []
         self.graphs = set()
-        self.shardings = {}  # id(tensor) -> sharding text
+        # tensor -> sharding text, by identity and weakly: a freed tensor's id, reused, must not look sharded
+        self.shardings = WeakIdKeyDictionary()
         self.global_mesh = None
         self.modules = self._build()
 
@@ -108,7 +110,10 @@ class FakeXLA:
 
         xlac = types.SimpleNamespace(
             _xla_get_spmd_config_is_locked=lambda: fx.locked and not fx.spmd,
-            _get_xla_sharding_spec=lambda t: fx.shardings.get(id(t), ""),
+            _get_xla_sharding_spec=lambda t: fx.shardings.get(t, ""),
+            # torch_xla returns an OpSharding object (None without one); its text stands in for it here
+            _get_xla_op_sharding=lambda t: fx.shardings.get(t),
+            _xla_mark_sharding=lambda t, op_sharding: fx.shardings.__setitem__(t, op_sharding),
         )
         torch_xla.device, torch_xla.devices, torch_xla.device_count, torch_xla.sync = device, devices, device_count, sync
         torch_xla._XLAC = xlac
@@ -150,7 +155,7 @@ class FakeXLA:
             if len(t.shape) != len(partition_spec):
                 raise AssertionError(f"Partition spec length ({len(partition_spec)}) should be equal to the input rank ({len(t.shape)}).")
             fx.events.append(("mark_sharding", tuple(t.shape), tuple(partition_spec)))
-            fx.shardings[id(t)] = fx._sharding_text(mesh, partition_spec)
+            fx.shardings[t] = fx._sharding_text(mesh, partition_spec)
             return t
 
         def set_global_mesh(mesh):
@@ -169,7 +174,7 @@ class FakeXLA:
                 fx.pending_shapes.append(tuple(t.shape))
                 spec = input_sharding.xla_spec(t) if input_sharding else None
                 if spec:
-                    fx.shardings[id(out)] = spec
+                    fx.shardings[out] = spec
                 return out
 
             if type(datas) is torch.Tensor:

@@ -53,17 +53,17 @@ def ddp_cpu(config):
         epoch = []
         for x, y, idx in loader:
             optimizer.zero_grad()
-            F.mse_loss(model(x)[:, 0], y).backward()  # the user's module, as in the seeds
+            F.mse_loss(model(x)[:, 0], y).backward()  # the user's module, as in the plain loop
             optimizer.step()
             epoch += idx.tolist()
         seen.append(epoch)
     dump(config, f"ddp_{rank}", {"device_type": st.device_type(), "ddp": type(trainer.model).__name__, "seen": seen, "weights": weights(model)})
 
 
-def xla_seed_loop(config):
+def xla_plain_loop(config):
     rank = ray.train.get_context().get_world_rank()
     mesh = st.get_xla_mesh()
-    losses = scenarios.seed_loop("option1", "adam").tolist()
+    losses = scenarios.plain_loop("trainer", "adam").tolist()
     dump(config, f"xla_{rank}", {
         "is_xla": st.is_xla_backend(), "device_type": st.device_type(), "mesh": list(mesh.mesh_shape),
         "axes": list(mesh.axis_names), "losses": losses, "env": {k: os.environ.get(k) for k in ENV_KEYS},
@@ -80,7 +80,7 @@ EPOCHS, STEPS = 5, 6
 def crash_resume(config):
     """Checkpoints every epoch; the last rank dies mid-epoch 3 once (marker file), then resumes.
 
-    config["sharded"]: the issue-9 recipe, every worker saving its shards into one directory with
+    config["sharded"]: the sharded recipe, every worker saving its shards into one directory with
     save_checkpoint and reporting it, and load_checkpoint after a restart. Otherwise trainer.save
     writes one file and rank 0 reports it. config["strategy"] goes to the trainer."""
     ctx = ray.train.get_context()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import seamless_tpu as st
 
-# Env vars the seeds set but torch_xla 2.9 never reads (REFERENCE.md): we must never set them.
+# Env vars that TPU launch recipes often set but torch_xla 2.9 never reads: we must never set them.
 NEVER_READ = ("PJRT_COORDINATOR_ADDRESS", "PJRT_NUM_PROCESSES", "PJRT_PROCESS_INDEX", "XLA_MESH_SHAPE",
               "XLA_DATA_PARALLEL_SIZE", "XLA_SPMD_PARTITIONING_MODE", "XLA_TPU_SPMD_OPTIMIZATION")
 SPEC_2D = "{devices=[4,1]0,1,2,3}"
@@ -113,7 +113,7 @@ class _Pairs(torch.utils.data.Dataset):
 
 
 def train_epoch(model, optimizer, loader, after_step=lambda: None):
-    """One epoch of the seeds' loop over (x, y) batches of _Pairs; returns the last batch."""
+    """One epoch of the plain loop over (x, y) batches of _Pairs; returns the last batch."""
     for x, y in loader:
         optimizer.zero_grad()
         F.mse_loss(model(x)[:, 0], y).backward()
@@ -210,6 +210,32 @@ def device_requested_before_spmd_is_refused():
         raise AssertionError("a device requested before SPMD was not refused")
 
 
+def fsdp_places_existing_optimizer_state():
+    """An optimizer that has state before an "fsdp" trainer takes it (a warm-up step on another
+    trainer, on the CPU, or state loaded by hand) gets each state tensor split like its parameter:
+    left replicated, it would cost every device a whole copy (3x an AdamW model, not 3/4x)."""
+    st.get_device()
+    for warmup in ("cpu", "ddp trainer"):
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        x, y = data(16)
+        if warmup == "ddp trainer":
+            x, y = st.SeamlessTPUTrainer(model).to_device(x, y)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        trainer = st.SeamlessTPUTrainer(model, optimizer, strategy="fsdp")
+        for p in model.parameters():
+            moments = [v for v in optimizer.state[p].values() if v.dim()]
+            assert len(moments) == 2 and sharding(p).startswith("{devices=["), (warmup, tuple(p.shape), sharding(p), len(moments))
+            assert all(sharding(v) == sharding(p) for v in moments), (warmup, tuple(p.shape), sharding(p), [sharding(v) for v in moments])
+        if hasattr(_xla()._XLAC, "_get_local_shards"):  # the fake lists no shards: bytes are the real run's
+            held = trainer.memory_stats(optimizer)
+            ratio = max(held["per_device"]) / held["replica"]
+            print(f"{warmup}: per-device params+AdamW state {ratio:.3f} of a replica")
+            assert ratio <= 0.26, ratio  # 0.25 plus the padding of the 1-element bias
+
+
 TWINS = (
     spmd_first_one_sync_per_step_shard_by_rank,
     loader_shards_every_tensor,
@@ -217,6 +243,7 @@ TWINS = (
     bad_mesh_raises_value_error,
     tensor_before_spmd_is_refused,
     device_requested_before_spmd_is_refused,
+    fsdp_places_existing_optimizer_state,
 )
 
 # --- real torch_xla only -------------------------------------------------------------------------
@@ -228,17 +255,19 @@ OPTIMIZERS = {
 }
 
 
-def seed_loop(option, opt_name, steps=20, **trainer_kwargs):
-    """The seeds' loops, unchanged: the optimizer exists before the model moves."""
+def plain_loop(how, opt_name, steps=20, **trainer_kwargs):
+    """A plain PyTorch loop, unchanged, with the optimizer made before the model moves; `how`: "eager"
+    (as written), "trainer" (a SeamlessTPUTrainer moves the model, to_device the batch) or
+    "to_device" (the module's to_device and model.to, no trainer)."""
     model = mlp()
     optimizer = OPTIMIZERS[opt_name](model.parameters())
     x, y = data()
-    if option == "eager":
+    if how == "eager":
         pass
-    elif option == "option1":
+    elif how == "trainer":
         trainer = st.SeamlessTPUTrainer(model, **trainer_kwargs)
         x, y = trainer.to_device(x, y)
-    elif option == "option2":
+    elif how == "to_device":
         x, y = st.to_device(x, y)
         model = model.to(x.device)
     return run_steps(model, optimizer, x, y, steps)
@@ -263,16 +292,16 @@ def assert_close(got, want, tol, what):
     print(f"{what}: max |diff| {diff:.3g}")
 
 
-def seed_loops_match_eager():
-    st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd (REFERENCE.md)
+def plain_loops_match_eager():
+    st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
     assert st.device_type() == "xla" and st.is_xla_backend()
     mesh = st.get_xla_mesh()
     assert (tuple(mesh.mesh_shape), tuple(mesh.axis_names)) == ((4,), ("data",))
     for opt_name in OPTIMIZERS:
-        want = seed_loop("eager", opt_name)
+        want = plain_loop("eager", opt_name)
         assert want[-1] < want[0] * 0.9, "the reference loop must actually train"
-        for option in ("option1", "option2"):
-            assert_close(seed_loop(option, opt_name), want, 1e-5, f"{option}/{opt_name}")
+        for how in ("trainer", "to_device"):
+            assert_close(plain_loop(how, opt_name), want, 1e-5, f"{how}/{opt_name}")
 
 
 def no_recompiles_over_epochs():
@@ -312,13 +341,13 @@ def no_host_transfers_per_step():
 def mesh_2d_model_parallel_matches_eager():
     st.get_device()
     config = {"mesh_shape": [2, 2], "axis_names": ["data", "model"], "model_parallel_size": 2}
-    want = seed_loop("eager", "sgd_momentum")
+    want = plain_loop("eager", "sgd_momentum")
     model = mlp()
     optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
     trainer = st.SeamlessTPUTrainer(model, xla_spmd_config=config)
     assert tuple(trainer.mesh.mesh_shape) == (2, 2)
     xs = __import__("torch_xla.distributed.spmd", fromlist=["_"])
-    xs.mark_sharding(model[0].weight, trainer.mesh, ("model", None))  # seed 002, "Advanced SPMD Usage"
+    xs.mark_sharding(model[0].weight, trainer.mesh, ("model", None))  # the user shards one weight themselves
     assert sharding(model[0].weight) == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}", sharding(model[0].weight)
     x, y = trainer.to_device(*data())
     assert sharding(x) == SPEC_DATA_OF_2X2, "model parallelism asked for: the batch goes over 'data' only"
@@ -397,9 +426,7 @@ def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):
         stats = trainer.compile_stats()
         compiles.append(stats["compiles"])
         transfers.append(stats["device_to_host_transfers"])
-    from bench.bench import device_bytes  # the benchmark's count: bytes per device from the shards' shapes
-
-    held = device_bytes(model, optimizer)
+    held = trainer.memory_stats(optimizer)  # bytes per device, counted from the shards' shapes
     for name, p in model.named_parameters():
         if p.dim() == 2:
             spec = sharding(p)
@@ -415,7 +442,7 @@ def transformer(seed=0):
 
 
 def fsdp_matches_eager_with_quarter_memory():
-    """strategy='fsdp': the seed loop (Option 1) and a 2-layer encoder train like eager (1e-5, AdamW,
+    """strategy='fsdp': the plain loop's MLP and a 2-layer encoder train like eager (1e-5, AdamW,
     20 steps) with every weight matrix split over 4 devices, params + optimizer state at <= 0.30 of
     the replicated bytes per device, flat compiles and no device->host transfer per step."""
     st.get_device()
@@ -466,7 +493,7 @@ def checkpointing_keeps_its_barrier():
 
 def bf16_close_to_fp32():
     st.get_device()
-    fp32 = seed_loop("option1", "adam", steps=10)
+    fp32 = plain_loop("trainer", "adam", steps=10)
     model = mlp()
     optimizer = OPTIMIZERS["adam"](model.parameters())
     trainer = st.SeamlessTPUTrainer(model, precision="bf16")

@@ -3,12 +3,9 @@
 forever on resources it cannot get instead of failing."""
 
 import glob
-import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,31 +13,27 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+import child  # noqa: E402
 import scenarios  # noqa: E402
 import seamless_tpu as st  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray_loops import EPOCHS  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
-XLA_ON_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+XLA_ON_CPU = child.XLA_ON_CPU
 NEVER_READ = scenarios.NEVER_READ
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
-           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0"}
-needs_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
+needs_xla = child.requires("torch_xla")
 # "thread": a fit() stuck inside Ray's C++ never returns to the interpreter, so SIGALRM would never
 # fire; this method dumps every stack and ends pytest instead, so CI fails instead of hanging.
-pytestmark = pytest.mark.timeout(300, method="thread")
+# fresh: the driver builds seamless_tpu's Ray classes, which warms the module's import cache.
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300, method="thread"), pytest.mark.usefixtures("fresh")]
 
 
 def test_example_ray_two_workers_fsdp2_with_checkpoints(tmp_path):
     """Runs first, before this module's cluster exists: the example starts its own. With
     --strategy fsdp the 2 CPU workers run FSDP2, and both write their shards into one checkpoint."""
-    env = dict(os.environ, **RAY_ENV, PYTHONPATH=PYTHONPATH)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "example_train.py"), "--ray", "--num-workers", "2", "--epochs", "2",
-                          "--strategy", "fsdp", "--checkpoint-dir", "ckpt"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = child.run([os.path.join(child.ROOT, "example_train.py"), "--ray", "--num-workers", "2", "--epochs", "2", "--strategy", "fsdp",
+                     "--checkpoint-dir", "ckpt"], env=child.env(**child.RAY_ENV), cwd=tmp_path, timeout=240)
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
     finals = dict(re.findall(r"worker (\d) final loss ([0-9.]+)", text))
     assert set(finals) == {"0", "1"}, text[-4000:]  # each its own last batch's loss
     assert all(0 < float(v) < 1.2 for v in finals.values())
@@ -51,11 +44,9 @@ def test_example_ray_two_workers_fsdp2_with_checkpoints(tmp_path):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in RAY_ENV.items():
-            mp.setenv(k, v)
+    with child.ray_env():
         ray.init(num_cpus=2, resources={"TPU": 4}, include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": PYTHONPATH}})
+                 runtime_env={"env_vars": {"PYTHONPATH": child.PYTHONPATH}})
         try:
             yield
         finally:
@@ -114,22 +105,22 @@ def test_cpu_fallback_two_workers_ddp(cluster, tmp_path):
 
 @needs_xla
 def test_xla_worker_matches_eager_and_keeps_user_env(cluster, tmp_path):
-    from ray_loops import xla_seed_loop
+    from ray_loops import xla_plain_loop
 
-    fit(xla_seed_loop, tmp_path, torch_config=st.TorchConfig(backend="xla_tpu"),
+    fit(xla_plain_loop, tmp_path, torch_config=st.TorchConfig(backend="xla_tpu"),
         worker_env=dict(XLA_ON_CPU, TPU_WORKER_ID="7"), scaling_config=ScalingConfig(num_workers=1))
     r = read(tmp_path, "xla_0")
     assert r["is_xla"] and r["device_type"] == "xla" and (r["mesh"], r["axes"]) == ([4], ["data"])
-    want = scenarios.seed_loop("eager", "adam")
+    want = scenarios.plain_loop("eager", "adam")
     assert (torch.tensor(r["losses"]) - want).abs().max().item() <= 1e-5
     assert r["env"]["TPU_WORKER_ID"] == "7" and r["env"]["PJRT_DEVICE"] == "CPU", "user-set values are untouched"
 
 
 @needs_xla
 def test_two_xla_workers_env_contract(cluster, tmp_path):
-    from ray_loops import xla_seed_loop
+    from ray_loops import xla_plain_loop
 
-    fit(xla_seed_loop, tmp_path, torch_config=st.TorchConfig(backend="xla"), worker_env=XLA_ON_CPU,
+    fit(xla_plain_loop, tmp_path, torch_config=st.TorchConfig(backend="xla"), worker_env=XLA_ON_CPU,
         scaling_config=ScalingConfig(num_workers=2))
     envs = [read(tmp_path, f"xla_{rank}") for rank in (0, 1)]
     ip = ray.util.get_node_ip_address()
@@ -236,7 +227,7 @@ def test_xla_backend_without_torch_xla_fails_clearly(cluster, tmp_path):
     (blocker / "__init__.py").write_text("raise ImportError('torch_xla is blocked for this test')\n")
     from ray_loops import device_type_only
 
-    env = dict(XLA_ON_CPU, PYTHONPATH=os.pathsep.join([str(blocker.parent), PYTHONPATH]))
+    env = dict(XLA_ON_CPU, PYTHONPATH=os.pathsep.join([str(blocker.parent), child.PYTHONPATH]))
     with pytest.raises(Exception) as info:
         fit(device_type_only, tmp_path, torch_config=st.TorchConfig(backend="xla_tpu"), worker_env=env,
             scaling_config=ScalingConfig(num_workers=1))

@@ -15,10 +15,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+import child  # noqa: E402
 import seamless_tpu as st  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import RunConfig, ScalingConfig  # noqa: E402
-from test_ray import PYTHONPATH, RAY_ENV, XLA_ON_CPU, needs_xla  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("fresh")]  # fresh: see tests/test_ray.py
 
 SLICE = "slice-a"
 LABELS = {"ray.io/tpu-slice-name": SLICE, "ray.io/tpu-pod-type": "v4-16", "ray.io/accelerator-type": "TPU-V4",
@@ -39,23 +41,21 @@ def report_env(config):
                    "device_type": seamless_tpu.device_type()}, f)
 
 
-@needs_xla
+@child.requires("torch_xla")
 @pytest.mark.timeout(300)
 def test_two_host_slice_runs_the_xla_backend(tmp_path):
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in dict(RAY_ENV, TPU_NAME=SLICE).items():
-            mp.setenv(k, v)
+    with child.ray_env(TPU_NAME=SLICE):
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
         try:
             for worker_id in range(2):
                 resources = {"TPU": 4, "accelerator_type:TPU-V4": 1, **({"TPU-v4-16-head": 1} if worker_id == 0 else {})}
                 cluster.add_node(num_cpus=2, resources=resources, labels={**LABELS, "ray.io/tpu-worker-id": str(worker_id)})
-            ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": PYTHONPATH}})
+            ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": child.PYTHONPATH}})
             (tmp_path / "out").mkdir()
             scaling = ScalingConfig(num_workers=2, use_tpu=True, topology="2x2x2", accelerator_type="TPU-V4")
             assert scaling.num_tpus_per_worker == 4
             st.TorchTrainer(report_env, train_loop_config={"out": str(tmp_path / "out")}, scaling_config=scaling,
-                            run_config=RunConfig(storage_path=str(tmp_path / "ray"), worker_runtime_env={"env_vars": XLA_ON_CPU})).fit()
+                            run_config=RunConfig(storage_path=str(tmp_path / "ray"), worker_runtime_env={"env_vars": child.XLA_ON_CPU})).fit()
         finally:
             ray.shutdown()
             cluster.shutdown()

@@ -1,0 +1,98 @@
+"""Fixtures and tier markers for every test file: test_seamless_tpu.py here and tests/*.py.
+
+It sits at the repository root, not in tests/: pytest applies a conftest.py only to the tests under
+its own folder, and test_seamless_tpu.py stays at the top level. Test files import no fixtures;
+helpers that tests share live in plain modules under tests/ (child.py, scenarios.py, ...).
+
+Tiers (setup.cfg registers them; every test file names exactly one with `pytestmark`):
+    fast       seconds; no real torch_xla runtime and no Ray cluster (tests/fake_torch_xla.py stands in)
+    xla        real torch_xla SPMD on 4 virtual CPU devices (tests/test_real_xla.py)
+    ray        a real local Ray cluster (tests/test_ray.py, tests/test_ray_slice.py)
+    workloads  third-party models on real torch_xla (tests/test_workloads.py)
+`./dev.sh test -m fast` runs one tier; plain `./dev.sh test` runs them all.
+"""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+import seamless_tpu as st
+from fake_torch_xla import FakeXLA
+
+try:  # imported up front: ray's import writes RAY_CLIENT_MODE, which the hygiene check would flag
+    import ray.train  # noqa: F401
+except ImportError:
+    pass
+
+TIERS = ("fast", "xla", "ray", "workloads")
+st._reset_caches()  # the first test starts where the hygiene fixture leaves every later one
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test belongs to exactly one tier, so the tiers together are the whole suite."""
+    wrong = {}
+    for item in items:
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            wrong[item.nodeid] = tiers
+    if wrong:
+        raise pytest.UsageError(f"each test needs exactly one tier marker of {TIERS} (pytestmark in its file): {wrong}")
+
+
+def _state_left():
+    """The fields of the module's process state that differ from a fresh one."""
+    now, fresh = st._STATE, st._ProcessState()
+    left = [f.name for f in dataclasses.fields(now)
+            if f.name not in ("activation_lock", "rebound") and getattr(now, f.name) != getattr(fresh, f.name)]
+    return left + (["rebound"] if len(now.rebound) else [])
+
+
+@pytest.fixture(autouse=True)
+def hygiene():
+    """Fail any test that leaks env vars or leaves the module's caches or process state warm
+    (a test that uses the module's state asks for `fresh`)."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    leaked = {k: after.get(k) for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    leaked.pop("PYTEST_CURRENT_TEST", None)  # pytest's own bookkeeping
+    warm = [p.__name__ for p in st._CACHED_PROBES if p.cache_info().currsize]
+    left = _state_left()
+    for k in leaked:  # put things back so one leak does not fail every later test
+        if k in before:
+            os.environ[k] = before[k]
+        else:
+            del os.environ[k]
+    st._reset_caches()
+    assert not leaked, f"test leaked env vars: {leaked}"
+    assert not warm and not left, f"warm caches: {warm}; process state left behind: {left}"
+    state = st._STATE
+    assert state.xla_device is None and state.mesh is None and not state.optimizer_hooks and not state.torch_patches
+    assert not any(p.cache_info().currsize for p in st._CACHED_PROBES), "_reset_caches left a probe warm"
+
+
+@pytest.fixture
+def fresh():
+    """The module, with cold caches and a fresh process state at the end of the test."""
+    yield st
+    st._reset_caches()
+
+
+@pytest.fixture
+def no_xla(monkeypatch, fresh):
+    """torch_xla cannot be imported, and no env var asks for a device."""
+    monkeypatch.setitem(sys.modules, "torch_xla", None)
+    for k in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE", "TPU_ACCELERATOR_TYPE"):
+        monkeypatch.delenv(k, raising=False)
+    return st
+
+
+@pytest.fixture
+def fake(monkeypatch, fresh):
+    """The fake torch_xla (4 devices, one process) installed and asked for: SEAMLESS_TPU_DEVICE=xla."""
+    fx = FakeXLA().install(monkeypatch)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "xla")
+    return fx

@@ -1,0 +1,92 @@
+"""How tests start another Python: a subprocess or a Ray worker, with the repository root and tests/
+on its path and the environment the test asks for. A plain module, not a test module.
+
+    out = child.run(["tests/scenarios.py", name], env=child.env(**child.XLA_ENV), timeout=300)
+    proc = child.popen(["-c", code], env=child.env(drop=child.DEVICE_VARS))
+"""
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PYTHONPATH = os.pathsep.join([ROOT, HERE])  # for subprocesses, and for Ray workers (runtime_env)
+DEVICE_VARS = ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE")  # what picks the device: drop them for the default
+XLA_ON_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}  # real torch_xla on 4 virtual CPU devices
+XLA_ENV = dict(XLA_ON_CPU, SEAMLESS_TPU_DEVICE="xla", PYTHONUNBUFFERED="1")
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
+           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0"}
+RAY_WRITES = ("PYTHONBREAKPOINT", "RAY_USAGE_STATS_ENABLED")  # ray.init() sets these in the driver for good
+
+
+def env(*, drop=(), path=PYTHONPATH, **extra):
+    """This process's environment without the names in `drop`, with PYTHONPATH=`path`, plus `extra`."""
+    out = {k: v for k, v in os.environ.items() if k not in drop}
+    out["PYTHONPATH"] = path
+    out.update(extra)
+    return out
+
+
+_env = env  # the functions below take an `env` argument
+
+
+def popen(args, *, env=None, cwd=ROOT, **kwargs):
+    """Start `python ARGS` in `cwd` with `env` (default: env()); kwargs go to subprocess.Popen."""
+    return subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=_env() if env is None else env, **kwargs)
+
+
+def assert_ok(returncode, stdout, stderr, what="child"):
+    """Fail with the child's output if it crashed (a segfault: 139 / -11) or exited non-zero."""
+    assert returncode not in (139, -11), f"{what} crashed (segfault):\n{stderr[-3000:]}"
+    assert returncode == 0, f"{what} exited {returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+
+
+def run(args, *, env=None, timeout, cwd=ROOT, check=True):
+    """Run `python ARGS` to the end, output captured as text; with `check`, a failure fails the test."""
+    out = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=_env() if env is None else env,
+                         capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert_ok(out.returncode, out.stdout, out.stderr, f"python {' '.join(map(str, args))[:200]}")
+    return out
+
+
+def run_together(commands, *, timeout, cwd=ROOT):
+    """Start every (args, env) in `commands` at once (the ranks of one world), wait for all, fail on
+    any failure; returns their stdouts in order. A hang fails at `timeout` instead of stalling CI."""
+    procs = [popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, env in commands]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert_ok(p.returncode, out, err, f"process {i} of {len(procs)}")
+    return [out for out, _ in outs]
+
+
+def requires(*modules):
+    """A skip mark for a tier that needs `modules` installed (./dev.sh test installs them all)."""
+    import pytest
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (./dev.sh test installs it)")
+
+
+@contextlib.contextmanager
+def ray_env(**extra):
+    """RAY_ENV (and `extra`) set for the block; what ray.init() writes into this process's
+    environment is put back after it, so a Ray test leaks nothing into the next test."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k in RAY_WRITES:
+            mp.delenv(k, raising=False)
+        for k, v in dict(RAY_ENV, **extra).items():
+            mp.setenv(k, v)
+        yield

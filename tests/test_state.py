@@ -1,0 +1,132 @@
+"""Fast tier: what the module remembers between calls, and what each trainer keeps for itself.
+
+One process-state object holds everything; _reset_caches() (the tests' one line) also undoes every
+process-wide change to torch. A trainer keeps the mesh and batch sharding it started with, whatever
+a later trainer or create_xla_mesh does to the process mesh.
+"""
+
+import sys
+
+import pytest
+import torch
+from torch.optim import optimizer as optim_module
+
+import scenarios
+import seamless_tpu as st
+from fake_torch_xla import FakeXLA
+
+pytestmark = pytest.mark.fast
+
+DEVICES = ",".join(map(str, range(16)))
+ALL_16, ALL_16_1D = f"{{devices=[16,1]{DEVICES}}}", f"{{devices=[16]{DEVICES}}}"  # dim 0 over all 16 devices
+
+
+def sharding(t):
+    return sys.modules["torch_xla"]._XLAC._get_xla_sharding_spec(t)
+
+
+@pytest.fixture
+def four_hosts(monkeypatch, fresh):
+    """The fake torch_xla as one of 4 SPMD processes of a 16-device slice."""
+    FakeXLA(num_devices=16, process_count=4).install(monkeypatch)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    return st
+
+
+def batches_of(trainer):
+    data = torch.utils.data.TensorDataset(torch.ones(64, 10), torch.ones(64))
+    return next(iter(trainer.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=16))))
+
+
+def replace_process_mesh(how):
+    config = {"mesh_shape": [4, 4], "axis_names": ["data", "model"]}
+    if how == "second trainer":
+        st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", xla_spmd_config=config)
+    else:
+        st.create_xla_mesh(xla_spmd_config=config)
+    assert st.get_xla_mesh().axis_names == ("data", "model")  # the process mesh did change
+
+
+@pytest.mark.parametrize("how", ["second trainer", "create_xla_mesh"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_later_mesh_leaves_an_earlier_trainers_batches_alone(four_hosts, how, strategy):
+    """The default multi-host mesh splits the batch over all 16 devices; it stays so for trainer A
+    after the process mesh becomes a data x model one (there the batch goes over `data` only)."""
+    a = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", strategy=strategy)
+    assert sharding(a.to_device(torch.ones(16, 10))) == ALL_16
+    replace_process_mesh(how)
+    assert sharding(st.to_device(torch.ones(16, 10))).startswith("{devices=[4,1,4]"), "to_device follows the process mesh"
+    x, y = a.to_device(torch.ones(16, 10), torch.ones(16))
+    assert sharding(x) == ALL_16 and sharding(y) == ALL_16_1D
+    x, y = batches_of(a)
+    assert sharding(x) == ALL_16 and sharding(y) == ALL_16_1D
+
+
+def test_a_user_mesh_with_a_model_axis_keeps_its_data_split(four_hosts):
+    xs = sys.modules["torch_xla.distributed.spmd"]
+    mesh = xs.Mesh(list(range(16)), (4, 4), ("data", "model"))
+    a = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", mesh=mesh)
+    want = sharding(a.to_device(torch.ones(16, 10)))
+    assert want.startswith("{devices=[4,1,4]") and want.endswith("last_tile_dim_replicate}")
+    st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", strategy="fsdp")  # the process mesh is now ("data", "fsdp")
+    assert sharding(a.to_device(torch.ones(16, 10))) == want
+    assert sharding(batches_of(a)[0]) == want
+
+
+def test_a_trainers_batch_sharding_is_built_once(four_hosts, monkeypatch):
+    a = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla")
+    replace_process_mesh("create_xla_mesh")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a batch sharding was built again after the trainer's own")
+
+    monkeypatch.setattr(st._BatchSharding, "for_mesh", refuse)
+    for _ in range(3):
+        assert sharding(a.to_device(torch.ones(16, 10))) == ALL_16
+    assert sharding(batches_of(a)[0]) == ALL_16
+
+
+def test_default_ddp_mesh_has_no_model_axis_whatever_the_host_count(four_hosts):
+    """A `model` axis carries the model; the default ddp mesh carries only the batch, so it has none."""
+    trainer = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla")
+    assert (tuple(trainer.mesh.mesh_shape), tuple(trainer.mesh.axis_names)) == ((16,), ("data",))
+    assert st.mesh_shape_for(16, 4) == ((16,), ("data",))
+    assert st.mesh_shape_for(16, 4, strategy="fsdp") == ((4, 4), ("data", "fsdp"))
+
+
+def test_reset_undoes_every_process_wide_change(fake):
+    ckpt = torch.utils.checkpoint
+    originals = ckpt.CheckpointFunction, ckpt._CheckpointFrame.__init__, torch.__future__.get_swap_module_params_on_conversion()
+    hooks = len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
+    st.get_device()
+    assert ckpt.CheckpointFunction is not originals[0] and ckpt._CheckpointFrame.__init__ is not originals[1]
+    assert torch.__future__.get_swap_module_params_on_conversion() and hasattr(torch, "xla")
+    assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1
+    state = st._STATE
+    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 4
+    st._reset_caches()
+    assert (ckpt.CheckpointFunction, ckpt._CheckpointFrame.__init__, torch.__future__.get_swap_module_params_on_conversion()) == originals
+    assert not hasattr(torch, "xla") and "torch.xla" not in sys.modules
+    assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks
+    assert st._STATE is not state and st._STATE.xla_device is None and st.get_xla_mesh() is None
+
+
+def test_activation_patches_torch_once_per_process_state(fake):
+    """A second activation in a fresh state (the fake Ray worker group swaps states) wraps nothing twice."""
+    st.get_device()
+    routed, first = torch.utils.checkpoint.CheckpointFunction, st._STATE
+    st._STATE = st._ProcessState()  # what a second fake worker sees; the first one's patches are still in
+    try:
+        st.get_device()
+        assert torch.utils.checkpoint.CheckpointFunction is routed
+    finally:
+        st._reset_caches()
+        st._STATE = first  # _reset_caches (the fixture's) undoes the first state's patches and hooks too
+
+
+def test_ray_classes_live_in_one_cache_not_in_module_globals(fresh):
+    pytest.importorskip("ray.train.torch")
+    config = st.TorchConfig(backend="xla_tpu")
+    assert type(config) is st.TorchConfig and st.TorchTrainer is st._ray_classes()["TorchTrainer"]
+    assert not {"TorchConfig", "TorchTrainer", "_XlaSpmdBackend"} & set(vars(st)), "the factory wrote module globals"
+    assert type(config).__module__ == st.__name__ and type(config).__qualname__ == "TorchConfig"
