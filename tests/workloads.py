@@ -6,7 +6,7 @@ checked against the same loop run eagerly on CPU in a separate process.
 
 tests/test_workloads.py runs every name in SCENARIOS with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 SEAMLESS_TPU_DEVICE=xla. The eager reference must run in its own process: a CPU backward before
-XLA starts breaks XLA autograd in that process (REFERENCE.md).
+XLA starts breaks XLA autograd in that process.
 
 The loops are plain PyTorch (optimizer.step(), no mark_step). A loop takes `trainer`: None is the
 eager reference; otherwise it is a SeamlessTPUTrainer, and the loop calls only its public API
@@ -17,7 +17,6 @@ random weights: nothing is downloaded.
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [p for p in (ROOT, HERE) if p not in sys.path]
 
+import child  # noqa: E402
 import scenarios  # noqa: E402  (the real tier's helpers)
 import seamless_tpu as st  # noqa: E402
 
@@ -41,12 +41,9 @@ XLA_VARS = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "SEAMLESS_TPU_DEVICE", "XLA_FLAGS"
 def eager_reference(name):
     """Run `name --eager` in a fresh CPU-only process and return its RESULT. Call it before this
     process touches XLA (it only waits on the child, so one XLA process runs at a time)."""
-    env = {k: v for k, v in os.environ.items() if k not in XLA_VARS}
-    env.update(SEAMLESS_TPU_DEVICE="cpu", PYTHONPATH=os.pathsep.join([ROOT, HERE]), PYTHONUNBUFFERED="1")
     start = time.time()
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), name, "--eager"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"eager reference {name} exited {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    out = child.run([os.path.abspath(__file__), name, "--eager"], timeout=300,
+                    env=child.env(drop=XLA_VARS, SEAMLESS_TPU_DEVICE="cpu", PYTHONUNBUFFERED="1"))
     print(f"eager reference {name}: {time.time() - start:.1f}s")
     return json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
@@ -268,13 +265,60 @@ def resnet_eager():
     return resnet_loop(False)
 
 
+def resnet_handwritten(steps=4):
+    """The same loop written by hand for torch_xla SPMD, as the shim runs it: the model replicated,
+    each batch split over a 1-D ("data",) mesh of every device, one sync after each step."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    device = torch_xla.device()
+    model.to(device)
+    n = torch_xla.runtime.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(steps)]
+    model.train()
+    losses = []
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        xs.mark_sharding(x, mesh, ("data", None, None, None))
+        xs.mark_sharding(y, mesh, ("data",))
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        torch_xla.sync()
+        losses.append(loss.detach())
+    return {"losses": host(losses), "bn1_running_var": model.bn1.running_var.cpu().tolist()}
+
+
+# XLA:CPU convolution gradients differ from eager's, and resnet18 with 4-sample BatchNorm amplifies
+# that, so "shim vs eager" mixes the shim with XLA's own numerics. The test asks two questions.
+# (1) Is the shim the hand-written torch_xla loop? Same graphs, same process: measured bitwise equal
+# over 11 runs. (2) Is XLA within its measured spread of eager? The 4-step loss difference is
+# repeatable on one machine and configuration (1.08e-4 in 11 runs, 1 or 2 cores) but moves with XLA's
+# CPU code generation: 2.81e-4 with --xla_cpu_multi_thread_eigen=false, 1.83e-4 and ~6e-5 on other
+# machines. The bound is 3x the worst of those (README, "Tolerances").
+RESNET_VS_HANDWRITTEN = 1e-6
+RESNET_VS_EAGER = 1e-3
+
+
 def resnet18_bn():
     want = eager_reference("resnet18_bn")
     got = resnet_loop(True)
-    assert_close(got["losses"], want["losses"], 1e-4, "resnet18 vs eager")
+    by_hand = resnet_handwritten()
+    assert_close(got["losses"], by_hand["losses"], RESNET_VS_HANDWRITTEN, "resnet18 shim vs hand-written torch_xla")
+    assert_close(got["bn1_running_var"], by_hand["bn1_running_var"], RESNET_VS_HANDWRITTEN,
+                 "resnet18 bn1.running_var shim vs hand-written torch_xla")
+    assert_close(got["losses"], want["losses"], RESNET_VS_EAGER, "resnet18 vs eager")
     assert_flat(got["compiles"], 2, "resnet18")
     # Pin torch_xla 2.9's BatchNorm: running_var takes the biased batch variance (divide by n),
-    # eager the unbiased one (n - 1). When this fails, torch_xla changed: update REFERENCE.md.
+    # eager the unbiased one (n - 1). When this fails, torch_xla changed: update this pin.
     torch.manual_seed(0)
     torch.nn.BatchNorm1d(3)  # same RNG use as bn_running_var
     x = torch.randn(4, 3)
@@ -283,8 +327,9 @@ def resnet18_bn():
     print(f"BatchNorm1d(3) running_var after one step: xla {got['bn_running_var']} eager {want['bn_running_var']}")
     assert_close(want["bn_running_var"], unbiased, 1e-6, "eager running_var = unbiased")
     assert_close(got["bn_running_var"], biased, 1e-6, "xla running_var = biased (torch_xla 2.9)")
-    drift = max_diff(got["bn1_running_var"], want["bn1_running_var"])
-    print(f"resnet18 bn1.running_var xla vs eager after {len(got['losses'])} steps: max |diff| {drift:.3g}")
+    # resnet18's bn1 counts 4 x 16 x 16 values per channel, so biased and unbiased variance differ by
+    # 1/1024 relative, and running_var follows: measured 3.5e-5 in every configuration above.
+    assert_close(got["bn1_running_var"], want["bn1_running_var"], 3e-4, "resnet18 bn1.running_var vs eager")
 
 
 # --- c. two optimizers + eval pass (tiny GAN) ----------------------------------------------------
@@ -436,7 +481,7 @@ def hf_save_pretrained_pin():
             assert "invalid python storage" in str(e), str(e)
             print(f"save_pretrained on XLA tensors: RuntimeError: {e}")
         else:
-            raise AssertionError("save_pretrained on XLA tensors worked: torch_xla/safetensors changed, update REFERENCE.md")
+            raise AssertionError("save_pretrained on XLA tensors worked: torch_xla/safetensors changed, update this pin")
         on_cpu = {k: v.cpu() for k, v in model.state_dict().items()}
         # save_pretrained empties the state_dict it is given (transformers 5.x): pass a copy.
         given = dict(on_cpu)
