@@ -1,8 +1,14 @@
 """What seamless_tpu costs, measured side by side in one run, with how much the run can resolve.
 
-    ./dev.sh bench            # full run: writes bench/RESULTS.md and bench/step_times.png
-    ./dev.sh bench --smoke    # a few steps of everything (CI), writes nothing unless --out is given
-    ./dev.sh bench --only fsdp [--out F]   # strategy='fsdp' vs 'ddp' alone (issue 9): memory, step time, checkpoints
+    ./dev.sh bench                      # every section: writes bench/RESULTS.md and bench/step_times.png
+    ./dev.sh bench --smoke              # a few steps of every section (CI); writes nothing unless --out is given
+    ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd, eager_cpu,
+                                        # compiles, overhead, imports, ray, fsdp); writes nothing unless --out is given
+
+RESULTS.md holds one block per section (between <!-- bench:NAME --> and <!-- /bench:NAME -->), whose
+first line names the commit it ran at and the command that runs it alone. A write to --out replaces
+the blocks of the sections that ran (a full run: all of them, and the header) and keeps the others
+as they were, with their own commit lines, and the hand-written text after the blocks (Findings).
 
 Every variant lives in its own worker process (the shim installs global optimizer hooks that
 must not touch the hand-written loop; accelerate and Fabric keep process-wide state). After
@@ -16,6 +22,7 @@ comparison runs twice (run 1, run 2), in fresh processes.
 """
 
 import argparse
+import dataclasses
 import datetime
 import glob
 import json
@@ -194,8 +201,9 @@ def compiles_over_epochs(name, samples=70, batch=8, epochs=3):
 
 
 def shim_overhead(variant, reps=20000):
-    """The shim's own Python work per optimizer step, timed in isolation (no device work):
-    on XLA its two hooks minus torch_xla.sync(); off XLA, how many global hooks exist at all."""
+    """The shim's own Python work per optimizer step, timed in isolation: on XLA the two hooks it
+    runs around every step, the real ones, with torch_xla.sync stubbed out (no device work); off
+    XLA, how many global optimizer hooks exist at all."""
     from torch.optim import optimizer as optim_module
 
     import seamless_tpu as st
@@ -203,40 +211,19 @@ def shim_overhead(variant, reps=20000):
     hooks = len(optim_module._global_optimizer_pre_hooks) + len(optim_module._global_optimizer_post_hooks)
     if not st.is_xla_backend():
         return {"global_optimizer_hooks": hooks, "us_per_step": 0.0}
-    met, opt = variant.metrics, variant.optimizer
-    start = time.perf_counter()
-    for _ in range(reps):
-        st._xla_step_pre_hook(opt, (), {})
-        if st._on_xla(opt):  # the post-hook, without its sync
-            st._WATCHDOG.steps[opt] = st._WATCHDOG.steps.get(opt, 0)
-            met.counter_value("UncachedCompile")
-    return {"global_optimizer_hooks": hooks, "us_per_step": (time.perf_counter() - start) / reps * 1e6}
-
-
-def local_bytes(tensor, devices):
-    """Bytes of `tensor` held by each device, from the shapes of its shards. A tensor with no
-    sharding spec is replicated: every device holds all of it (torch_xla refuses to list its shards).
-    tests/scenarios.py asserts the fsdp memory ratio with device_bytes too."""
     import torch_xla
 
-    if not torch_xla._XLAC._get_xla_sharding_spec(tensor):
-        return [tensor.numel() * tensor.element_size()] * devices
-    return [shard.numel() * shard.element_size() for shard, _ in torch_xla._XLAC._get_local_shards([tensor])[0]]
-
-
-def device_bytes(model, optimizer):
-    """Parameter + optimizer-state bytes on each device, and in one whole replica. AdamW's scalar
-    `step` is left out: it lives on the CPU."""
-    import torch
-    import torch_xla.core.xla_model as xm
-    import torch_xla.runtime as xr
-
-    xm.wait_device_ops()  # a tensor's shards are readable once the step that made them ran
-    devices = xr.global_runtime_device_count()
-    tensors = list(model.parameters()) + [v for state in optimizer.state.values() for v in state.values()
-                                          if isinstance(v, torch.Tensor) and v.dim()]
-    per_device = [sum(col) for col in zip(*(local_bytes(t, devices) for t in tensors))]
-    return {"per_device": per_device, "replica": sum(t.numel() * t.element_size() for t in tensors)}
+    opt, sync = variant.optimizer, torch_xla.sync
+    torch_xla.sync = lambda *args, **kwargs: None
+    try:
+        start = time.perf_counter()
+        for _ in range(reps):
+            st._before_xla_step(opt, (), {})
+            st._after_xla_step(opt, (), {})
+        seconds = time.perf_counter() - start
+    finally:
+        torch_xla.sync = sync
+    return {"global_optimizer_hooks": hooks, "us_per_step": seconds / reps * 1e6}
 
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -274,7 +261,7 @@ def profile(variant, dump):
     state exists, and the last graph compiled is the steady-state step."""
     variant.step()  # a fresh variant gets its optimizer state; a warm one compiles nothing
     shapes = [tuple(p.shape) for p in variant.model.parameters()]
-    return {"bytes": device_bytes(variant.model, variant.optimizer), "collectives": step_collectives(dump, shapes) if dump else {}}
+    return {"bytes": variant.trainer.memory_stats(variant.optimizer), "collectives": step_collectives(dump, shapes) if dump else {}}
 
 
 def tree_bytes(path):
@@ -323,11 +310,11 @@ def checkpoint_cost(variant, reps):
                     xm.wait_device_ops()
                     times[name].append(time.perf_counter() - start)
                 written[save] = tree_bytes(sharded if save == "save_checkpoint" else single)
-                after_load = device_bytes(model, optimizer) if rep == 0 else None
+                after_load = trainer.memory_stats(optimizer) if rep == 0 else None
                 compiles = met.counter_value("UncachedCompile") or 0
                 variant.step()  # fresh values on the devices for the next save
                 if rep == 0:
-                    resume[load] = {"after_load": after_load, "after_next_step": device_bytes(model, optimizer),
+                    resume[load] = {"after_load": after_load, "after_next_step": trainer.memory_stats(optimizer),
                                     "compiles_in_next_step": (met.counter_value("UncachedCompile") or 0) - compiles}
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -608,80 +595,6 @@ def chart(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="a few steps of everything, for CI")
-    p.add_argument("--out", default=None, help="Markdown results (default: bench/RESULTS.md, none in --smoke)")
-    p.add_argument("--png", default=None, help="chart (default: bench/step_times.png, none in --smoke)")
-    p.add_argument("--skip-ray", action="store_true")
-    p.add_argument("--only", choices=["fsdp"], help="run one section alone; writes only to --out/--png if given")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--workload", default="mlp", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker_main(args.worker, args.workload)
-    smoke = args.smoke
-    quiet = smoke or args.only  # a smoke run or one section alone must not overwrite the full results
-    out = args.out or (None if quiet else os.path.join(ROOT, "bench", "RESULTS.md"))
-    png = args.png or (None if quiet else os.path.join(ROOT, "bench", "step_times.png"))
-    warm, repeats = (3, 1) if smoke else (10, 2)
-    # (rounds, steps per block): short blocks, so a burst of load spans whole rounds; the MLP, whose
-    # steps are the cheapest and the noisiest, gets the most rounds
-    plan = {"mlp": (3, 2), "transformer": (3, 2)} if smoke else {"mlp": (150, 10), "transformer": (20, 4)}
-    rng = random.Random(0)  # the order of variants in each round
-    started, load_before = time.time(), os.getloadavg()[0]
-    # fsdp vs ddp: XLA transformer blocks of 2 steps (1 in smoke), checkpoint calls 5 times (2 in smoke)
-    fsdp_args = (warm, plan["transformer"][0], plan["transformer"][1] // 2, repeats, 2 if smoke else 5)
-    if args.only == "fsdp":
-        fsdp = fsdp_vs_ddp(*fsdp_args, rng)
-        load = (load_before, os.getloadavg()[0])
-        report = render_fsdp_alone(fsdp, smoke, time.time() - started, load)
-        print(report["text"])
-        if out:
-            with open(out, "w") as f:
-                f.write(report["markdown"])
-        if png:
-            chart(fsdp["rows"], png)
-        return
-    rows = []
-    for workload in ("mlp", "transformer"):
-        rounds, steps = plan[workload]
-        rows += compare("xla_spmd_4dev", workload, ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV,
-                        warm, rounds, max(1, steps // (2 if workload == "transformer" else 1)), repeats, rng)
-        rows += compare("eager_cpu", workload, ["plain", "shim", "accelerate", "fabric"], "plain", EAGER_ENV,
-                        warm, rounds, steps, repeats, rng)
-    compiles = {}
-    for name in ("shim", "handwritten_xla"):
-        w = Worker(name, "mlp", XLA_ENV)
-        try:
-            compiles[name] = w.ask("compiles")["counts"]
-        finally:
-            w.close()
-    overhead = {}
-    for label, env in (("xla", XLA_ENV), ("eager_cpu", EAGER_ENV)):
-        w = Worker("shim", "mlp", env)
-        try:
-            overhead[label] = w.ask("overhead")
-        finally:
-            w.close()
-    imports = import_cost(3 if smoke else 7)
-    ray_times = None if args.skip_ray else ray_fit_times(1 if smoke else 3, rng)
-    fsdp = fsdp_vs_ddp(*fsdp_args, rng)
-    load = (load_before, os.getloadavg()[0])
-    report = render(rows, compiles, overhead, imports, ray_times, fsdp, smoke, time.time() - started, load)
-    print(report["text"])
-    if out:
-        findings = ""
-        if os.path.exists(out):  # the hand-written analysis below the numbers survives a re-run
-            with open(out) as f:
-                old = f.read()
-            findings = old[old.index("\n## Findings"):] if "\n## Findings" in old else ""
-        with open(out, "w") as f:
-            f.write(report["markdown"] + findings)
-    if png:
-        chart(rows + fsdp["rows"], png)
-
-
 def fmt(stats):
     return f"{stats[0]:.3f} [{stats[1]:.3f}, {stats[2]:.3f}]"
 
@@ -697,13 +610,16 @@ def header(title, smoke, elapsed, load):
     return [f"# {title}{' (smoke run)' if smoke else ''}", "",
             f"- date: {datetime.date.today().isoformat()}; wall time {elapsed / 60:.1f} min",
             f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; torch threads pinned to {THREADS}",
-            f"- load (1-minute average, os.getloadavg): {load[0]:.2f} at the start, {load[1]:.2f} at the end; per comparison run in the table below",
+            f"- load (1-minute average, os.getloadavg): {load[0]:.2f} at the start, {load[1]:.2f} at the end; per section in its "
+            "commit line, per comparison run in its table",
             "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
             "- method: each variant in its own process, plus a second, independent baseline process (A/A: the noise floor); "
             "after warm-up, rounds of one short block per variant in random order; ratio = median over rounds of "
             "(variant block / baseline block, same round), [95% bootstrap interval over rounds]; every comparison run twice (run 1, run 2)",
             "- verdict: met when the interval's upper end is under the target, missed when its lower end is over it, "
-            "otherwise not resolved at this noise", ""]
+            "otherwise not resolved at this noise",
+            "- sections: each names the commit it ran at and the command that runs it alone; "
+            "`./dev.sh bench --only NAME --out bench/RESULTS.md` replaces that section and keeps the others"]
 
 
 RUN_TABLE = ["| comparison | workload | run | variant | median ms/step | IQR ms | ratio [95% interval] | load before→after | device->host transfers/step | compiles in steady state |",
@@ -724,80 +640,20 @@ def run_rows(rows):
     return md
 
 
-def render(rows, compiles, overhead, imports, ray_times, fsdp, smoke, elapsed, load):
-    md = header("seamless_tpu benchmark results", smoke, elapsed, load) + [
-          "## Step-time ratios (both runs' rounds pooled)", "",
-          "| comparison | workload | variant | ratio [95% interval] | A/A floor [95% interval] | target | verdict |",
-          "|---|---|---|---|---|---|---|"]
-    headline = []
-    bases = {(r["comparison"], r["workload"]): r["variant"] for r in rows if r["baseline"]}
-    for comparison, workload, variant in dict.fromkeys((r["comparison"], r["workload"], r["variant"]) for r in rows
-                                                       if not r["baseline"] and not r["variant"].endswith(AA)):
-        base = bases[comparison, workload]
-        stats, floor = pooled(rows, comparison, workload, variant), pooled(rows, comparison, workload, base + AA)
-        target = TARGETS.get((comparison, variant))
-        # A smoke run's few rounds prove the code runs; they cannot judge a 2% target.
-        judged = "no verdict (smoke)" if smoke and target else verdict(stats[1], stats[2], target)
-        md.append(f"| {comparison} | {workload} | {variant} | {fmt(stats)} | {fmt(floor)} | {'' if target is None else f'≤ {target}'} | {judged} |")
-        runs = [r["ratio"][0] for r in rows if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)]
-        line = (f"{comparison} {workload}: {variant} / {BASE_NAMES[base]} = {fmt(stats)} "
-                f"(runs {', '.join(f'{x:.3f}' for x in runs)}); A/A floor {fmt(floor)}")
-        headline.append(line + (f"; target <= {target}: {judged}" if target else ""))
-    md += ["", "## Step time per run (ratio = median over rounds of variant block / baseline block)", "", *RUN_TABLE, *run_rows(rows)]
-    md += ["", "## Compilations over 3 epochs (70 samples, batch 8: the last batch has 6)", ""]
-    for name, counts in compiles.items():
-        after = counts[-1] - counts[min(1, len(counts) - 1)]
-        md.append(f"- {name}: {len(counts)} steps, UncachedCompile after step 2 = {counts[min(1, len(counts) - 1)]}, at the end = {counts[-1]} (growth after warm-up: {after})")
-    md += ["", "## The shim's own work per step (timed in isolation)", ""]
-    for label, o in overhead.items():
-        md.append(f"- {label}: {o['us_per_step']:.2f} us per optimizer step; global optimizer hooks installed: {o['global_optimizer_hooks']}")
-    md += ["", "## Import cost after torch (fresh interpreters, ms)", "", "| module | median | min | max |", "|---|---|---|---|"]
-    for name, samples in imports.items():
-        md.append(f"| {name} | {statistics.median(samples):.1f} | {min(samples):.1f} | {max(samples):.1f} |")
-    if ray_times:
-        md += ["", "## Ray Train: 2-worker CPU fit (s), random order per round, stock gloo twice (A/A)", "",
-               "| backend config | round | fit | to first step | training |", "|---|---|---|---|---|"]
-        for kind, runs in ray_times.items():
-            for i, r in enumerate(runs):
-                md.append(f"| {kind} | {i + 1} | {r['fit_s']:.1f} | {r['to_first_step_s']:.1f} | {r['train_s']:.2f} |")
-    for name, counts in compiles.items():
-        headline.append(f"compiles after warm-up over 3 epochs: {name} +{counts[-1] - counts[min(1, len(counts) - 1)]}")
-    shim_x = [r["transfers_per_step"] for r in rows if r["comparison"] == "xla_spmd_4dev" and r["variant"] == "shim"]
-    hand_x = [r["transfers_per_step"] for r in rows if r["comparison"] == "xla_spmd_4dev" and r["variant"] == "handwritten_xla"]
-    headline.append(f"device->host transfers per steady step: shim {max(shim_x):.2f}, hand-written {max(hand_x):.2f}")
-    headline.append("shim's own work per step: " + ", ".join(f"{k} {o['us_per_step']:.2f} us ({o['global_optimizer_hooks']} global hooks)" for k, o in overhead.items()))
-    headline.append("import after torch (median ms): " + ", ".join(f"{k} {statistics.median(s):.1f}" for k, s in imports.items()))
-    if ray_times:
-        fit = {k: [r["fit_s"] for r in runs] for k, runs in ray_times.items()}
-        stats, floor = (interval([a / b for a, b in zip(fit[k], fit["ray_gloo"])]) for k in ("seamless", "ray_gloo" + AA))
-        line = (f"ray 2-worker fit: seamless / stock gloo = {fmt(stats)} ({len(fit['seamless'])} round{'s' if len(fit['seamless']) != 1 else ''}; median "
-                f"{statistics.median(fit['seamless']):.1f} s vs {statistics.median(fit['ray_gloo']):.1f} s); "
-                f"A/A floor {fmt(floor)}; report only (no target)")
-        md += ["", f"- {line}"]
-        headline.append(line)
-    section, lines = fsdp_section(fsdp)
-    md += ["", *section]
-    headline += lines
-    headline.append(f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end")
-    md += ["", "## Headline ratios", ""] + [f"- {h}" for h in headline] + [""]
-    text = "\n".join(["seamless_tpu benchmark" + (" (smoke)" if smoke else ""), *headline])
-    return {"markdown": "\n".join(md), "text": text}
-
-
 def mb(n):
     return f"{n / 1e6:.2f} MB" if n >= 10_000 else f"{n:,} B"
 
 
-def fsdp_section(fsdp):
+def fsdp_section(fsdp, s):
     """Markdown lines of the fsdp-vs-ddp section, and its headline lines."""
     rows, profiles = fsdp["rows"], fsdp["profiles"]
     strategies = {"ddp": profiles["shim"], "fsdp": profiles["shim_fsdp"]}
     per_device = {k: max(p["bytes"]["per_device"]) for k, p in strategies.items()}
     ratio = per_device["fsdp"] / per_device["ddp"]
     judged = "met" if ratio <= FSDP_MEMORY_TARGET else "missed"  # a count of bytes, not a timing: no interval
-    md = ["## strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", "",
-          "Both through `SeamlessTPUTrainer(model, strategy=...)`, the optimizer made before the trainer, the plain loop.", "",
-          "### Parameter + optimizer-state bytes per device (after the timed rounds; counted from the shapes of each tensor's shards)", "",
+    md = ["Both through `SeamlessTPUTrainer(model, strategy=...)`, the optimizer made before the trainer, the plain loop.", "",
+          "### Parameter + optimizer-state bytes per device (after the timed rounds; `trainer.memory_stats(optimizer)`, "
+          "counted from the shapes of each tensor's shards)", "",
           "| strategy | bytes on each device | one whole replica | per device / replica |", "|---|---|---|---|"]
     for k, p in strategies.items():
         b = p["bytes"]
@@ -856,12 +712,234 @@ def fsdp_section(fsdp):
     return md, [memory, step, collectives, checkpoint]
 
 
-def render_fsdp_alone(fsdp, smoke, elapsed, load):
-    section, headline = fsdp_section(fsdp)
-    md = header("seamless_tpu benchmark: strategy='fsdp' vs 'ddp' alone (--only fsdp)", smoke, elapsed, load) + section
-    text = "\n".join(["seamless_tpu benchmark, --only fsdp" + (" (smoke)" if smoke else ""), *headline,
-                      f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end; wall time {elapsed / 60:.1f} min"])
-    return {"markdown": "\n".join(md) + "\n", "text": text}
+# --- sections: each comparison, runnable alone (--only NAME), and how it is written up ---------------
+
+
+class Settings:
+    """How long the comparisons run: a few steps of each in a smoke run, the full plan otherwise."""
+
+    def __init__(self, smoke):
+        self.smoke = smoke
+        self.warm, self.repeats = (3, 1) if smoke else (10, 2)
+        # (rounds, steps per block): short blocks, so a burst of load spans whole rounds; the MLP, whose
+        # steps are the cheapest and the noisiest, gets the most rounds
+        self.plan = {"mlp": (3, 2), "transformer": (3, 2)} if smoke else {"mlp": (150, 10), "transformer": (20, 4)}
+
+    def block(self, workload, xla):
+        """(rounds, steps per block) of a workload; an XLA transformer block has half the steps."""
+        rounds, steps = self.plan[workload]
+        return rounds, (max(1, steps // 2) if xla and workload == "transformer" else steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One comparison. run(settings) -> result; render(result, settings) -> (Markdown lines under the
+    heading, headline lines). charted: result["rows"] are step-time rows for the chart."""
+
+    heading: str
+    run: object
+    render: object
+    charted: bool = False
+
+
+def step_time(title, names, baseline, env, xla):
+    """run() of a step-time comparison: both workloads, `names` against `baseline`."""
+
+    def run(s):
+        rng = random.Random(0)  # the order of variants in each round: a section alone draws as in a full run
+        rows = []
+        for workload in ("mlp", "transformer"):
+            rows += compare(title, workload, names, baseline, env, s.warm, *s.block(workload, xla), s.repeats, rng)
+        return {"rows": rows}
+
+    return run
+
+
+def render_step_time(result, s):
+    rows = result["rows"]
+    md = ["### Ratios, both runs' rounds pooled", "",
+          "| comparison | workload | variant | ratio [95% interval] | A/A floor [95% interval] | target | verdict |",
+          "|---|---|---|---|---|---|---|"]
+    headline = []
+    bases = {(r["comparison"], r["workload"]): r["variant"] for r in rows if r["baseline"]}
+    for comparison, workload, variant in dict.fromkeys((r["comparison"], r["workload"], r["variant"]) for r in rows
+                                                       if not r["baseline"] and not r["variant"].endswith(AA)):
+        base = bases[comparison, workload]
+        stats, floor = pooled(rows, comparison, workload, variant), pooled(rows, comparison, workload, base + AA)
+        target = TARGETS.get((comparison, variant))
+        # A smoke run's few rounds prove the code runs; they cannot judge a 2% target.
+        judged = "no verdict (smoke)" if s.smoke and target else verdict(stats[1], stats[2], target)
+        md.append(f"| {comparison} | {workload} | {variant} | {fmt(stats)} | {fmt(floor)} | {'' if target is None else f'≤ {target}'} | {judged} |")
+        runs = [r["ratio"][0] for r in rows if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)]
+        line = (f"{comparison} {workload}: {variant} / {BASE_NAMES[base]} = {fmt(stats)} "
+                f"(runs {', '.join(f'{x:.3f}' for x in runs)}); A/A floor {fmt(floor)}")
+        headline.append(line + (f"; target <= {target}: {judged}" if target else ""))
+    transfers = {}
+    for r in rows:
+        if r["transfers_per_step"] is not None and not r["variant"].endswith(AA):
+            transfers[r["variant"]] = max(transfers.get(r["variant"], 0.0), r["transfers_per_step"])
+    if transfers:
+        headline.append("device->host transfers per steady step: " + ", ".join(f"{k} {v:.2f}" for k, v in transfers.items()))
+    md += ["", "### Step time per run (ratio = median over rounds of variant block / baseline block)", "", *RUN_TABLE, *run_rows(rows)]
+    return md, headline
+
+
+def ask_once(name, env, cmd):
+    """A fresh worker's reply to one command (the MLP workload)."""
+    w = Worker(name, "mlp", env)
+    try:
+        return w.ask(cmd)
+    finally:
+        w.close()
+
+
+def run_compiles(s):
+    return {name: ask_once(name, XLA_ENV, "compiles")["counts"] for name in ("shim", "handwritten_xla")}
+
+
+def render_compiles(compiles, s):
+    md, headline = [], []
+    for name, counts in compiles.items():
+        warm = counts[min(1, len(counts) - 1)]
+        md.append(f"- {name}: {len(counts)} steps, UncachedCompile after step 2 = {warm}, at the end = {counts[-1]} (growth after warm-up: {counts[-1] - warm})")
+        headline.append(f"compiles after warm-up over 3 epochs: {name} +{counts[-1] - warm}")
+    return md, headline
+
+
+def run_overhead(s):
+    return {label: ask_once("shim", env, "overhead") for label, env in (("xla", XLA_ENV), ("eager_cpu", EAGER_ENV))}
+
+
+def render_overhead(overhead, s):
+    md = ["On XLA: the two hooks the shim runs around every optimizer step, `_before_xla_step` then `_after_xla_step`, "
+          "called back to back with `torch_xla.sync` replaced by a no-op, so no device work is timed. Off XLA: how many "
+          "global optimizer hooks exist at all.", ""]
+    md += [f"- {label}: {o['us_per_step']:.2f} us per optimizer step; global optimizer hooks installed: {o['global_optimizer_hooks']}"
+           for label, o in overhead.items()]
+    return md, ["shim's own work per step: " + ", ".join(f"{k} {o['us_per_step']:.2f} us ({o['global_optimizer_hooks']} global hooks)"
+                                                         for k, o in overhead.items())]
+
+
+def render_imports(imports, s):
+    md = ["| module | median | min | max |", "|---|---|---|---|"]
+    md += [f"| {name} | {statistics.median(v):.1f} | {min(v):.1f} | {max(v):.1f} |" for name, v in imports.items()]
+    return md, ["import after torch (median ms): " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in imports.items())]
+
+
+def render_ray(ray_times, s):
+    md = ["| backend config | round | fit | to first step | training |", "|---|---|---|---|---|"]
+    for kind, runs in ray_times.items():
+        for i, r in enumerate(runs):
+            md.append(f"| {kind} | {i + 1} | {r['fit_s']:.1f} | {r['to_first_step_s']:.1f} | {r['train_s']:.2f} |")
+    fit = {k: [r["fit_s"] for r in runs] for k, runs in ray_times.items()}
+    stats, floor = (interval([a / b for a, b in zip(fit[k], fit["ray_gloo"])]) for k in ("seamless", "ray_gloo" + AA))
+    line = (f"ray 2-worker fit: seamless / stock gloo = {fmt(stats)} ({len(fit['seamless'])} round{'s' if len(fit['seamless']) != 1 else ''}; median "
+            f"{statistics.median(fit['seamless']):.1f} s vs {statistics.median(fit['ray_gloo']):.1f} s); "
+            f"A/A floor {fmt(floor)}; report only (no target)")
+    return md + ["", f"- {line}"], [line]
+
+
+def run_fsdp(s):
+    # XLA transformer blocks; checkpoint calls 5 times (2 in smoke)
+    return fsdp_vs_ddp(s.warm, *s.block("transformer", True), s.repeats, 2 if s.smoke else 5, random.Random(0))
+
+
+SECTIONS = {  # the order of a full run and of RESULTS.md
+    "xla_spmd": Section("XLA SPMD on 4 devices: seamless_tpu vs hand-written torch_xla, step time",
+                        step_time("xla_spmd_4dev", ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV, xla=True),
+                        render_step_time, charted=True),
+    "eager_cpu": Section("Eager CPU: seamless_tpu, accelerate and Fabric vs plain PyTorch, step time",
+                         step_time("eager_cpu", ["plain", "shim", "accelerate", "fabric"], "plain", EAGER_ENV, xla=False),
+                         render_step_time, charted=True),
+    "compiles": Section("Compilations over 3 epochs (70 samples, batch 8: the last batch has 6)", run_compiles, render_compiles),
+    "overhead": Section("The shim's own work per step (timed in isolation)", run_overhead, render_overhead),
+    "imports": Section("Import cost after torch (fresh interpreters, ms)", lambda s: import_cost(3 if s.smoke else 7), render_imports),
+    "ray": Section("Ray Train: 2-worker CPU fit (s), random order per round, stock gloo twice (A/A)",
+                   lambda s: ray_fit_times(1 if s.smoke else 3, random.Random(0)), render_ray),
+    "fsdp": Section("strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", run_fsdp, fsdp_section, charted=True),
+}
+
+
+# --- RESULTS.md: one block per section, each replaced alone ----------------------------------------
+
+BLOCK = re.compile(r"<!-- bench:([\w-]+) -->\n.*?<!-- /bench:\1 -->\n*", re.S)
+
+
+def block(name, lines):
+    return "\n".join([f"<!-- bench:{name} -->", *lines, f"<!-- /bench:{name} -->"])
+
+
+def commit():
+    """The commit the code ran at, '(dirty)' when tracked files differed from it."""
+    def git(*args):
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def provenance(name, at, smoke, alone, elapsed, load):
+    """The line under a section's heading: what ran it, and how to run it again."""
+    return (f"commit {at} · `./dev.sh bench --only {name}{' --smoke' if smoke else ''}` · "
+            f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min, load {load[0]:.2f}→{load[1]:.2f} (1-minute average)"
+            + ("" if alone else " · ran in a full `./dev.sh bench`"))
+
+
+def write_sections(path, new, header_block):
+    """Write the blocks `new` (name -> text) into the Markdown at `path`: each replaces the block of
+    its name; the other blocks stay as they are, with their own commit lines; the text outside every
+    block (the hand-written Findings) follows them. `header_block` goes where the file has no header."""
+    old = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+    blocks = {"header": header_block, **{m.group(1): m.group(0).strip("\n") for m in BLOCK.finditer(old)}, **new}
+    rest = BLOCK.sub("", old).strip("\n")
+    order = ["header", *SECTIONS]
+    names = [n for n in order if n in blocks] + [n for n in blocks if n not in order]
+    with open(path, "w") as f:
+        f.write("\n\n".join([blocks[n] for n in names] + ([rest] if rest else [])) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="a few steps of everything, for CI")
+    p.add_argument("--out", default=None, help="Markdown results (default: bench/RESULTS.md, none in --smoke or --only)")
+    p.add_argument("--png", default=None, help="chart (default: bench/step_times.png, none in --smoke or --only)")
+    p.add_argument("--skip-ray", action="store_true", help="leave the ray section out")
+    p.add_argument("--only", nargs="+", choices=list(SECTIONS), metavar="NAME",
+                   help=f"run these sections alone, of: {', '.join(SECTIONS)}; with --out, replace just them in that file")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--workload", default="mlp", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.workload)
+    s = Settings(args.smoke)
+    quiet = s.smoke or args.only  # a smoke run or sections alone must not overwrite the full results
+    out = args.out or (None if quiet else os.path.join(ROOT, "bench", "RESULTS.md"))
+    png = args.png or (None if quiet else os.path.join(ROOT, "bench", "step_times.png"))
+    names = [n for n in SECTIONS if n in (args.only or SECTIONS) and not (args.skip_ray and n == "ray")]
+    at = commit()
+    started, load_before = time.time(), os.getloadavg()[0]
+    results, blocks, headline = {}, {}, []
+    for name in names:
+        section, section_started, section_load = SECTIONS[name], time.time(), os.getloadavg()[0]
+        results[name] = section.run(s)
+        line = provenance(name, at, s.smoke, bool(args.only), time.time() - section_started, (section_load, os.getloadavg()[0]))
+        md, lines = section.render(results[name], s)
+        blocks[name] = block(name, [f"## {section.heading}", "", line, "", *md])
+        headline += lines
+    elapsed, load = time.time() - started, (load_before, os.getloadavg()[0])
+    headline.append(f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end; wall time {elapsed / 60:.1f} min")
+    print("\n".join([f"seamless_tpu benchmark{' --only ' + ' '.join(names) if args.only else ''}{' (smoke)' if s.smoke else ''}", *headline]))
+    if out:
+        # the header describes a whole run: sections alone keep the one there, or write it where none is
+        header_block = block("header", header("seamless_tpu benchmark results", s.smoke, elapsed, load))
+        write_sections(out, blocks if args.only else {"header": header_block, **blocks}, header_block)
+    rows = [r for n, result in results.items() if SECTIONS[n].charted for r in result["rows"]]
+    if png and rows:
+        chart(rows, png)
 
 
 if __name__ == "__main__":
