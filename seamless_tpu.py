@@ -1076,57 +1076,33 @@ class _DeviceLoader:
 _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced: the DTensor that replaced it
 
 
-def _wrap_ddp(model, device):
-    """(the DDP model, its step-time gradient sync). A model the user wrapped already is used as is:
-    wrapping twice all-reduces twice."""
-    DDP = torch.nn.parallel.DistributedDataParallel
-    ids = [device.index] if device.type == "cuda" else None
-    ddp = model if isinstance(model, DDP) else DDP(model, device_ids=ids)
-    return ddp, _GradSyncAtStep(ddp)
+def _replicate(model, device):
+    """DDP applied to `model` itself (torch's composable replicate, as fully_shard is FSDP2 in place):
+    gradients are averaged during backward whichever object the loop calls, trainer.model or the
+    original, so clipping and logging between backward and step see the average. The DDP state lives
+    on the module, as long as it does. find_unused_parameters: ranks may use different parameters
+    in one step (multi-task heads, conditional branches); it costs one autograd-graph walk per
+    forward. A model the user wrapped in DDP is used as is: wrapping twice all-reduces twice."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model
+    replicate = importlib.import_module("torch.distributed._composable.replicate")
+    device_id = device.index if device.type == "cuda" else device
+    replicate.replicate(model, device_id=device_id, find_unused_parameters=True)
+    replicate.replicate.state(model).lazy_init()  # now, not at the first forward: its broadcast is a collective
+    if not hasattr(model, "no_sync"):  # DDP's own spelling for gradient accumulation, on this model's class only
+        type(model).no_sync = _no_sync
+    return model
 
 
-class _GradSyncAtStep:
-    """DDP averages gradients only for forwards through its wrapper; for a loop that calls the original
-    module they are averaged just before optimizer.step(). Lives as long as its holder (the trainer)."""
-
-    def __init__(self, ddp):
-        self.forward_seen = False
-        self.param_ids = {id(p) for p in ddp.module.parameters()}
-        ddp.register_forward_pre_hook(self._saw_forward)
-        me = weakref.ref(self)
-
-        def pre_step(optimizer, args, kwargs):
-            sync = me()
-            if sync is not None:
-                sync.before_step(optimizer)
-
-        weakref.finalize(self, register_optimizer_step_pre_hook(pre_step).remove)
-
-    def _saw_forward(self, module, args):
-        # DDP's reducer only runs for forwards that will be backpropagated (not eval, not no_sync).
-        if torch.is_grad_enabled() and module.require_backward_grad_sync:
-            self.forward_seen = True
-
-    def before_step(self, optimizer):
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not any(id(p) in self.param_ids for p in params):
-            return
-        if not self.forward_seen:
-            _average_gradients(params)
-        self.forward_seen = False
-
-
-def _average_gradients(params):
-    """All-reduce and average grads in one flat buffer: every rank ends with identical grads."""
-    dist = torch.distributed
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat)
-    flat.div_(dist.get_world_size())
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
+@contextlib.contextmanager
+def _no_sync(model):
+    """Like DistributedDataParallel.no_sync: backward passes inside accumulate local gradients; the
+    first backward after it averages everything accumulated."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _fully_shard(model, device):
@@ -1212,11 +1188,11 @@ class SeamlessTPUTrainer:
         model.to(self.device)
         if strategy == "fsdp" and self.mesh is not None:
             _shard_parameters(model, self.mesh)
-        self.model, self._grad_sync = model, None
+        self.model = model
         if distributed and strategy == "fsdp":
             _fully_shard(model, self.device)
         elif distributed:
-            self.model, self._grad_sync = _wrap_ddp(model, self.device)
+            self.model = _replicate(model, self.device)
         if optimizer is not None:
             _place_optimizer_state(optimizer)
 

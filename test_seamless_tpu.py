@@ -341,12 +341,24 @@ def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla
         trainer.save({"step": 2}, tmp_path / "missing" / "ckpt.pt")
 
 
-def run_two_ranks(case, tmp_path):
-    """Both ranks of tests/dist_ranks.py CASE on CPU; what each saw."""
+def run_two_ranks(case, tmp_path, world=2):
+    """Every rank of tests/dist_ranks.py CASE on CPU (gloo); what each saw."""
     env = child.env(SEAMLESS_TPU_DEVICE="cpu")
-    outs = child.run_together([(["tests/dist_ranks.py", case, rank, 2, tmp_path / "store", tmp_path], env) for rank in range(2)],
+    outs = child.run_together([(["tests/dist_ranks.py", case, rank, world, tmp_path / "store", tmp_path], env) for rank in range(world)],
                               timeout=120)
     return [__import__("json").loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_are_averaged_in_backward_whichever_object_the_loop_calls(tmp_path, world):
+    """clip_grad_norm_ between backward and step sees the averaged gradient; ranks that use different
+    heads in one step, no_sync accumulation, eval passes and a trainer that was not kept all train
+    like one process on the whole batch, and like torch's own DDP."""
+    ranks = run_two_ranks("grad_sync", tmp_path, world)
+    for name, seen in ranks[0].items():
+        assert seen["norms_diff"] <= 1e-5, f"{name}: clip_grad_norm_ saw a local gradient (norms off by {seen['norms_diff']:.3g})"
+        assert seen["weights_diff"] <= 1e-5, f"{name}: weights off eager by {seen['weights_diff']:.3g}"
+        assert all(other[name]["weights"] == seen["weights"] for other in ranks[1:]), f"{name}: the ranks diverged"
 
 
 def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):

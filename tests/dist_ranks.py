@@ -5,12 +5,15 @@
 Prints one JSON line: what this rank saw.
 """
 
+import contextlib
+import gc
 import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import seamless_tpu as st
 
@@ -45,6 +48,114 @@ def agreement(out_dir):
     except Exception as e:
         seen["failed"] = f"{type(e).__name__}: {e}"
     seen["after"] = st._agree("again", value=rank)
+    return seen
+
+
+class Heads(torch.nn.Module):
+    """A trunk and two task heads: a step may use either head (multi-task, conditional branches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.heads = torch.nn.Linear(4, 8), torch.nn.ModuleList([torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)])
+
+    def forward(self, x, head=0):
+        return self.heads[head](torch.tanh(self.trunk(x)))
+
+
+def heads_model():
+    torch.manual_seed(0)
+    model = Heads()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def full_batch(step, world, micro):
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(4 * world, 4, generator=g), torch.randn(4 * world, 1, generator=g)
+
+
+def flat(model):
+    return torch.cat([getattr(p, "full_tensor", lambda p=p: p)().detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def sync_loop(model, optimizer, call, rank, world, head_of, accumulate=1, evaluate=False, steps=4):
+    """The user's loop on this rank's rows: backward (k micro-batches, all but the last under
+    model.no_sync()), clip_grad_norm_ between backward and step, an optional no-grad eval pass."""
+    norms = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = full_batch(step, world, micro)
+            x, y = x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+            quiet = micro < accumulate - 1
+            with call.no_sync() if quiet else contextlib.nullcontext():
+                (F.mse_loss(call(x, head_of(rank, step)), y) / accumulate).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(float(getattr(norm, "full_tensor", lambda: norm)()))  # FSDP2: a DTensor of local parts
+        optimizer.step()
+        optimizer.zero_grad()
+        if evaluate:
+            with torch.no_grad():
+                call(torch.ones(2, 4), 0)
+    return {"norms": norms, "weights": flat(model)}
+
+
+def eager_loop(world, head_of, accumulate=1, steps=4):
+    """The reference: one process, the whole batch, the mean of the ranks' losses."""
+    model, optimizer = heads_model()
+    norms = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = full_batch(step, world, micro)
+            loss = sum(F.mse_loss(model(x[4 * r:4 * r + 4], head_of(r, step)), y[4 * r:4 * r + 4]) for r in range(world))
+            (loss / world / accumulate).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"norms": norms, "weights": flat(model)}
+
+
+def kept_trainer(strategy):
+    model, optimizer = heads_model()
+    return model, optimizer, st.SeamlessTPUTrainer(model, device="cpu", strategy=strategy)
+
+
+def dropped_trainer(strategy):
+    """A trainer made inside a setup helper and not kept: behaviour must not depend on it."""
+    model, optimizer, _ = kept_trainer(strategy)
+    gc.collect()
+    return model, optimizer, None
+
+
+def grad_sync(out_dir):
+    """Gradient averaging for every way a loop calls the model, against torch's DDP and against
+    single-process eager on the whole batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    same_head, own_head = (lambda r, step: 0), (lambda r, step: (r + step) % 2)
+    seen = {}
+    for name, make, call, head_of, kwargs in (
+        ("trainer.model", kept_trainer, "trainer", same_head, {}),
+        ("original module", kept_trainer, "model", same_head, {}),
+        ("heads differ per rank", kept_trainer, "model", own_head, {}),
+        ("no_sync accumulation", kept_trainer, "model", same_head, {"accumulate": 3}),
+        ("eval passes", kept_trainer, "model", same_head, {"evaluate": True}),
+        ("trainer not kept", dropped_trainer, "model", own_head, {}),
+        ("trainer not kept, one head", dropped_trainer, "model", same_head, {}),
+        ("torch DDP", None, "ddp", own_head, {"accumulate": 2}),
+    ):
+        # FSDP2 needs every rank to run each unit's forward (its reduce-scatter is collective): one head.
+        for strategy in ("ddp", "fsdp") if name in ("trainer not kept, one head", "original module") else ("ddp",):
+            if make is None:
+                model, optimizer = heads_model()
+                target = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+            else:
+                model, optimizer, trainer = make(strategy)
+                target = trainer.model if call == "trainer" else model
+            got = sync_loop(model, optimizer, target, rank, world, head_of, **kwargs)
+            want = eager_loop(world, head_of, kwargs.get("accumulate", 1))
+            seen[f"{name} ({strategy})"] = {
+                "weights_diff": max(abs(a - b) for a, b in zip(got["weights"], want["weights"])),
+                "norms_diff": max(abs(a - b) for a, b in zip(got["norms"], want["norms"])),
+                "weights": got["weights"],
+            }
     return seen
 
 

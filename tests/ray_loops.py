@@ -57,7 +57,7 @@ def ddp_cpu(config):
             optimizer.step()
             epoch += idx.tolist()
         seen.append(epoch)
-    dump(config, f"ddp_{rank}", {"device_type": st.device_type(), "ddp": type(trainer.model).__name__, "seen": seen, "weights": weights(model)})
+    dump(config, f"ddp_{rank}", {"device_type": st.device_type(), "replicated_in_place": trainer.model is model and callable(getattr(model, "set_requires_gradient_sync", None)), "seen": seen, "weights": weights(model)})
 
 
 def xla_plain_loop(config):
