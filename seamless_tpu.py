@@ -934,6 +934,17 @@ def _plain_sampler(sampler):
     return type(sampler) is data.SequentialSampler
 
 
+def _split_by_user(sampler, replicas, rank):
+    """True for a DistributedSampler already set for this process's rank; one set for another world is an error."""
+    if not isinstance(sampler, torch.utils.data.DistributedSampler):
+        return False
+    if (sampler.num_replicas, sampler.rank) != (replicas, rank):
+        raise ValueError(f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}, "
+                         f"but this process is rank {rank} of {replicas}; build it with those values, or pass a plain "
+                         "DataLoader and let prepare_data_loader split it")
+    return True
+
+
 def _rebuild_loader(loader, drop_last, device):
     """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of
     exactly what the user's sampling yields: RandomSampler and SequentialSampler take the
@@ -945,7 +956,9 @@ def _rebuild_loader(loader, drop_last, device):
             logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of it", type(loader).__name__)
         return loader
     iterable = isinstance(loader.dataset, data.IterableDataset)
-    own_batches = loader.batch_size is None  # a user batch_sampler (or an iterable yielding batches)
+    own_batches = loader.batch_size is None  # a user batch_sampler, an iterable yielding batches, or no batching
+    if _split_by_user(loader.sampler, replicas, rank) or _split_by_user(getattr(loader.batch_sampler, "sampler", None), replicas, rank):
+        replicas, rank = 1, 0  # the user's DistributedSampler gives this rank its share already (as Fabric and Ray keep it)
     if replicas == 1 and (drop_last == loader.drop_last or own_batches):
         return loader
     kwargs = {k: getattr(loader, k) for k in ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -955,6 +968,13 @@ def _rebuild_loader(loader, drop_last, device):
     if iterable:
         rebuilt = data.DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=drop_last and not own_batches, **kwargs)
         return _ShardedBatches(rebuilt, replicas, rank, drop_last) if replicas > 1 else rebuilt
+    if own_batches and loader.batch_sampler is None:  # batch_size=None: each sample is a step, as the dataset gives it
+        sampler = loader.sampler
+        if _plain_sampler(sampler):
+            sampler = data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=isinstance(sampler, data.RandomSampler))
+        else:
+            sampler = _ShardedBatches(sampler, replicas, rank, drop_last)
+        return data.DataLoader(loader.dataset, batch_size=None, sampler=sampler, **kwargs)
     if own_batches:
         return data.DataLoader(loader.dataset, batch_sampler=_ShardedBatches(loader.batch_sampler, replicas, rank, drop_last), **kwargs)
     sampler = loader.sampler

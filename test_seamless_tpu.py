@@ -377,6 +377,14 @@ def test_failure_on_process_1_raises_on_every_rank(tmp_path):
     assert rank0["after"] == rank1["after"] == 0
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_loaders_on_real_ranks_read_every_sample_once(tmp_path, world):
+    ranks = run_two_ranks("loaders", tmp_path, world)
+    for kind in ("own_sampler", "unbatched"):
+        seen = [x for r in ranks for x in r[kind]]
+        assert set(seen) == set(range(16)) and len(seen) == world * -(-16 // world), f"{kind}: {[r[kind] for r in ranks]}"
+
+
 def test_user_ddp_is_not_wrapped_again(tmp_path):
     rank0, rank1 = run_two_ranks("user_ddp", tmp_path)
     assert rank0["same_object"] and rank1["same_object"]

@@ -159,6 +159,18 @@ def grad_sync(out_dir):
     return seen
 
 
+def loaders(out_dir):
+    """prepare_data_loader on real ranks: a user's DistributedSampler kept, batch_size=None split."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = st.SeamlessTPUTrainer(torch.nn.Linear(1, 1), device="cpu")
+    data = list(range(16))
+    own = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=1)
+    seen = {"own_sampler": [x for b in trainer.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=2, sampler=own))
+                            for x in b.tolist()],
+            "unbatched": [int(x) for x in trainer.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=None))]}
+    return seen
+
+
 def user_ddp(out_dir):
     """A model the user wrapped in DDP is used as is: one all-reduce, the user's keys."""
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils.data import (
-    DataLoader, DistributedSampler, IterableDataset, Sampler, SubsetRandomSampler, WeightedRandomSampler,
+    BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler, SubsetRandomSampler, WeightedRandomSampler,
 )
 
 import child
@@ -587,6 +587,49 @@ def test_default_samplers_become_a_distributed_sampler(monkeypatch, shuffle):
         sampler = out.sampler
         assert isinstance(sampler, DistributedSampler)
         assert (sampler.num_replicas, sampler.rank, sampler.shuffle) == (WORLD, rank, shuffle)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
+@pytest.mark.parametrize("as_batch_sampler", [False, True], ids=["sampler", "batch_sampler"])
+def test_a_distributed_sampler_the_user_set_is_kept(monkeypatch, world, shuffle, as_batch_sampler):
+    """An existing DDP script's own DistributedSampler is not split a second time: the ranks together
+    read every sample once per epoch (before: half of them on 2 ranks)."""
+    parts = []
+    for rank in range(world):
+        sampler = DistributedSampler(DATA, num_replicas=world, rank=rank, shuffle=shuffle, seed=3)
+        loader = (DataLoader(DATA, batch_sampler=BatchSampler(sampler, BATCH, drop_last=False)) if as_batch_sampler
+                  else DataLoader(DATA, batch_size=BATCH, sampler=sampler))
+        parts.append(read_as_rank(monkeypatch, loader, rank, world)[0])
+        assert parts[-1] == [DATA[i] for i in sampler], f"rank {rank} must read its sampler's share as given"
+    seen = sorted(x for part in parts for x in part)
+    assert set(seen) == set(DATA) and len(seen) == world * -(-len(DATA) // world), "every sample, padded as DistributedSampler pads"
+
+
+def test_a_distributed_sampler_for_another_world_is_an_error(monkeypatch):
+    loader = DataLoader(DATA, batch_size=BATCH, sampler=DistributedSampler(DATA, num_replicas=4, rank=1))
+    with pytest.raises(ValueError, match=r"num_replicas=4, rank=1, but this process is rank 0 of 2; build it with those values"):
+        read_as_rank(monkeypatch, loader, 0, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sampling", ["sequential", "shuffled", "custom"])
+def test_loader_without_batching_is_split_between_ranks(monkeypatch, world, sampling):
+    """DataLoader(ds, batch_size=None): each item is a step, as the dataset gives it (before: TypeError
+    from inside the shim)."""
+    def loader():
+        if sampling == "custom":
+            return DataLoader(DATA, batch_size=None, sampler=SizedOddsDown(len(DATA)))
+        return DataLoader(DATA, batch_size=None, shuffle=sampling == "shuffled", generator=seeded())
+    parts = []
+    for rank in range(world):
+        monkeypatch.setattr(st, "_torch_dist_ranks", lambda: (world, rank))
+        items = list(st._rebuild_loader(loader(), False, CPU))
+        assert all(type(x) is int for x in items), "each item as the dataset gives it: no batch is formed"
+        parts.append([int(x) for x in items])
+    want = [DATA[i] for i in SizedOddsDown(len(DATA))] if sampling == "custom" else DATA
+    seen = [x for part in parts for x in part]
+    assert set(seen) == set(want) and len({len(p) for p in parts}) == 1, f"every item, as many per rank: {parts}"
 
 
 class Stream(IterableDataset):
