@@ -73,6 +73,8 @@ FSDP_AXIS = "fsdp"
 MODEL_AXES = ("model",)  # axes that split the model; batches are split over every other axis
 CHECKPOINT_POINTER = "LATEST"  # names the committed save attempt; a save that never wrote it never happened
 SAVE_ATTEMPT = re.compile(r"(save|step)-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
+ATTEMPT_MARKER = ".seamless_tpu_attempt"  # in every attempt a save creates: the only folders a later save removes
+OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (schedulers, scalers, ...) and RNG states
                                                           # ('step-' is how releases before this one named it)
 WARMUP_STEPS = 2  # step 1 compiles the step graph, step 2 the one with optimizer state; then stable
 LATE_COMPILES_TO_WARN = 2  # one late compile is a one-off (an eval pass folded into the next step, an
@@ -1298,24 +1300,34 @@ def _save_checkpoint(directory, state):
     directory = os.fspath(directory)
     if not state:
         raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, optimizer=optimizer, epoch=epoch)")
+    plain = {k: v for k, v in state.items() if not _is_stateful(v)}
+    for name, value in plain.items():
+        _refuse_nested_state(value, name)
     _sync_if_xla()
     attempt, error = None, None
     if _is_main_process():
         try:
-            os.makedirs(directory, exist_ok=True)
             attempt = f"save-{os.getpid()}-{time.time_ns()}"
+            os.makedirs(os.path.join(directory, attempt))
+            open(os.path.join(directory, attempt, ATTEMPT_MARKER), "w").close()
         except Exception as e:  # shared with every rank below
             error = e
     attempt = _agree(f"save_checkpoint({directory!r})", attempt, error)
     path = os.path.join(directory, attempt)
-    tensors = {k: _state_dicts(v) for k, v in state.items() if _is_stateful(v)}
-    plain = {k: v for k, v in state.items() if not _is_stateful(v)}
+    tensors = {k: _state_dicts(v) for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
+    objects = {k: _map_tensors(v.state_dict(), lambda t: _full_tensor(t).detach().cpu())
+               for k, v in state.items() if _is_stateful(v) and k not in tensors}
     error = None
     try:
         dcp = importlib.import_module("torch.distributed.checkpoint")  # part of torch, slow to import: on use
         planner = None if _STATE.xla_device is None else _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner()
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner)
+        try:
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner)
+        except importlib.import_module("torch.distributed.checkpoint.api").CheckpointException as e:  # a BaseException whose text starts with a remote traceback
+            raise _plain_error(e, path) from None
+        rng = _rng_states()  # after the save's own syncs (each moves the XLA RNG on): what the run continues from
         if _is_main_process():
+            _atomic_write({"objects": objects, "rng": rng}, os.path.join(path, OBJECT_STATES))
             _atomic_write(plain, os.path.join(path, "values.pt"))
             _commit_checkpoint(directory, attempt)
     except Exception as e:
@@ -1324,14 +1336,45 @@ def _save_checkpoint(directory, state):
     return directory
 
 
+def _plain_error(e, path):
+    """torch's CheckpointException as the ordinary exception `except Exception` catches, naming the path."""
+    rank, (cause, _) = next(iter(e.failures.items()))
+    kind = OSError if isinstance(cause, OSError) else RuntimeError
+    return kind(f"could not write the checkpoint {path!r} (process {rank}): {type(cause).__name__}: {cause}")
+
+
+def _refuse_nested_state(value, where):
+    """A module, optimizer or stateful object inside a plain value would be pickled whole (with its
+    optimizer and parameters) and could not be restored in place: refused now, not at resume."""
+    if _is_stateful(value):
+        raise TypeError(f"save_checkpoint: {where} is a {type(value).__name__} inside a plain value; pass it as its "
+                        f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) so it is saved by its state_dict")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _refuse_nested_state(v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _refuse_nested_state(v, f"{where}[{i}]")
+
+
+def _rng_states():
+    """What a bitwise resume needs that the user cannot take: the XLA RNG seed (every sync, even an empty
+    one, moves it on, so a value the user took before save_checkpoint is stale after it)."""
+    if _STATE.xla_device is None:
+        return {}
+    return {"xla": _import("torch_xla.core.xla_model").get_rng_state()}
+
+
 def _load_checkpoint(directory, state):
     """trainer.load_checkpoint: modules and optimizers in place, plain values returned."""
     directory = os.fspath(directory)
     for name, obj in state.items():
         if not _is_stateful(obj):
-            raise TypeError(f"load_checkpoint loads modules and optimizers in place; {name!r} is a "
-                            f"{type(obj).__name__}. Plain values come back from the call instead")
+            raise TypeError(f"load_checkpoint loads modules, optimizers and objects with state_dict()/load_state_dict() "
+                            f"in place; {name!r} is a {type(obj).__name__}. Plain values come back from the call instead")
     saved, plain = _read_checkpoint(directory)
+    objects = _read_objects(directory)
+    saved.update(objects.get("objects", {}))
     for name, obj in state.items():
         if name not in saved:
             raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds {sorted(saved)}")
@@ -1342,14 +1385,25 @@ def _load_checkpoint(directory, state):
             kept = _xla_shardings(module.parameters())  # whoever chose them: the strategy or the user
             module.load_state_dict({k: _placed_like(v, current[k]) for k, v in saved[name].items()})
             _mark_shardings(kept)
-        else:
+        elif isinstance(obj, torch.optim.Optimizer):
             obj.load_state_dict(saved[name])
             _place_optimizer_state(obj)
+        else:
+            obj.load_state_dict(saved[name])
+    if "xla" in objects.get("rng", {}) and _STATE.xla_device is not None:
+        _import("torch_xla.core.xla_model").set_rng_state(objects["rng"]["xla"])
     return plain
 
 
+def _read_objects(directory):
+    path = os.path.join(_committed_attempt(directory), OBJECT_STATES)
+    return torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else {}
+
+
 def _is_stateful(value):
-    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer))
+    """Modules, optimizers, and any object with state_dict()/load_state_dict() (schedulers, GradScaler,
+    samplers with state): restored in place, never pickled whole. A class is not an instance."""
+    return not isinstance(value, type) and all(callable(getattr(value, m, None)) for m in ("state_dict", "load_state_dict"))
 
 
 def _sync_if_xla():
@@ -1376,7 +1430,7 @@ def _state_dicts(obj):
         if any("_orig_mod." in k for k in state):
             state = type(state)((k.replace("_orig_mod.", ""), v) for k, v in state.items())
         return state
-    if isinstance(obj, torch.optim.Optimizer):
+    if _is_stateful(obj):  # optimizers, schedulers, scalers: never pickled whole
         return obj.state_dict()
     if isinstance(obj, Mapping):
         return {k: _state_dicts(v) for k, v in obj.items()}
@@ -1443,7 +1497,7 @@ def _commit_checkpoint(directory, attempt):
     ones, and what killed saves left behind). A reader sees the old checkpoint or the new one."""
     _atomic_write(attempt.encode(), os.path.join(directory, CHECKPOINT_POINTER))
     for name in os.listdir(directory):
-        if SAVE_ATTEMPT.fullmatch(name) and name != attempt:
+        if name != attempt and os.path.isfile(os.path.join(directory, name, ATTEMPT_MARKER)):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
@@ -1471,9 +1525,9 @@ def _read_checkpoint(directory):
         # The public way to read a DCP checkpoint whole, without a process group or torch_xla.
         format_utils.dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
         tensors = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
-    for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings
-        if isinstance(state, dict) and isinstance(state.get("state"), dict) and "param_groups" in state:
-            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state["state"].items()}
+    for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings, and drops an empty state
+        if isinstance(state, dict) and "param_groups" in state:
+            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state.get("state", {}).items()}
     plain = torch.load(os.path.join(path, "values.pt"), map_location="cpu", weights_only=False)
     return tensors, plain
 
@@ -1494,7 +1548,7 @@ def consolidate_checkpoint(directory, path=None):
     own keys), plus the plain values, in one dict. Runs on the CPU and needs no torch_xla: the
     bridge to from_pretrained and to a laptop. With `path`, also written there (atomically)."""
     tensors, plain = _read_checkpoint(os.fspath(directory))
-    merged = {**tensors, **plain}
+    merged = {**tensors, **_read_objects(os.fspath(directory)).get("objects", {}), **plain}
     if path is not None:
         _atomic_write(merged, path)
     return merged

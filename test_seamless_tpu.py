@@ -330,6 +330,124 @@ def test_checkpoint_bad_input_names_the_key_or_path(tmp_path, no_xla, monkeypatc
     assert torch.equal(torch.load(tmp_path / "plain.pt")["model"]["0.weight"], model[0].weight)
 
 
+class Counter:
+    """A user object with the state_dict()/load_state_dict() pair, like a stateful sampler."""
+
+    def __init__(self):
+        self.seen, self.weights = 0, torch.zeros(2)
+
+    def state_dict(self):
+        return {"seen": self.seen, "weights": self.weights.clone()}
+
+    def load_state_dict(self, state):
+        self.seen, self.weights = state["seen"], state["weights"]
+
+
+def stateful_kit(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    return model, optimizer, scheduler, scaler, Counter()
+
+
+@pytest.mark.parametrize("optimizer_kind", ["sgd", "adam_before_first_step"])
+def test_checkpoint_of_an_optimizer_without_state_loads(tmp_path, no_xla, monkeypatch, optimizer_kind):
+    """torch.distributed.checkpoint drops an empty 'state': plain SGD, or any optimizer saved before its
+    first step, loaded with KeyError: 'state' from inside torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = torch.nn.Linear(3, 2)
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adam_before_first_step": lambda p: torch.optim.Adam(p, lr=0.1)}[optimizer_kind]
+    optimizer = make(model.parameters())
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    if optimizer_kind == "sgd":
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+    trainer.save_checkpoint(tmp_path, model=model, optimizer=optimizer)
+    other = make(model.parameters())
+    trainer.load_checkpoint(tmp_path, optimizer=other)
+    assert other.state_dict() == optimizer.state_dict()
+
+
+def test_checkpoint_restores_any_stateful_object_in_place(tmp_path, no_xla, monkeypatch):
+    """A scheduler, a GradScaler and a user object are saved by their state_dict and restored in place
+    (Fabric's semantics); a scheduler is never pickled whole with its optimizer and parameters."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, optimizer, scheduler, scaler, counter = stateful_kit(0)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    scaler.scale(torch.ones(()))  # the scaler's state starts at its first scale()
+    scaler.update(512.0)
+    counter.seen, counter.weights = 7, torch.tensor([1.0, 2.0])
+    trainer.save_checkpoint(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, counter=counter, epoch=3)
+    model2, optimizer2, scheduler2, scaler2, counter2 = stateful_kit(1)
+    plain = trainer.load_checkpoint(tmp_path, model=model2, optimizer=optimizer2, scheduler=scheduler2, scaler=scaler2, counter=counter2)
+    assert plain == {"epoch": 3}
+    assert scheduler2.state_dict() == scheduler.state_dict() and optimizer2.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    assert scaler2.get_scale() == 512.0 and counter2.seen == 7 and torch.equal(counter2.weights, torch.tensor([1.0, 2.0]))
+    assert torch.equal(model2.weight, model.weight)
+    merged = st.consolidate_checkpoint(tmp_path)
+    assert merged["scheduler"] == scheduler.state_dict() and merged["counter"]["seen"] == 7
+    # trainer.save too: the scheduler's state_dict, not the scheduler with its optimizer inside
+    saved = torch.load(trainer.save({"scheduler": scheduler}, tmp_path / "one.pt"), weights_only=False)
+    assert saved == {"scheduler": scheduler.state_dict()}
+
+
+@pytest.mark.parametrize("value,where", [
+    (lambda m, o: {"models": {"net": m}}, r"models\['net'\] is a Linear"),
+    (lambda m, o: {"opts": [o]}, r"opts\[0\] is a SGD"),
+])
+def test_checkpoint_refuses_state_inside_a_plain_value_at_save_time(tmp_path, no_xla, monkeypatch, value, where):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, optimizer, *_ = stateful_kit(0)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    with pytest.raises(TypeError, match=where + r" inside a plain value; pass it as its own keyword"):
+        trainer.save_checkpoint(tmp_path / "ckpt", **value(model, optimizer))
+    assert not (tmp_path / "ckpt").exists(), "refused before anything is written"
+
+
+def test_save_checkpoint_removes_only_what_it_wrote(tmp_path, no_xla, monkeypatch):
+    """A user's step-5000/ export, and any folder named like ours that a save did not create, survive."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = torch.nn.Linear(3, 2)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    for name in ("step-5000", "save-1-2", "step-3-4"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights.bin").write_bytes(b"user data")
+    trainer.save_checkpoint(tmp_path, model=model, epoch=1)
+    first = (tmp_path / "LATEST").read_text()
+    trainer.save_checkpoint(tmp_path, model=model, epoch=2)
+    left = sorted(os.listdir(tmp_path))
+    assert first not in left, "our previous attempt is removed"
+    assert left == sorted(["LATEST", (tmp_path / "LATEST").read_text(), "save-1-2", "step-3-4", "step-5000"]), left
+
+
+def test_failed_checkpoint_write_raises_an_ordinary_exception_naming_the_path(tmp_path, no_xla, monkeypatch):
+    """A full disk inside torch.distributed.checkpoint raises CheckpointException, a BaseException that
+    `except Exception` misses; the user gets an OSError naming the path and the cause. Nothing is lost."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = torch.nn.Linear(3, 2)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    trainer.save_checkpoint(tmp_path, model=model, epoch=1)
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", disk_full)
+    try:
+        trainer.save_checkpoint(tmp_path, model=model, epoch=2)
+    except Exception as e:  # noqa: BLE001 (the point: an ordinary exception)
+        error = e
+    else:
+        raise AssertionError("a save onto a full disk raised nothing")
+    monkeypatch.undo()
+    assert isinstance(error, OSError) and "could not write the checkpoint" in str(error) and str(tmp_path) in str(error)
+    assert "No space left on device" in str(error) and "Traceback" not in str(error)
+    assert trainer.load_checkpoint(tmp_path, model=model) == {"epoch": 1}, "the previous checkpoint is still the one loaded"
+
+
 def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")

@@ -389,6 +389,34 @@ def checkpoint_round_trip(tmp=None):
     assert_close(torch.stack(resumed), torch.stack(uninterrupted), 1e-6, "resume from checkpoint")
 
 
+def dropout_resumes_bitwise():
+    """A dropout model resumed from save_checkpoint draws the masks the uninterrupted run drew: the
+    checkpoint holds the XLA RNG state taken before the save's own sync, and loading restores it."""
+    import tempfile
+
+    st.get_device()
+    tmp = tempfile.mkdtemp()
+    x_cpu, y_cpu = data()
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        optimizer = OPTIMIZERS["adam"](model.parameters())
+        return model, optimizer, st.SeamlessTPUTrainer(model)
+
+    model, optimizer, trainer = build(0)
+    run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 3)
+    trainer.save_checkpoint(tmp, model=model, optimizer=optimizer, epoch=3)
+    uninterrupted = run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4)
+
+    model, optimizer, trainer = build(1)  # other weights, and the RNG moved on by other steps
+    run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 2)
+    assert trainer.load_checkpoint(tmp, model=model, optimizer=optimizer) == {"epoch": 3}
+    resumed = run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4)
+    print(f"dropout resume: uninterrupted {uninterrupted.tolist()} resumed {resumed.tolist()}")
+    assert torch.equal(resumed, uninterrupted), "the resumed run drew other dropout masks"
+
+
 def mixed_device_optimizer_is_synced():
     """An optimizer whose first parameter is on the CPU and the rest on XLA still syncs every step,
     so its XLA graph does not grow without bound."""
