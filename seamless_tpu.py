@@ -727,10 +727,11 @@ def _patch_torch_for_xla():
 
 class _CompileWatchdog:
     """Counts XLA compilations inside optimizer steps; warns once per process when, after each
-    optimizer's warm-up, steps keep compiling. Evaluation graphs between steps are not counted."""
+    optimizer's warm-up, steps keep compiling. Evaluation graphs between steps are not counted.
+    A new parameter group (progressive unfreezing) is a new graph by design: its warm-up restarts."""
 
     def __init__(self):
-        self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken on XLA
+        self.steps = weakref.WeakKeyDictionary()  # optimizer -> (its parameter layout, steps taken with it)
         self.late_compiles = 0  # steps after warm-up that compiled
         self._before = 0
 
@@ -738,7 +739,10 @@ class _CompileWatchdog:
         self._before = met.counter_value("UncachedCompile") or 0
 
     def after_step(self, optimizer, met):
-        step = self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
+        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
+        seen_layout, step = self.steps.get(optimizer, (layout, 0))
+        step = 1 if seen_layout != layout else step + 1
+        self.steps[optimizer] = (layout, step)
         compiled = (met.counter_value("UncachedCompile") or 0) - self._before
         self.late_compiles += bool(compiled and step > WARMUP_STEPS)
         if self.late_compiles >= LATE_COMPILES_TO_WARN and _once("recompiles"):
@@ -1136,7 +1140,9 @@ def _fully_shard(model, device):
     device_mesh = importlib.import_module("torch.distributed.device_mesh")
     mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
     before = dict(model.named_parameters())
-    blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    # Each distinct block once: ModuleList([blk, blk, blk]) repeats one module (weight sharing by
+    # repetition), and fully_shard on a module twice is an AssertionError inside torch.
+    blocks = list({id(b): b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m}.values())
     for block in reversed(blocks):  # innermost first: a unit must not already hold another's parameters
         if next(block.parameters(), None) is not None:
             fsdp.fully_shard(block, mesh=mesh)
@@ -1626,6 +1632,23 @@ def _xla_worker_shutdown():
         torch.distributed.destroy_process_group()
 
 
+def _check_cluster_tpus(scaling_config):
+    """use_tpu=True on a cluster without the TPUs asked for: Ray 2.60 retries its controller forever
+    (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S does not end it), so check before any worker starts."""
+    if not getattr(scaling_config, "use_tpu", False):
+        return
+    ray = _import("ray")
+    if not ray.is_initialized():
+        ray.init()  # what fit() does a moment later anyway
+    need = scaling_config.num_workers * scaling_config.num_tpus_per_worker
+    have = ray.cluster_resources().get("TPU", 0)
+    if have < need:
+        raise RuntimeError(f"ScalingConfig(use_tpu=True) asks for num_workers={scaling_config.num_workers} x "
+                           f"{scaling_config.num_tpus_per_worker:g} TPU = {need:g} TPU, but the Ray cluster has {have:g} "
+                           "(ray.cluster_resources()). Connect to a cluster of TPU hosts (ray.init(address=...)), "
+                           "fewer workers or TPU per worker, or use_tpu=False for CPU/GPU")
+
+
 @functools.lru_cache(maxsize=None)
 def _ray_classes():
     """Ray's classes subclassed on first use (importing this module never imports ray); declarations only."""
@@ -1680,6 +1703,10 @@ def _ray_classes():
             if torch_config is not None and torch_config.backend in RAY_XLA_BACKENDS and scaling_config is not None:
                 _check_tpu_scaling(scaling_config.num_workers, scaling_config.num_tpus_per_worker, scaling_config.topology)
             super().__init__(train_loop_per_worker, torch_config=torch_config, scaling_config=scaling_config, **kwargs)
+
+        def fit(self):
+            _check_cluster_tpus(self.scaling_config)
+            return super().fit()
 
     classes = {cls.__name__: cls for cls in (_XlaSpmdBackend, TorchConfig, TorchTrainer)}
     for name, cls in classes.items():  # picklable by reference (Ray ships configs to its controller)

@@ -448,6 +448,42 @@ def test_failed_checkpoint_write_raises_an_ordinary_exception_naming_the_path(tm
     assert trainer.load_checkpoint(tmp_path, model=model) == {"epoch": 1}, "the previous checkpoint is still the one loaded"
 
 
+class CompileCounter:
+    """torch_xla.debug.metrics as the watchdog reads it: a compile count the test drives."""
+
+    def __init__(self):
+        self.compiles = 0
+
+    def counter_value(self, name):
+        return self.compiles if name == "UncachedCompile" else 0
+
+
+def watched_steps(watchdog, met, optimizer, compiles_at, steps):
+    for step in range(steps):
+        watchdog.before_step(met)
+        met.compiles += step in compiles_at
+        watchdog.after_step(optimizer, met)
+
+
+@pytest.mark.parametrize("unfreeze", [True, False], ids=["add_param_group", "same_groups"])
+def test_watchdog_restarts_warm_up_for_a_new_parameter_group(fresh, caplog, unfreeze):
+    """Progressive unfreezing compiles a new graph once and then stays flat: no warning. The same
+    compiles with no new group are late ones, and warn."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    watchdog, met = st._CompileWatchdog(), CompileCounter()
+    with caplog.at_level(logging.WARNING, logger="seamless_tpu"):
+        watched_steps(watchdog, met, optimizer, {0, 1}, 6)
+        if unfreeze:
+            optimizer.add_param_group({"params": model[1].parameters()})
+        for _ in range(st.LATE_COMPILES_TO_WARN):  # each unfreeze (or not) recompiles twice, then flat
+            watched_steps(watchdog, met, optimizer, {0, 1}, 6)
+            if unfreeze:
+                optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    warned = [r.getMessage() for r in caplog.records if "after warm-up" in r.getMessage()]
+    assert len(warned) == (0 if unfreeze else 1), warned
+
+
 def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")
@@ -493,6 +529,23 @@ def test_failure_on_process_1_raises_on_every_rank(tmp_path):
     assert rank0["failed"] == "RuntimeError: step failed on process 1: OSError: disk full"
     assert rank1["failed"] == "OSError: disk full", "the failing rank raises its own exception"
     assert rank0["after"] == rank1["after"] == 0
+
+
+def test_checkpoint_objects_and_a_full_disk_on_real_ranks(tmp_path):
+    ranks = run_two_ranks("checkpoint_objects", tmp_path)
+    for strategy in ("ddp", "fsdp"):
+        for rank, seen in enumerate(ranks):
+            got = seen[strategy]
+            assert (got["epoch"], got["lr"], got["scale"], got["scheduler_epoch"]) == (1, 0.05, 64.0, 1), (strategy, rank, got)
+            assert got["disk_full"] is not None and "No space left on device" in got["disk_full"], (strategy, rank, got)
+            assert got["after"] == 1, "the previous checkpoint is still the committed one"
+        assert "could not write the checkpoint" in ranks[1][strategy]["disk_full"]
+
+
+def test_fsdp2_shards_a_block_repeated_in_a_module_list_once(tmp_path):
+    """ModuleList([blk, blk, blk]) made fully_shard run twice on one module (an AssertionError in torch)."""
+    ranks = run_two_ranks("repeated_block", tmp_path)
+    assert ranks[0]["weights_diff"] <= 1e-5 and ranks[0]["weights"] == ranks[1]["weights"], ranks[0]["weights_diff"]
 
 
 @pytest.mark.parametrize("world", [2, 3])

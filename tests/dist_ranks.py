@@ -159,6 +159,78 @@ def grad_sync(out_dir):
     return seen
 
 
+class Repeated(torch.nn.Module):
+    """One block applied three times through ModuleList([blk, blk, blk]): weight sharing by repetition."""
+
+    def __init__(self):
+        super().__init__()
+        blk = torch.nn.Linear(8, 8)
+        self.inp, self.blocks, self.out = torch.nn.Linear(4, 8), torch.nn.ModuleList([blk, blk, blk]), torch.nn.Linear(8, 1)
+
+    def forward(self, x, head=0):
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = torch.tanh(blk(x))
+        return self.out(x)
+
+
+def repeated_block(out_dir):
+    """strategy='fsdp' shards each distinct module once and trains like eager on the whole batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build():
+        torch.manual_seed(0)
+        model = Repeated()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, optimizer = build()
+    st.SeamlessTPUTrainer(model, device="cpu", strategy="fsdp")
+    got = sync_loop(model, optimizer, model, rank, world, lambda r, step: 0)
+    eager, eager_opt = build()
+    for step in range(4):
+        x, y = full_batch(step, world, 0)
+        F.mse_loss(eager(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+        eager_opt.step()
+        eager_opt.zero_grad()
+    return {"weights_diff": max(abs(a - b) for a, b in zip(got["weights"], flat(eager))), "weights": got["weights"]}
+
+
+def checkpoint_objects(out_dir):
+    """On real ranks: an optimizer without state, a scheduler, a GradScaler and a user object round-trip
+    through save_checkpoint (ddp and FSDP2); a full disk on process 1 raises an ordinary exception on
+    every rank, and the previous checkpoint stays the loaded one."""
+    rank = dist.get_rank()
+    seen = {}
+    for strategy in ("ddp", "fsdp"):
+        directory = os.path.join(out_dir, strategy)
+        model, optimizer = heads_model()
+        trainer = st.SeamlessTPUTrainer(model, device="cpu", strategy=strategy)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+        scaler.scale(torch.ones(()))
+        scheduler.step()
+        trainer.save_checkpoint(directory, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, epoch=1)
+        model2, optimizer2 = heads_model()
+        trainer2 = st.SeamlessTPUTrainer(model2, device="cpu", strategy=strategy)
+        scheduler2, scaler2 = torch.optim.lr_scheduler.StepLR(optimizer2, step_size=1, gamma=0.5), torch.amp.GradScaler("cpu")
+        plain = trainer2.load_checkpoint(directory, model=model2, optimizer=optimizer2, scheduler=scheduler2, scaler=scaler2)
+        seen[strategy] = {"epoch": plain["epoch"], "lr": optimizer2.param_groups[0]["lr"], "scale": scaler2.get_scale(),
+                          "scheduler_epoch": scheduler2.last_epoch}
+        fsync = os.fsync
+        if rank == 1:
+            os.fsync = lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        try:
+            trainer.save_checkpoint(directory, model=model, epoch=2)
+            seen[strategy]["disk_full"] = None
+        except Exception as e:  # noqa: BLE001 (the point: an ordinary exception)
+            seen[strategy]["disk_full"] = f"{type(e).__name__}: {e}"
+        finally:
+            os.fsync = fsync
+        seen[strategy]["after"] = trainer2.load_checkpoint(directory, model=model2)["epoch"]
+    return seen
+
+
 def loaders(out_dir):
     """prepare_data_loader on real ranks: a user's DistributedSampler kept, batch_size=None split."""
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -402,19 +402,43 @@ def dropout_resumes_bitwise():
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 1))
         optimizer = OPTIMIZERS["adam"](model.parameters())
-        return model, optimizer, st.SeamlessTPUTrainer(model)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return model, optimizer, scheduler, st.SeamlessTPUTrainer(model)
 
-    model, optimizer, trainer = build(0)
+    model, optimizer, scheduler, trainer = build(0)
     run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 3)
-    trainer.save_checkpoint(tmp, model=model, optimizer=optimizer, epoch=3)
+    scheduler.step()
+    trainer.save_checkpoint(tmp, model=model, optimizer=optimizer, scheduler=scheduler, epoch=3)
     uninterrupted = run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4)
 
-    model, optimizer, trainer = build(1)  # other weights, and the RNG moved on by other steps
+    model, optimizer, scheduler, trainer = build(1)  # other weights, and the RNG moved on by other steps
     run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 2)
-    assert trainer.load_checkpoint(tmp, model=model, optimizer=optimizer) == {"epoch": 3}
+    assert trainer.load_checkpoint(tmp, model=model, optimizer=optimizer, scheduler=scheduler) == {"epoch": 3}
+    assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == 0.005, "the scheduler restored in place"
     resumed = run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4)
     print(f"dropout resume: uninterrupted {uninterrupted.tolist()} resumed {resumed.tolist()}")
     assert torch.equal(resumed, uninterrupted), "the resumed run drew other dropout masks"
+
+
+def unfreezing_recompiles_once_without_warning():
+    """Progressive unfreezing: add_param_group compiles a new step graph (and one with the new state),
+    then compiles stay flat, and the watchdog does not warn."""
+    model = mlp()
+    optimizer = torch.optim.Adam(model[2].parameters(), lr=0.01)  # the head first
+    trainer = st.SeamlessTPUTrainer(model)
+    x, y = trainer.to_device(*data())
+    counts = []
+    with Warnings() as caught:
+        for step in range(12):
+            if step == 4:
+                optimizer.add_param_group({"params": model[0].parameters()})
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            counts.append(trainer.compile_stats()["compiles"])
+    print(f"unfreezing: compiles after each step {counts}")
+    assert counts[1] == counts[3] and counts[3] < counts[5] and counts[5] == counts[-1], counts
+    assert caught.recompiles == [], caught.recompiles
 
 
 def mixed_device_optimizer_is_synced():

@@ -142,6 +142,16 @@ def test_use_tpu_routes_to_the_xla_backend(cluster, tmp_path):
     assert read(tmp_path, "routed") == {"device_type": "xla", "mesh": [4]}
 
 
+@pytest.mark.parametrize("workers,per_worker,topology", [(2, 4, "2x4"), (1, 8, None)])
+def test_use_tpu_without_the_tpus_fails_at_once(cluster, tmp_path, workers, per_worker, topology):
+    """The cluster has 4 TPU: asking for more used to wait forever inside Ray; now fit() refuses at once."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"asks for num_workers={workers} x {per_worker} TPU = 8 TPU, but the Ray cluster has 4"):
+        fit(lambda: None, tmp_path, scaling_config=ScalingConfig(num_workers=workers, use_tpu=True, topology=topology,
+                                                                  accelerator_type="TPU-V6E", resources_per_worker={"TPU": per_worker}))
+    assert time.monotonic() - start < 60
+
+
 def test_plain_ray_use_tpu_needs_torch_tpu(cluster, tmp_path):
     """Why this module exists: Ray's own use_tpu path wants torch_tpu, which cannot share an env with torch_xla."""
     from ray.train.torch import TorchTrainer as RayTorchTrainer

@@ -31,6 +31,7 @@ REAL_ONLY = [
     "mesh_2d_model_parallel_matches_eager",
     "checkpoint_round_trip",
     "dropout_resumes_bitwise",
+    "unfreezing_recompiles_once_without_warning",
     "bf16_close_to_fp32",
     "mixed_device_optimizer_is_synced",
     "fsdp_matches_eager_with_quarter_memory",
