@@ -405,15 +405,28 @@ def dropout_resumes_bitwise():
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return model, optimizer, scheduler, st.SeamlessTPUTrainer(model)
 
+    class Ema:  # a user object with the state_dict pair, holding an XLA tensor
+        def __init__(self, value):
+            self.value = value
+
+        def state_dict(self):
+            return {"value": self.value}
+
+        def load_state_dict(self, state):
+            self.value = state["value"]
+
     model, optimizer, scheduler, trainer = build(0)
     run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 3)
     scheduler.step()
-    trainer.save_checkpoint(tmp, model=model, optimizer=optimizer, scheduler=scheduler, epoch=3)
+    ema = Ema(trainer.to_device(torch.arange(8.0)))
+    trainer.save_checkpoint(tmp, model=model, optimizer=optimizer, scheduler=scheduler, ema=ema, epoch=3)
     uninterrupted = run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4)
 
     model, optimizer, scheduler, trainer = build(1)  # other weights, and the RNG moved on by other steps
     run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 2)
-    assert trainer.load_checkpoint(tmp, model=model, optimizer=optimizer, scheduler=scheduler) == {"epoch": 3}
+    restored = Ema(None)
+    assert trainer.load_checkpoint(tmp, model=model, optimizer=optimizer, scheduler=scheduler, ema=restored) == {"epoch": 3}
+    assert torch.equal(restored.value, torch.arange(8.0)), "a user object's XLA tensor comes back (on the CPU)"
     assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == 0.005, "the scheduler restored in place"
     resumed = run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4)
     print(f"dropout resume: uninterrupted {uninterrupted.tolist()} resumed {resumed.tolist()}")
