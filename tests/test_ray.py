@@ -38,7 +38,8 @@ def test_example_ray_two_workers_fsdp2_with_checkpoints(tmp_path):
     assert set(finals) == {"0", "1"}, text[-4000:]  # each its own last batch's loss
     assert all(0 < float(v) < 1.2 for v in finals.values())
     step = (tmp_path / "ckpt" / "LATEST").read_text()
-    assert sorted(p.name for p in (tmp_path / "ckpt" / step).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "values.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / step).iterdir()) == [
+        ".metadata", ".seamless_tpu_attempt", "__0_0.distcp", "__1_0.distcp", "objects.pt", "values.pt"]
     assert st.consolidate_checkpoint(tmp_path / "ckpt")["epoch"] == 1
 
 
