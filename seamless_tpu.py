@@ -77,6 +77,7 @@ ATTEMPT_MARKER = ".seamless_tpu_attempt"  # in every attempt a save creates: the
 OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (schedulers, scalers, ...) and RNG states
                                                           # ('step-' is how releases before this one named it)
 WARMUP_STEPS = 2  # step 1 compiles the step graph, step 2 the one with optimizer state; then stable
+INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
 LATE_COMPILES_TO_WARN = 2  # one late compile is a one-off (an eval pass folded into the next step, an
                            # epoch's short last batch), cached from then on; a second means shapes keep changing
 _INSTALL = {
@@ -358,24 +359,23 @@ def _is_xla(device):
 
 def _map_tensors(obj, on_tensor, on_other=None):
     """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means.
-    Objects with their own .to go to `on_other` (when given), never rebuilt from their parts:
-    PackedSequence, HF BatchEncoding, modules. Containers keep their types where they can be rebuilt,
-    else become the plain dict/list/tuple. Dataclasses are copied field by field without __init__
-    or __post_init__, forgetting values cached from their old fields. All else passes unchanged."""
+    Mappings are walked even when they have their own .to (HF BatchEncoding), so each tensor is split
+    over the mesh; they come back as their own type with their other attributes. Other objects with
+    their own .to go to `on_other` (when given), never rebuilt from their parts: PackedSequence,
+    modules, user classes. Sequences keep their types where they can be rebuilt, else become the plain
+    list/tuple. Dataclasses are copied field by field without __init__ or __post_init__, forgetting
+    values cached from their old fields. All else passes unchanged."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
-    if on_other is not None and callable(getattr(obj, "to", None)) and not isinstance(obj, type):
-        moved = on_other(obj)
-        return obj if moved is None else moved  # in-place movers (.to returns None) stay themselves
 
     def recurse(v):
         return _map_tensors(v, on_tensor, on_other)
 
     if isinstance(obj, Mapping):
-        items = {k: recurse(v) for k, v in obj.items()}
-        if isinstance(obj, defaultdict):
-            return type(obj)(obj.default_factory, items)
-        return _rebuild(type(obj), items, dict)
+        return _rebuilt_mapping(obj, {k: recurse(v) for k, v in obj.items()})
+    if on_other is not None and callable(getattr(obj, "to", None)) and not isinstance(obj, type):
+        moved = on_other(obj)
+        return obj if moved is None else moved  # in-place movers (.to returns None) stay themselves
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         values = [recurse(v) for v in obj]
         try:
@@ -401,6 +401,17 @@ def _cached_values(obj):
         return (hasattr(type(attr), "__get__") and not hasattr(type(attr), "__set__")
                 and not isinstance(attr, (types.FunctionType, staticmethod, classmethod)))
     return [name for name in getattr(obj, "__dict__", ()) if caches(inspect.getattr_static(type(obj), name, None))]
+
+
+def _rebuilt_mapping(obj, items):
+    """`obj`'s type holding `items`, its other attributes kept (a BatchEncoding keeps its encodings)."""
+    if isinstance(obj, collections.UserDict):
+        new = copy.copy(obj)  # UserDict.__copy__: the instance dict, without __init__
+        vars(new)["data"] = items
+        return new
+    if isinstance(obj, defaultdict):
+        return type(obj)(obj.default_factory, items)
+    return _rebuild(type(obj), items, dict)
 
 
 def _rebuild(cls, items, plain):
@@ -430,7 +441,8 @@ def _move(objs, device, sharding=None):
 def _move_by_own_to(obj, device):
     if _is_xla(device) and not isinstance(obj, torch.nn.Module) and _once("own_to"):
         logger.warning("seamless_tpu: %s is moved by its own .to(), so its tensors are replicated on every "
-                       "device instead of split over the mesh; pass dict(batch) to have them sharded", type(obj).__name__)
+                       "device instead of split over the mesh (each device computes the whole batch); pass its "
+                       "tensors in a dict, tuple or dataclass to have them sharded", type(obj).__name__)
     return obj.to(device)
 
 
@@ -900,6 +912,40 @@ def _mark_shardings(pairs):
             _import("torch_xla")._XLAC._xla_mark_sharding(tensor, sharding)
 
 
+def _watch_inputs(model, sharding):
+    """For the model's first INPUT_CHECKS forwards, warn once about an input tensor that arrives on
+    XLA replicated where its dim 0 could be split: every device would compute all of it. Reads only
+    what each tensor already holds (its sharding annotation): no sync, no transfer, no new graph."""
+    names = list(sharding.mesh.axis_names or range(len(sharding.mesh.mesh_shape)))
+    ways = math.prod(sharding.mesh.mesh_shape[names.index(axis)] for axis in sharding.axes)
+    left = [INPUT_CHECKS]
+
+    def check(module, args, kwargs):
+        found = []
+        _map_tensors({**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs},
+                     lambda t: found.append(t) or t, lambda obj: obj)
+        for t in found:
+            if _replicated_batch(t, ways) and _once("replicated_input"):
+                logger.warning("seamless_tpu: a tensor of shape %s reaches the model replicated on XLA. If it is a "
+                               "batch, each of the %d devices computes all of it (%dx the work for 1x the data). Move "
+                               "batches with trainer.to_device(...) or trainer.prepare_data_loader(...), which split "
+                               "dim 0, not with .to(device)", tuple(t.shape), ways, ways)
+        left[0] -= 1
+        if not left[0]:
+            handle.remove()
+
+    if ways > 1:
+        handle = model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def _replicated_batch(t, ways):
+    if not _is_xla(t.device) or t.dim() == 0 or t.shape[0] % ways or _is_split(t):
+        return False
+    # A tensor the step computes has no annotation until the compiler propagates one: not evidence.
+    ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(t).partition("IR: ")[2].partition("\n")[0]
+    return ir.startswith("None") or "device_data" in ir
+
+
 def _is_split(tensor):
     # XLA marks every tensor that a replicated graph computed "{replicated}": nobody chose that.
     return _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor) not in ("", "{replicated}")
@@ -1216,6 +1262,8 @@ class SeamlessTPUTrainer:
         model.to(self.device)
         if strategy == "fsdp" and self.mesh is not None:
             _shard_parameters(model, self.mesh)
+        if self._batch_sharding is not None:
+            _watch_inputs(model, self._batch_sharding)
         self.model = model
         if distributed and strategy == "fsdp":
             _fully_shard(model, self.device)

@@ -111,6 +111,7 @@ class FakeXLA:
         xlac = types.SimpleNamespace(
             _xla_get_spmd_config_is_locked=lambda: fx.locked and not fx.spmd,
             _get_xla_sharding_spec=lambda t: fx.shardings.get(t, ""),
+            _get_xla_tensor_debug_info=lambda t: "XLATensor {\nIR: None\nXLAData: None\n}\n",  # every tensor is data here
             # torch_xla returns an OpSharding object (None without one); its text stands in for it here
             _get_xla_op_sharding=lambda t: fx.shardings.get(t),
             _xla_mark_sharding=lambda t, op_sharding: fx.shardings.__setitem__(t, op_sharding),

@@ -5,6 +5,7 @@ TWINS also run in-process on the fake torch_xla (test_seamless_tpu.py) with the 
 what the fake claims, the real library must show.
 """
 
+import collections
 import contextlib
 import logging
 import os
@@ -110,6 +111,55 @@ class _Pairs(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"x": self.x[i], "y": self.y[i, 0]} if self.as_dict else (self.x[i], self.y[i, 0])
+
+
+class Encoded(collections.UserDict):
+    """What a tokenizer returns, as transformers' BatchEncoding is built: a UserDict with its own .to
+    (moving in place and returning itself) and attributes beside the data."""
+
+    def __init__(self, data=None, encodings=None):
+        super().__init__(data)
+        self.encodings = encodings
+
+    def to(self, device):
+        self.data = {k: v.to(device) for k, v in self.data.items()}
+        return self
+
+
+def encode(samples):
+    """A collate_fn (module-level: loader workers pickle it)."""
+    return Encoded({"x": torch.stack([x for x, _ in samples]), "y": torch.stack([y for _, y in samples])}, encodings=["e"] * len(samples))
+
+
+def own_to_mappings_are_sharded():
+    """A Mapping with its own .to (BatchEncoding) is walked like a dict: each tensor split over the mesh,
+    its type and attributes kept, on every path; objects that are no container still go to their .to."""
+    trainer = st.SeamlessTPUTrainer(mlp())
+    x, y = data(8)
+    batches = {"to_device": st.to_device(encode(list(zip(x, y[:, 0])))),
+               "trainer.to_device": trainer.to_device(encode(list(zip(x, y[:, 0]))))}
+    for workers in (0, 2):
+        loader = torch.utils.data.DataLoader(_Pairs(8), batch_size=4, collate_fn=encode, num_workers=workers)
+        batches[f"prepare_data_loader, {workers} workers"] = next(iter(trainer.prepare_data_loader(loader)))
+    for path, batch in batches.items():
+        assert type(batch) is Encoded and batch.encodings == ["e"] * len(batch["x"]), f"{path}: type or attributes lost"
+        assert (sharding(batch["x"]), sharding(batch["y"])) == (SPEC_2D, SPEC_1D), f"{path}: not split over the mesh"
+
+
+def hand_moved_batch_warns_once():
+    """A batch moved with .to(device) reaches the model replicated: one warning, naming the cost; a batch
+    moved by the trainer does not warn; the guard stops looking after its first forwards."""
+    model = mlp()
+    trainer = st.SeamlessTPUTrainer(model)
+    x, y = data(8)
+    with Warnings() as caught:
+        model(trainer.to_device(x))
+    assert caught.messages == [], caught.messages
+    with Warnings() as caught:
+        model(x.to(trainer.device))
+        model(x.to(trainer.device))
+    assert len(caught.messages) == 1 and "(8, 10) reaches the model replicated" in caught.messages[0] and "4x the work" in caught.messages[0], caught.messages
+    assert not model._forward_pre_hooks, "the guard removes itself after its first forwards"
 
 
 def train_epoch(model, optimizer, loader, after_step=lambda: None):
@@ -244,6 +294,8 @@ TWINS = (
     tensor_before_spmd_is_refused,
     device_requested_before_spmd_is_refused,
     fsdp_places_existing_optimizer_state,
+    own_to_mappings_are_sharded,
+    hand_moved_batch_warns_once,
 )
 
 # --- real torch_xla only -------------------------------------------------------------------------

@@ -525,6 +525,66 @@ def hf_attention_transfers_pin():
 
 # --- entry point ---------------------------------------------------------------------------------
 
+def tiny_tokenizer():
+    """A word-level tokenizer built in code (nothing downloaded), as transformers' own tests build one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(LM_VOCAB - 2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+
+
+class Texts(torch.utils.data.Dataset):
+    def __init__(self, tokenizer, n=8):
+        self.features = [tokenizer(" ".join(f"w{(i * 7 + j) % 100}" for j in range(3 + i % 4))) for i in range(n)]
+
+    def __len__(self):
+        return len(self.features)
+
+    def __getitem__(self, i):
+        return self.features[i]
+
+
+def hf_batches_are_sharded():
+    """transformers' BatchEncoding (tokenizer output, DataCollatorWithPadding, DataCollatorForLanguageModeling)
+    arrives split over the 4 devices on every path, a BatchEncoding still, its encodings kept; a step of
+    the tiny LM on it compiles and runs."""
+    from transformers import BatchEncoding, DataCollatorForLanguageModeling, DataCollatorWithPadding
+
+    quiet()
+    tokenizer = tiny_tokenizer()
+    model = tiny_lm()
+    trainer = st.SeamlessTPUTrainer(model)
+    texts = ["w1 w2 w3 w4", "w5 w6", "w7 w8 w9", "w10"]
+    batches = {"to_device(tokenizer output)": st.to_device(tokenizer(texts, padding=True, return_tensors="pt")),
+               "trainer.to_device(tokenizer output)": trainer.to_device(tokenizer(texts, padding=True, return_tensors="pt"))}
+    for name, collator in (("DataCollatorWithPadding", DataCollatorWithPadding(tokenizer)),
+                           ("DataCollatorForLanguageModeling", DataCollatorForLanguageModeling(tokenizer, mlm=False))):
+        for workers in (0, 2):
+            loader = torch.utils.data.DataLoader(Texts(tokenizer), batch_size=4, collate_fn=collator, num_workers=workers)
+            batches[f"prepare_data_loader({name}, {workers} workers)"] = next(iter(trainer.prepare_data_loader(loader)))
+    spec_2d = "{devices=[4,1]0,1,2,3}"
+    for path, batch in batches.items():
+        specs = {k: torch_xla_spec(v) for k, v in batch.items()}
+        print(f"{path}: {type(batch).__name__} {specs}")
+        assert type(batch) is BatchEncoding, f"{path}: came back as {type(batch).__name__}"
+        assert set(specs.values()) == {spec_2d}, f"{path}: not every tensor split over the 4 devices: {specs}"
+    for path in ("to_device(tokenizer output)", "trainer.to_device(tokenizer output)"):
+        assert batches[path].encodings is not None and len(batches[path].encodings) == 4, f"{path}: encodings lost"
+    batch = batches["prepare_data_loader(DataCollatorForLanguageModeling, 0 workers)"]
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss.detach().cpu()), "a step on the sharded BatchEncoding"
+
+
+def torch_xla_spec(t):
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
 SCENARIOS = {  # name -> (XLA scenario, eager reference or None)
     "lm_lora": (lm_lora, lm_lora_eager),
     "lm_lora_bf16": (lm_lora_bf16, lm_lora_eager),
@@ -535,6 +595,7 @@ SCENARIOS = {  # name -> (XLA scenario, eager reference or None)
     "checkpoint_hf": (checkpoint_hf, checkpoint_hf_eager),
     "hf_save_pretrained_pin": (hf_save_pretrained_pin, None),
     "hf_attention_transfers_pin": (hf_attention_transfers_pin, None),
+    "hf_batches_are_sharded": (hf_batches_are_sharded, None),
 }
 
 
