@@ -71,6 +71,17 @@ STRATEGIES = ("ddp", "fsdp")  # replicate the parameters, or shard them over FSD
 SPMD_CONFIG_KEYS = ("mesh_shape", "axis_names", "data_parallel_size", "model_parallel_size")
 FSDP_AXIS = "fsdp"
 MODEL_AXES = ("model",)  # axes that split the model; batches are split over every other axis
+MODEL_AXIS = MODEL_AXES[0]  # the axis a tensor-parallel plan splits weights over
+# Tensor-parallel plan styles -> which features of a Linear split over MODEL_AXIS ("out": colwise,
+# "in": rowwise; an Embedding's are its dim and its vocabulary), or None: the weights stay whole.
+# Hugging Face's plan strings, and torch's ParallelStyle classes by name.
+TP_STYLES = {
+    **dict.fromkeys(("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise", "ColwiseParallel"), "out"),
+    **dict.fromkeys(("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise", "packed_rowwise", "local_packed_rowwise",
+                     "embedding_rowwise", "RowwiseParallel"), "in"),
+    **dict.fromkeys(("replicated_with_grad_allreduce", "replicate", "gather", "local", "sequence_parallel", "isolate",
+                     "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"), None),
+}
 CHECKPOINT_POINTER = "LATEST"  # names the committed save attempt; a save that never wrote it never happened
 SAVE_ATTEMPT = re.compile(r"(save|step)-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
 ATTEMPT_MARKER = ".seamless_tpu_attempt"  # in every attempt a save creates: the only folders a later save removes
@@ -486,14 +497,14 @@ def parse_topology(topology):
     return dims
 
 
-def _default_axis_names(ndim):
-    names = {1: ("data",), 2: ("data", "model")}
+def _default_axis_names(ndim, strategy="ddp"):
+    names = {1: ("data",), 2: (FSDP_AXIS if strategy == "fsdp" else "data", MODEL_AXIS)}
     if ndim not in names:
         raise ValueError(f"a {ndim}-D mesh_shape needs explicit axis_names (one per dimension); defaults exist for 1-D and 2-D")
     return names[ndim]
 
 
-def _mesh_from_config(config, num_devices):
+def _mesh_from_config(config, num_devices, strategy="ddp"):
     if not isinstance(config, Mapping):
         raise TypeError(f"xla_spmd_config must be a dict like {{'mesh_shape': [2, 2]}}, got {config!r} ({type(config).__name__})")
     for key in config:
@@ -525,7 +536,7 @@ def _mesh_from_config(config, num_devices):
     names = config.get("axis_names")
     if isinstance(names, (str, bytes)) or (names is not None and not hasattr(names, "__iter__")):
         raise TypeError(f"axis_names must be a list of strings, one per mesh dimension (e.g. ['data', 'model']), got {names!r}")
-    names = _default_axis_names(len(shape)) if names is None else tuple(names)
+    names = _default_axis_names(len(shape), strategy) if names is None else tuple(names)
     if len(names) != len(shape):
         raise ValueError(f"axis_names must name each mesh dimension: {len(names)} names {names!r} for mesh_shape {shape!r}")
     if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
@@ -565,7 +576,7 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
                              "the device count must be the chip count (or a multiple: 2 devices per chip on v7). "
                              "Check the slice you are on or drop the topology")
     if xla_spmd_config is not None:
-        shape, names = _mesh_from_config(xla_spmd_config, num_devices)
+        shape, names = _mesh_from_config(xla_spmd_config, num_devices, strategy)
         if strategy == "fsdp":
             _check_fsdp_axis(names, "xla_spmd_config")
         return shape, names
@@ -620,6 +631,61 @@ def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
                          f"{requested:g} chips, but topology {topology!r} has {chips} chips. The xla_tpu backend runs "
                          "one SPMD process per TPU host holding all of its chips: set num_workers to the number of "
                          f"hosts and resources_per_worker={{'TPU': chips per host}} so they multiply to {chips}.")
+
+def _model_tp_plan(model):
+    """The tensor-parallel plan a transformers model carries, with full module names: the instance's
+    merged _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix plus
+    the class's _tp_plan for the head. {} for any other model."""
+    plan = vars(model).get("_tp_plan")  # the instance's: the class attribute holds the head's entries only
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), torch.nn.Module) else ""
+    return {**{prefix + k: v for k, v in base.items()}, **(getattr(type(model), "_tp_plan", None) or {})}
+
+
+def _tp_specs(model, plan, axis_sizes):
+    """{parameter: partition spec} for the weights `plan` splits over MODEL_AXIS; with an fsdp axis, the
+    other dimension splits over it (2-D). Pure: checks every entry against the module tree and every
+    split against the weight's shape, before anything moves."""
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"tp_plan must be a dict of module-name pattern -> style (e.g. {{'layers.*.mlp.up_proj': 'colwise'}}), "
+                        f"got {_shown(plan)} ({type(plan).__name__})")
+    modules = dict(model.named_modules())
+    model_size, fsdp_size = axis_sizes.get(MODEL_AXIS, 1), axis_sizes.get(FSDP_AXIS, 1)
+    specs = {}
+    for pattern, style in plan.items():
+        name = style if isinstance(style, str) else type(style).__name__
+        if name not in TP_STYLES:
+            raise ValueError(f"tp_plan[{pattern!r}] = {_shown(style)} is not a style seamless_tpu knows; use one of {sorted(TP_STYLES)}")
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        matched = [m for m in modules if regex.fullmatch(m)]
+        if not matched:
+            raise ValueError(f"tp_plan entry {pattern!r} matches no module of {type(model).__name__} (names look like "
+                             f"{[m for m in modules if m][:4]}; '*' stands for one name part, e.g. a layer index)")
+        split = TP_STYLES[name]
+        for module_name in matched if split else ():
+            module = modules[module_name]
+            if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                raise ValueError(f"tp_plan splits {module_name!r} ({name}), a {type(module).__name__}; colwise and rowwise "
+                                 "split the weights of Linear and Embedding modules only")
+            embedding = isinstance(module, torch.nn.Embedding)
+            for param_name, param in module.named_parameters(recurse=False):
+                dim = {"weight": {"out": 1 if embedding else 0, "in": 0 if embedding else 1}[split],
+                       "bias": 0 if split == "out" else None}.get(param_name)
+                if dim is None:
+                    continue
+                if param.shape[dim] % model_size:
+                    raise ValueError(f"tp_plan splits {module_name}.{param_name} (shape {tuple(param.shape)}) along dim {dim} over the "
+                                     f"'{MODEL_AXIS}' axis of size {model_size}, which does not divide {param.shape[dim]}; "
+                                     "pick a model_parallel_size that divides it, or leave this module out of the plan")
+                spec = [None] * param.dim()
+                spec[dim] = MODEL_AXIS
+                if fsdp_size > 1 and param.dim() > 1:
+                    spec[1 - dim] = FSDP_AXIS  # XLA pads a dimension the fsdp axis does not divide
+                specs[param] = tuple(spec)
+    return specs
 
 # --- 7. XLA activation and the torch patches -----------------------------------------------------
 
@@ -813,6 +879,29 @@ def _set_mesh(mesh):
 def get_xla_mesh():
     """The SPMD mesh in use in this process, or None (not on XLA, or not set up yet)."""
     return _STATE.mesh
+
+
+def _planned_specs(model, tp_plan, mesh, device):
+    """{parameter: spec} that tensor parallelism gives the model on this trainer's mesh: the user's
+    plan, else the one a transformers model carries. A 'model' axis with no plan would make the
+    devices of each model row compute the same thing: refused."""
+    if tp_plan is not None and not _is_xla(device):
+        raise NotImplementedError(f"tp_plan on {device.type}: tensor parallelism runs on XLA meshes only so far; "
+                                  "off XLA use strategy='ddp' or 'fsdp', or run on XLA with xla_spmd_config={'model_parallel_size': N}")
+    sizes = dict(zip(mesh.axis_names or (), mesh.mesh_shape)) if mesh is not None else {}
+    model_size = sizes.get(MODEL_AXIS, 1)
+    if model_size == 1:
+        if tp_plan is not None:
+            raise ValueError(f"tp_plan splits weights over a '{MODEL_AXIS}' mesh axis, and this trainer's mesh has none of size > 1 "
+                             f"(axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': N}}, or drop tp_plan")
+        return {}
+    plan = _model_tp_plan(model) if tp_plan is None else tp_plan
+    if not plan:
+        raise ValueError(f"the mesh's '{MODEL_AXIS}' axis has size {model_size}, but there is no tensor-parallel plan, so the "
+                         f"{model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. Pass tp_plan= (e.g. "
+                         "{'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}), or drop the axis "
+                         "(model_parallel_size=1, or a mesh without it)")
+    return _tp_specs(model, plan, sizes)
 
 
 def _trainer_mesh(device, mesh, xla_spmd_config, strategy):
@@ -1250,18 +1339,21 @@ class SeamlessTPUTrainer:
     """
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
-                 drop_last=None, strategy="ddp"):
+                 drop_last=None, strategy="ddp", tp_plan=None):
         _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy)
         self.device = get_device(device)
         self.kind = _resolve_kind(self.device)
         self.precision, self.drop_last, self.strategy = precision, drop_last, strategy
         self.mesh, self._batch_sharding = _trainer_mesh(self.device, mesh, xla_spmd_config, strategy)
+        planned = _planned_specs(model, tp_plan, self.mesh, self.device)  # every plan error before any work
         distributed = self.mesh is None and _torch_dist_ranks()[0] > 1
         if strategy == "fsdp" and self.mesh is None and not distributed and _once("fsdp_single"):
             _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
         model.to(self.device)
+        for param, spec in planned.items():
+            _import("torch_xla.distributed.spmd").mark_sharding(param, self.mesh, spec)
         if strategy == "fsdp" and self.mesh is not None:
-            _shard_parameters(model, self.mesh)
+            _shard_parameters(model, self.mesh)  # all the plan left whole
         if self._batch_sharding is not None:
             _watch_inputs(model, self._batch_sharding)
         self.model = model

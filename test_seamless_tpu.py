@@ -4,6 +4,7 @@ for the library; tests/test_real_xla.py runs the same scenarios on the real one.
 tests/test_inputs.py."""
 
 import logging
+import types
 import os
 import sys
 import textwrap
@@ -642,7 +643,7 @@ def test_fsdp_errors(fake):
     with pytest.raises(ValueError, match=r"strategy must be one of .*got 'FSDP'"):
         st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="FSDP")
     with pytest.raises(ValueError, match=r"axis named 'fsdp', but xla_spmd_config has axes \('data', 'model'\)"):
-        st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="fsdp", xla_spmd_config={"mesh_shape": [2, 2]})
+        st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="fsdp", xla_spmd_config={"mesh_shape": [2, 2], "axis_names": ["data", "model"]})
     mesh = st.create_xla_mesh()  # ("data",): no fsdp axis
     with pytest.raises(ValueError, match=r"but the mesh passed as mesh= has axes \('data',\); name one axis 'fsdp'"):
         st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="fsdp", mesh=mesh)
@@ -749,9 +750,85 @@ def test_fake_xla_multi_process_default_mesh_shards_batch_over_all_devices(monke
 
 
 def test_fake_xla_explicit_model_axis_keeps_batch_on_data(fake):
-    trainer = st.SeamlessTPUTrainer(scenarios.mlp(), xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2})
+    trainer = st.SeamlessTPUTrainer(scenarios.mlp(), xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2},
+                                    tp_plan=scenarios.MLP_PLAN)
     assert st._STATE.batch_sharding.axes == ("data",)
     assert scenarios.sharding(trainer.to_device(torch.ones(4, 10))) == scenarios.SPEC_DATA_OF_2X2
+
+
+@pytest.mark.parametrize("strategy,names", [("fsdp", ("fsdp", "model")), ("ddp", ("data", "model"))])
+def test_model_parallel_size_builds_the_2d_mesh_in_one_line(fake, strategy, names):
+    trainer = st.SeamlessTPUTrainer(scenarios.mlp(), strategy=strategy, xla_spmd_config={"model_parallel_size": 2},
+                                    tp_plan=scenarios.MLP_PLAN)
+    assert (tuple(trainer.mesh.mesh_shape), tuple(trainer.mesh.axis_names)) == ((2, 2), names)
+    assert trainer._batch_sharding.axes == names[:1], "tensor-parallel groups get the same batch: it splits over the other axis"
+    split = {n for n, p in trainer.model.named_parameters() if fake.shardings.get(p)}
+    # the plan's weights over 'model'; with fsdp the rest too (the 1-feature output bias: XLA pads)
+    assert split == {"0.weight", "0.bias", "2.weight"} | ({"2.bias"} if strategy == "fsdp" else set()), split
+
+
+def test_a_model_axis_without_a_plan_is_refused_before_any_work(fake):
+    model = scenarios.mlp()
+    with pytest.raises(ValueError, match=r"the mesh's 'model' axis has size 2, but there is no tensor-parallel plan, so the 2 "
+                                         r"devices of each 'model' row would compute the same thing. Pass tp_plan= .* or drop the axis"):
+        st.SeamlessTPUTrainer(model, xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2})
+    assert model[0].weight.device.type == "cpu" and not fake.shardings.get(model[0].weight), "nothing moved or sharded"
+
+
+@pytest.mark.parametrize("plan,error,match", [
+    ({"layers.*.fc": "colwise"}, ValueError, r"tp_plan entry 'layers.\*.fc' matches no module of Sequential \(names look like \['0', '1', '2'\]"),
+    ({"0": "columnwise"}, ValueError, r"tp_plan\['0'\] = 'columnwise' is not a style seamless_tpu knows; use one of"),
+    ({"1": "colwise"}, ValueError, r"tp_plan splits '1' \(colwise\), a ReLU; colwise and rowwise split the weights of Linear and Embedding"),
+    ({"2": "colwise"}, ValueError, r"tp_plan splits 2.weight \(shape \(1, 32\)\) along dim 0 over the 'model' axis of size 2, which does not divide 1"),
+    (["0", "colwise"], TypeError, r"tp_plan must be a dict of module-name pattern -> style"),
+])
+def test_a_bad_plan_names_the_entry_before_any_work(fake, plan, error, match):
+    with pytest.raises(error, match=match):
+        st.SeamlessTPUTrainer(scenarios.mlp(), xla_spmd_config={"model_parallel_size": 2}, tp_plan=plan)
+
+
+def test_a_plan_needs_a_model_axis(fake):
+    with pytest.raises(ValueError, match=r"tp_plan splits weights over a 'model' mesh axis, and this trainer's mesh has none"):
+        st.SeamlessTPUTrainer(scenarios.mlp(), tp_plan=scenarios.MLP_PLAN)
+
+
+def test_a_plan_off_xla_is_not_silently_ignored(no_xla):
+    with pytest.raises(NotImplementedError, match=r"tp_plan on cpu: tensor parallelism runs on XLA meshes only so far"):
+        st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu", tp_plan=scenarios.MLP_PLAN)
+
+
+def test_torch_parallel_styles_are_accepted_by_name(fake):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    model = scenarios.mlp()
+    st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2}, tp_plan={"0": ColwiseParallel(), "2": RowwiseParallel()})
+    assert fake.shardings.get(model[0].weight) and fake.shardings.get(model[2].weight)
+
+
+class HFLike(torch.nn.Module):
+    """How a transformers causal LM carries its plan: config.base_model_tp_plan for the base model under
+    base_model_prefix, and the class's _tp_plan for the head (transformers 5 also merges both onto the
+    instance's _tp_plan, which wins)."""
+
+    base_model_prefix = "model"
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(base_model_tp_plan={"layers.*.up": "colwise", "layers.*.down": "rowwise"})
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"up": torch.nn.Linear(4, 8), "down": torch.nn.Linear(8, 4)})])
+        self.lm_head = torch.nn.Linear(4, 6)
+
+
+def test_a_transformers_model_brings_its_own_plan(fake):
+    model = HFLike()
+    assert st._model_tp_plan(model) == {"model.layers.*.up": "colwise", "model.layers.*.down": "rowwise", "lm_head": "colwise_gather_output"}
+    model._tp_plan = {"model.layers.*.up": "colwise"}  # transformers 5: the merged plan on the instance
+    assert st._model_tp_plan(model) == {"model.layers.*.up": "colwise"}
+    del model._tp_plan
+    st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2})
+    assert fake.shardings.get(model.model.layers[0]["up"].weight) and fake.shardings.get(model.lm_head.weight)
 
 
 def test_fake_xla_cpu_backward_first_is_a_clear_error(fake, monkeypatch):

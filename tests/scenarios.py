@@ -39,6 +39,9 @@ def mlp(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
 
+MLP_PLAN = {"0": "colwise", "2": "rowwise"}  # mlp()'s tensor-parallel plan: hidden features split over "model"
+
+
 def data(n=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 10, generator=g), torch.randn(n, 1, generator=g)
@@ -391,19 +394,21 @@ def no_host_transfers_per_step():
 
 
 def mesh_2d_model_parallel_matches_eager():
+    """A user plan on a 2 x 2 ("data", "model") mesh: the hidden layer's weights split over "model", the
+    batch over "data" only, and the losses of eager."""
     st.get_device()
     config = {"mesh_shape": [2, 2], "axis_names": ["data", "model"], "model_parallel_size": 2}
     want = plain_loop("eager", "sgd_momentum")
     model = mlp()
     optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
-    trainer = st.SeamlessTPUTrainer(model, xla_spmd_config=config)
+    trainer = st.SeamlessTPUTrainer(model, xla_spmd_config=config, tp_plan=MLP_PLAN)
     assert tuple(trainer.mesh.mesh_shape) == (2, 2)
-    xs = __import__("torch_xla.distributed.spmd", fromlist=["_"])
-    xs.mark_sharding(model[0].weight, trainer.mesh, ("model", None))  # the user shards one weight themselves
-    assert sharding(model[0].weight) == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}", sharding(model[0].weight)
+    by_model_rows = "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"  # dim 0 over "model", whole on "data"
+    assert sharding(model[0].weight) == by_model_rows and sharding(model[0].bias) == "{devices=[2,2]0,2,1,3 last_tile_dim_replicate}"
+    assert sharding(model[2].weight) == "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}", "rowwise: dim 1 over model"
     x, y = trainer.to_device(*data())
     assert sharding(x) == SPEC_DATA_OF_2X2, "model parallelism asked for: the batch goes over 'data' only"
-    assert_close(run_steps(model, optimizer, x, y, 20), want, 1e-5, "2x2 mesh, model-sharded Linear")
+    assert_close(run_steps(model, optimizer, x, y, 20), want, 1e-5, "2x2 mesh, tensor-parallel MLP")
 
 
 def checkpoint_round_trip(tmp=None):

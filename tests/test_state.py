@@ -41,7 +41,7 @@ def batches_of(trainer):
 def replace_process_mesh(how):
     config = {"mesh_shape": [4, 4], "axis_names": ["data", "model"]}
     if how == "second trainer":
-        st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", xla_spmd_config=config)
+        st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", xla_spmd_config=config, tp_plan=scenarios.MLP_PLAN)
     else:
         st.create_xla_mesh(xla_spmd_config=config)
     assert st.get_xla_mesh().axis_names == ("data", "model")  # the process mesh did change
@@ -65,7 +65,7 @@ def test_a_later_mesh_leaves_an_earlier_trainers_batches_alone(four_hosts, how, 
 def test_a_user_mesh_with_a_model_axis_keeps_its_data_split(four_hosts):
     xs = sys.modules["torch_xla.distributed.spmd"]
     mesh = xs.Mesh(list(range(16)), (4, 4), ("data", "model"))
-    a = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", mesh=mesh)
+    a = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", mesh=mesh, tp_plan=scenarios.MLP_PLAN)
     want = sharding(a.to_device(torch.ones(16, 10)))
     assert want.startswith("{devices=[4,1,4]") and want.endswith("last_tile_dim_replicate}")
     st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", strategy="fsdp")  # the process mesh is now ("data", "fsdp")

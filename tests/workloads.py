@@ -152,7 +152,7 @@ class TokenBatches(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": mask, "labels": labels}
 
 
-def lm_lora_loop(xla, precision=None, steps=8, lora=True, strategy="ddp"):
+def lm_lora_loop(xla, precision=None, steps=8, lora=True, strategy="ddp", **trainer_kwargs):
     """Gradient accumulation, clipping and a warm-up schedule on a tiny Qwen3: LoRA adapters, or
     (lora=False) every weight, for strategy='fsdp'."""
     import peft
@@ -166,9 +166,9 @@ def lm_lora_loop(xla, precision=None, steps=8, lora=True, strategy="ddp"):
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2, weight_decay=0.01)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=steps)
-    trainer = trainer_for(model, xla, precision=precision, strategy=strategy)
+    trainer = trainer_for(model, xla, precision=precision, strategy=strategy, **trainer_kwargs)
     loader = loader_on(trainer, torch.utils.data.DataLoader(TokenBatches(steps * LM_MICRO * LM_BATCH), batch_size=LM_BATCH))
-    losses, counts, dtypes = [], [], set()
+    losses, counts, transfers, dtypes = [], [], [], set()
     optimizer.zero_grad()
     for i, batch in enumerate(loader):
         with autocast(trainer):
@@ -183,9 +183,12 @@ def lm_lora_loop(xla, precision=None, steps=8, lora=True, strategy="ddp"):
             scheduler.step()
             optimizer.zero_grad()
             counts.append(compiles(trainer))
+            transfers.append(trainer.compile_stats()["device_to_host_transfers"] if trainer else 0)
     assert len(counts) == steps, f"{len(counts)} optimizer steps, expected {steps}"
-    specs = [sys.modules["torch_xla"]._XLAC._get_xla_sharding_spec(p) for p in model.parameters() if p.dim() == 2] if trainer else []
-    return {"losses": host(losses), "compiles": counts, "logits_dtypes": sorted(dtypes), "specs": specs}
+    specs = {n: torch_xla_spec(p) for n, p in model.named_parameters() if p.dim() == 2} if trainer else {}
+    memory = trainer.memory_stats(optimizer) if trainer else None
+    return {"losses": host(losses), "compiles": counts, "transfers": transfers, "logits_dtypes": sorted(dtypes), "specs": specs,
+            "bytes_per_device": max(memory["per_device"]) / memory["replica"] if memory else None}
 
 
 def lm_lora_eager():
@@ -212,7 +215,52 @@ def lm_fsdp():
     got = lm_lora_loop(True, lora=False, strategy="fsdp")
     assert_close(got["losses"], want["losses"], 1e-5, "Qwen3 fsdp vs eager")
     assert_flat(got["compiles"], 2, "Qwen3 fsdp")
-    assert got["specs"] and all(s.startswith("{devices=[") and ("4,1]" in s or "1,4]" in s) for s in got["specs"]), got["specs"]
+    assert got["specs"] and all(s.startswith("{devices=[") and ("4,1]" in s or "1,4]" in s) for s in got["specs"].values()), got["specs"]
+
+
+def lm_tp_eager():
+    return lm_lora_loop(False, steps=TP_STEPS, lora=False)
+
+
+TP_STEPS = 20
+TP_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lm_tensor_parallel():
+    """Qwen3's own plan (config.base_model_tp_plan + the head's) on a 2 x 2 ("fsdp", "model") mesh and a
+    1 x 4 ("data", "model") one: eager's losses over 20 AdamW steps, every attention and MLP weight
+    split over "model" (and over "fsdp" in 2-D), a quarter of the bytes per device on 2 x 2, compiles
+    and host transfers flat after warm-up."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    want = eager_reference("lm_tensor_parallel")
+    for strategy, config, shape in (("fsdp", {"model_parallel_size": 2}, (2, 2)), ("ddp", {"model_parallel_size": 4}, (1, 4))):
+        what = f"Qwen3 tensor parallel, {strategy} {shape}"
+        got = lm_lora_loop(True, steps=TP_STEPS, lora=False, strategy=strategy, xla_spmd_config=config)
+        assert_close(got["losses"], want["losses"], 1e-5, what)
+        assert_flat(got["compiles"], 2, what)
+        assert_flat(got["transfers"], 2, what + " host transfers")
+        names = ("fsdp" if strategy == "fsdp" else "data", "model")
+        mesh = xs.Mesh(np.arange(4), shape, names)
+        model = tiny_lm()
+        for name, spec in got["specs"].items():
+            layer = name.split(".")[-2]
+            if layer in TP_LAYERS:
+                dim = 0 if layer in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") else 1
+                partition = [None, None]
+                partition[dim] = "model"
+                if strategy == "fsdp":
+                    partition[1 - dim] = "fsdp"
+                oracle = torch.zeros(model.get_parameter(name).shape, device=torch_xla.device())
+                xs.mark_sharding(oracle, mesh, tuple(partition))
+                assert spec == torch_xla_spec(oracle), f"{what}: {name} is {spec}, not split as {tuple(partition)}"
+        planned = [n for n in got["specs"] if n.split(".")[-2] in TP_LAYERS]
+        assert len(planned) == 2 * len(TP_LAYERS), planned
+        print(f"{what}: params + AdamW state per device = {got['bytes_per_device']:.3f} of a replica")
+        if shape == (2, 2):
+            assert got["bytes_per_device"] <= 0.30, got["bytes_per_device"]
 
 
 def lm_lora_bf16():
@@ -596,6 +644,7 @@ SCENARIOS = {  # name -> (XLA scenario, eager reference or None)
     "hf_save_pretrained_pin": (hf_save_pretrained_pin, None),
     "hf_attention_transfers_pin": (hf_attention_transfers_pin, None),
     "hf_batches_are_sharded": (hf_batches_are_sharded, None),
+    "lm_tensor_parallel": (lm_tensor_parallel, lm_tp_eager),
 }
 
 
