@@ -101,11 +101,13 @@ def test_device_requested_before_spmd_segfaults_in_plain_torch_xla():
 LAYOUT_ENV = {
     "fsdp4": dict(XLA_ENV, CPU_NUM_DEVICES="4"),
     "ddp4": dict(XLA_ENV, CPU_NUM_DEVICES="4"),
+    "tp2x2": dict(XLA_ENV, CPU_NUM_DEVICES="4"),
+    "dp2fsdp2": dict(XLA_ENV, CPU_NUM_DEVICES="4"),
     "fsdp2": dict(XLA_ENV, CPU_NUM_DEVICES="2"),
     "eager": {"SEAMLESS_TPU_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"},
 }
-ON_XLA = ("fsdp4", "ddp4", "fsdp2")  # reshard.py reports user_sharding_kept for these
-SHARDED = ("fsdp4", "fsdp2", "gloo2")  # strategy="fsdp": reshard.py reports whether the load sharded them again
+ON_XLA = ("fsdp4", "ddp4", "fsdp2", "tp2x2", "dp2fsdp2")  # reshard.py reports user_sharding_kept for these
+SHARDED = ("fsdp4", "fsdp2", "gloo2", "tp2x2", "dp2fsdp2")  # strategy="fsdp": reshard.py reports whether the load sharded them again
 
 
 def reshard_side(layout, phase, directory):
@@ -132,6 +134,8 @@ def two_gloo_ranks(phase, directory):
     ("fsdp4", "ddp4"), ("fsdp4", "fsdp2"), ("fsdp4", "eager"),
     ("ddp4", "fsdp4"), ("fsdp2", "fsdp4"), ("eager", "fsdp4"),
     ("gloo2", "eager"), ("eager", "gloo2"), ("gloo2", "fsdp4"), ("fsdp4", "gloo2"),
+    ("tp2x2", "fsdp4"), ("tp2x2", "ddp4"), ("tp2x2", "eager"), ("fsdp4", "tp2x2"), ("ddp4", "tp2x2"), ("eager", "tp2x2"),
+    ("dp2fsdp2", "fsdp4"), ("fsdp4", "dp2fsdp2"),
 ])
 def test_checkpoint_reshards_on_load(tmp_path, saved_as, loaded_as):
     """Saved in one layout, loaded in another: weights bitwise equal to the consolidated checkpoint,
