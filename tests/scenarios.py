@@ -411,6 +411,25 @@ def mesh_2d_model_parallel_matches_eager():
     assert_close(run_steps(model, optimizer, x, y, 20), want, 1e-5, "2x2 mesh, tensor-parallel MLP")
 
 
+def no_device_repeats_another_devices_dots():
+    """From the partitioned HLO: on a 2 x 2 ("data", "model") mesh with a plan, each device's dots hold
+    exactly 1/4 of the step's FLOPs; without the model axis doing work (batch over "data" only, the
+    model replicated), each would hold 1/2, which the trainer now refuses."""
+    import tempfile
+
+    import hlo
+
+    dump = tempfile.mkdtemp()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(dump)}".strip()  # before XLA starts
+    model = mlp()
+    optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
+    trainer = st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2}, tp_plan=MLP_PLAN)
+    run_steps(model, optimizer, *trainer.to_device(*data()), 3)
+    whole, one, ratio = hlo.dot_flops_per_device(dump)
+    print(f"dot FLOPs per step: {whole} in all, {one} on one device ({ratio:.3f})")
+    assert ratio == 0.25, f"a device holds {ratio:.3f} of the step's dot FLOPs, not 1/4"
+
+
 def checkpoint_round_trip(tmp=None):
     import tempfile
 

@@ -29,6 +29,7 @@ REAL_ONLY = [
     "no_recompiles_over_epochs",
     "no_host_transfers_per_step",
     "mesh_2d_model_parallel_matches_eager",
+    "no_device_repeats_another_devices_dots",
     "checkpoint_round_trip",
     "dropout_resumes_bitwise",
     "unfreezing_recompiles_once_without_warning",

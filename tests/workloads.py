@@ -235,10 +235,16 @@ def lm_tensor_parallel():
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
+    import hlo
+
     want = eager_reference("lm_tensor_parallel")
     for strategy, config, shape in (("fsdp", {"model_parallel_size": 2}, (2, 2)), ("ddp", {"model_parallel_size": 4}, (1, 4))):
         what = f"Qwen3 tensor parallel, {strategy} {shape}"
         got = lm_lora_loop(True, steps=TP_STEPS, lora=False, strategy=strategy, xla_spmd_config=config)
+        if shape == (2, 2):  # dumped from the first graphs XLA compiles in this process (main() set XLA_FLAGS)
+            whole, one, ratio = hlo.dot_flops_per_device(os.environ["SEAMLESS_TPU_HLO_DUMP"])
+            print(f"{what}: dot FLOPs per step {whole} in all, {one} on one device ({ratio:.3f})")
+            assert ratio == 0.25, f"{what}: a device holds {ratio:.3f} of the step's dot FLOPs, not 1/4"
         assert_close(got["losses"], want["losses"], 1e-5, what)
         assert_flat(got["compiles"], 2, what)
         assert_flat(got["transfers"], 2, what + " host transfers")
@@ -656,6 +662,11 @@ def main(argv):
         assert st.device_type() == "cpu", f"the eager reference must run on CPU, got {st.device_type()}"
         print("RESULT " + json.dumps(reference()))
         return
+    if name == "lm_tensor_parallel":  # XLA reads its flags once, when it starts
+        import hlo
+
+        dump = os.environ["SEAMLESS_TPU_HLO_DUMP"] = tempfile.mkdtemp()
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(dump)}".strip()
     assert st.device_type() == "xla", f"run with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 SEAMLESS_TPU_DEVICE=xla, got {st.device_type()}"
     scenario()
     print(f"scenario {name}: OK ({time.time() - start:.1f}s)")
