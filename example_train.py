@@ -13,12 +13,18 @@ The loop below is plain PyTorch: optimizer.step(), no mark_step, no xm.optimizer
     python example_train.py --tpu --strategy fsdp --checkpoint-dir ckpt
                                                      # parameters sharded over the chips; a sharded
                                                      # checkpoint every epoch, resumed from if present
+    python example_train.py --tpu --tp 2 --strategy fsdp
+                                                     # tensor parallel: hidden layers split 2 ways over
+                                                     # the mesh's model axis, the rest over fsdp (2-D)
 
 Prints the loss and samples/s for every epoch, the held-out accuracy, the final loss, and on XLA
 the compile statistics. --max-steps N stops early (for smoke tests). --precision bf16 trains under
 bf16 autocast. --strategy fsdp shards the parameters and optimizer state over the XLA devices, or
 with --ray over the CPU/GPU workers (torch's FSDP2); one CPU/GPU process runs it as ddp. --checkpoint-dir DIR saves a sharded checkpoint after every epoch
 and, when DIR already holds one, resumes from it (on any device or strategy) with the same shuffles.
+--tp N (XLA only) adds a model axis of N devices to the mesh and splits the hidden layers over it with
+the tensor-parallel plan TP_PLAN (first Linear colwise, second rowwise); the batch then splits over the
+other axis.
 The device can also be chosen with SEAMLESS_TPU_DEVICE=tpu|xla|gpu|cpu.
 A device that is not there (--tpu on a machine without one) or a bad flag combination prints one
 line saying why and exits with status 2.
@@ -55,6 +61,9 @@ def spiral(n, seed):
     return points, labels
 
 
+TP_PLAN = {"0": "colwise", "2": "rowwise"}  # make_model()'s hidden layers: module name -> how it splits
+
+
 def make_model():
     return torch.nn.Sequential(
         torch.nn.Linear(2, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 3)
@@ -66,7 +75,8 @@ def train(config):
     torch.manual_seed(config["seed"])
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
-    trainer = SeamlessTPUTrainer(model, device=config["device"], precision=config["precision"], strategy=config["strategy"])
+    tp = {"xla_spmd_config": {"model_parallel_size": config["tp"]}, "tp_plan": TP_PLAN} if config["tp"] > 1 else {}
+    trainer = SeamlessTPUTrainer(model, device=config["device"], precision=config["precision"], strategy=config["strategy"], **tp)
 
     x, y = spiral(config["samples"], seed=config["seed"])
     dataset = torch.utils.data.TensorDataset(x, y)
@@ -169,6 +179,7 @@ def main(argv=None):
     p.add_argument("--max-steps", type=positive(int), default=None, help="stop after this many optimizer steps")
     p.add_argument("--precision", choices=["bf16"], default=None)
     p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="fsdp: shard parameters over the XLA devices")
+    p.add_argument("--tp", type=positive(int), default=1, help="tensor-parallel size: devices on the mesh's model axis (XLA)")
     p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint every epoch; resume from it if present")
     p.add_argument("--ray", action="store_true", help="run under Ray Train's TorchTrainer")
     p.add_argument("--num-workers", type=positive(int), default=None, help="Ray workers (default 2; needs --ray)")
@@ -177,19 +188,23 @@ def main(argv=None):
         p.error(f"--tpu and --device {args.device} ask for two devices; pass one of them")
     if args.num_workers is not None and not args.ray:
         p.error("--num-workers needs --ray")
+    if args.tp > 1 and args.ray:
+        p.error("--tp runs on one XLA host here; it does not combine with --ray yet")
     if args.samples < 2 * args.batch_size:
         p.error(f"--samples {args.samples} gives no full batch of --batch-size {args.batch_size}; use at least twice the batch size")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps", "precision", "strategy")}
+    config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps", "precision", "strategy", "tp")}
     config["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None  # Ray workers chdir
     if args.tpu:
         config["device"] = "tpu"
     if args.ray:
         return ray_train(config, args.num_workers or 2)
     try:
-        get_device(config["device"])  # a missing device is a usage error, not a traceback
+        device = get_device(config["device"])  # a missing device is a usage error, not a traceback
     except (RuntimeError, ValueError, ImportError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    if args.tp > 1 and not is_xla_backend():
+        p.error(f"--tp {args.tp} splits layers over an XLA mesh; the device here is {device} (use --tpu or --device xla)")
     return train(config)
 
 

@@ -929,6 +929,14 @@ class _BatchSharding:
     def __init__(self, mesh, axes, minibatch=False):
         self.mesh, self.axes, self.minibatch = mesh, axes, minibatch
         self._by_rank = {}
+        sizes = dict(zip(mesh.axis_names or range(len(mesh.mesh_shape)), mesh.mesh_shape))
+        self.partial = math.prod(sizes[a] for a in axes) < math.prod(mesh.mesh_shape)  # replicated over a model axis
+
+    def from_host(self, tensor):
+        """Whether torch_xla 2.9 can send `tensor` from the host already split. It cannot send a 1-D
+        tensor split on some axes and replicated on others (IndexError inside send_cpu_data_to_device):
+        such a tensor (labels beside a model axis) moves whole, then is split in place."""
+        return tensor.dim() > 1 or not self.partial
 
     @classmethod
     def for_mesh(cls, mesh):
@@ -953,7 +961,7 @@ class _BatchSharding:
 def _to_xla(tensor, device, sharding):
     if sharding is None or tensor.dim() == 0:
         return tensor.to(device)
-    if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not tensor.requires_grad:
+    if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not tensor.requires_grad and sharding.from_host(tensor):
         # Sharded straight from host memory: no replicated copy to reshard later.
         return _import("torch_xla.core.xla_model").send_cpu_data_to_device([tensor], device, sharding)[0]
     # Subclasses (nn.Parameter, tv_tensors) and tensors with an autograd history move by their own
@@ -1213,7 +1221,7 @@ class _DeviceLoader:
                 tensors, arrived = [], []
 
                 def take(t):
-                    if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu":
+                    if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu" or not sharding.from_host(t):
                         return t  # moved by to_device's rules below
                     tensors.append(t)
                     return _PendingTensor(arrived, len(tensors) - 1)

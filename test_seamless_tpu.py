@@ -715,6 +715,15 @@ def test_example_tpu_without_a_tpu_prints_no_traceback(fresh):
     assert out.stderr.strip().splitlines()[-1].startswith("example_train.py: error: ")
 
 
+@pytest.mark.parametrize("flags,error", [
+    (["--device", "cpu", "--tp", "2"], "--tp 2 splits layers over an XLA mesh; the device here is cpu (use --tpu or --device xla)"),
+    (["--ray", "--tp", "2"], "--tp runs on one XLA host here; it does not combine with --ray yet"),
+])
+def test_example_tp_outside_xla_is_a_usage_error(flags, error):
+    out = child.run(["example_train.py", *flags], env=child.env(drop=child.DEVICE_VARS), timeout=300, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.strip().endswith(error), out.stderr
+
+
 # --- the trainer on the fake torch_xla: the twins of tests/test_real_xla.py ----------------------
 
 
