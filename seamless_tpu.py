@@ -881,35 +881,32 @@ def get_xla_mesh():
     return _STATE.mesh
 
 
-def _planned_specs(model, tp_plan, mesh, device):
-    """{parameter: spec} that tensor parallelism gives the model on this trainer's mesh: the user's
-    plan, else the one a transformers model carries. A 'model' axis with no plan would make the
-    devices of each model row compute the same thing: refused."""
-    if tp_plan is not None and not _is_xla(device):
-        raise NotImplementedError(f"tp_plan on {device.type}: tensor parallelism runs on XLA meshes only so far; "
-                                  "off XLA use strategy='ddp' or 'fsdp', or run on XLA with xla_spmd_config={'model_parallel_size': N}")
-    sizes = dict(zip(mesh.axis_names or (), mesh.mesh_shape)) if mesh is not None else {}
+def _checked_plan(model, tp_plan, sizes):
+    """(the tensor-parallel plan, {parameter: spec}) for a mesh with these axis sizes: the user's plan,
+    else the one a transformers model carries, checked against the model. A 'model' axis with no plan
+    would make the devices of each model row compute the same thing: refused."""
     model_size = sizes.get(MODEL_AXIS, 1)
     if model_size == 1:
         if tp_plan is not None:
             raise ValueError(f"tp_plan splits weights over a '{MODEL_AXIS}' mesh axis, and this trainer's mesh has none of size > 1 "
                              f"(axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': N}}, or drop tp_plan")
-        return {}
+        return None, {}
     plan = _model_tp_plan(model) if tp_plan is None else tp_plan
     if not plan:
         raise ValueError(f"the mesh's '{MODEL_AXIS}' axis has size {model_size}, but there is no tensor-parallel plan, so the "
                          f"{model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. Pass tp_plan= (e.g. "
                          "{'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}), or drop the axis "
                          "(model_parallel_size=1, or a mesh without it)")
-    return _tp_specs(model, plan, sizes)
+    return plan, _tp_specs(model, plan, sizes)
 
 
 def _trainer_mesh(device, mesh, xla_spmd_config, strategy):
     """(mesh, batch sharding) that a trainer keeps for its life: the one it was given, built, or
     found. A later trainer or create_xla_mesh may replace the process mesh; this one stays."""
     if not _is_xla(device):
-        if mesh is not None or xla_spmd_config is not None:
-            raise ValueError(f"mesh/xla_spmd_config apply to XLA devices only, but the device is {device}")
+        if mesh is not None or (xla_spmd_config is not None and _torch_dist_ranks()[0] == 1):
+            raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but the "
+                             f"device is {device} in one process")
         return None, None
     if mesh is not None:
         if strategy == "fsdp":
@@ -1094,12 +1091,12 @@ def _split_by_user(sampler, replicas, rank):
     return True
 
 
-def _rebuild_loader(loader, drop_last, device):
+def _rebuild_loader(loader, drop_last, device, ranks=None):
     """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of
     exactly what the user's sampling yields: RandomSampler and SequentialSampler take the
     DistributedSampler fast path; other samplers, batch samplers and IterableDatasets are split by batches."""
     data = torch.utils.data
-    replicas, rank = _loader_ranks(device)
+    replicas, rank = ranks or _loader_ranks(device)
     if not isinstance(loader, data.DataLoader):
         if replicas > 1:
             logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of it", type(loader).__name__)
@@ -1274,14 +1271,15 @@ def _no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def _fully_shard(model, device):
+def _fully_shard(model, device, mesh=None):
     """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own,
     gathered just before its forward and freed after; the root holds the rest. fully_shard replaces
     every parameter with a DTensor, which an optimizer made earlier does not hold: each replaced one
     names its replacement, and optimizers move over before their first step (_rebind_before_step)."""
     fsdp = importlib.import_module("torch.distributed.fsdp")
     device_mesh = importlib.import_module("torch.distributed.device_mesh")
-    mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
+    if mesh is None:
+        mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
     before = dict(model.named_parameters())
     # Each distinct block once: ModuleList([blk, blk, blk]) repeats one module (weight sharing by
     # repetition), and fully_shard on a module twice is an AssertionError inside torch.
@@ -1295,6 +1293,57 @@ def _fully_shard(model, device):
         if after[name] is not old:
             setattr(old, _SHARDED_AS, after[name])
     _add_step_hook("fsdp2_rebind", "pre", _rebind_before_step)
+
+
+def _rank_mesh(config, strategy):
+    """{axis: size} of the torch.distributed ranks laid out as (world / N, N) with N =
+    model_parallel_size, the model axis innermost (neighbouring ranks form a tensor-parallel group);
+    None without a model axis."""
+    if config is None:
+        return None
+    world = _torch_dist_ranks()[0]
+    shape, names = _mesh_from_config(config, world, strategy)
+    sizes = dict(zip(names, shape))
+    return sizes if sizes.get(MODEL_AXIS, 1) > 1 else None
+
+
+def _torch_tp_styles(plan, sizes):
+    """The plan as torch ParallelStyles, refusing what torch.distributed cannot do right (before any work)."""
+    if FSDP_AXIS not in sizes:
+        raise NotImplementedError("tensor parallelism off XLA runs with strategy='fsdp' (FSDP2 over the other mesh "
+                                  "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains "
+                                  "wrong weights (measured on gloo), so use strategy='fsdp'")
+    tp = importlib.import_module("torch.distributed.tensor.parallel")
+    replicate_layout = importlib.import_module("torch.distributed.tensor").Replicate()
+    styles = {}
+    for pattern, style in plan.items():
+        if not isinstance(style, str):
+            styles[pattern] = style  # torch's own ParallelStyle
+        elif TP_STYLES[style] == "out":
+            gather = style in ("colwise_gather_output", "colwise_rep")
+            styles[pattern] = tp.ColwiseParallel(output_layouts=replicate_layout) if gather else tp.ColwiseParallel()
+        elif TP_STYLES[style] == "in":
+            whole_input = style in ("embedding_rowwise", "rowwise_split_input")
+            styles[pattern] = tp.RowwiseParallel(input_layouts=replicate_layout) if whole_input else tp.RowwiseParallel()
+        else:  # a replicated weight inside a split computation needs its gradient all-reduced over the group
+            raise NotImplementedError(f"tp_plan[{pattern!r}] = {style!r} off XLA: only the splitting styles (colwise, "
+                                      "rowwise and their variants) are built for torch.distributed so far; on XLA every style works")
+    return styles
+
+
+def _tensor_parallel(model, styles, device, sizes):
+    """torch.distributed tensor parallelism: the plan through parallelize_module on the model
+    dimension of a 2-D DeviceMesh, then FSDP2 over the other. Optimizers made earlier move to the new
+    parameters before their first step, as with FSDP2 alone."""
+    tp = importlib.import_module("torch.distributed.tensor.parallel")
+    mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
+        device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    before = dict(model.named_parameters())
+    tp.parallelize_module(model, mesh[MODEL_AXIS], styles)
+    for name, param in model.named_parameters():  # FSDP2 below records the final replacements
+        if before[name] is not param:
+            setattr(before[name], _SHARDED_AS, param)
+    _fully_shard(model, device, mesh[FSDP_AXIS])
 
 
 def _rebind_before_step(optimizer, args, kwargs):
@@ -1312,7 +1361,10 @@ def _place_optimizer_state(optimizer):
     for group in optimizer.param_groups:
         params = group["params"]
         for i, old in enumerate(params):
-            param = params[i] = getattr(old, _SHARDED_AS, old)
+            param = old
+            while hasattr(param, _SHARDED_AS):  # tensor parallel, then FSDP2: a chain of replacements
+                param = getattr(param, _SHARDED_AS)
+            params[i] = param
             state = optimizer.state.pop(old, None)
             if state:
                 optimizer.state[param] = {k: _placed_like(v, param, k) for k, v in state.items()}
@@ -1353,19 +1405,28 @@ class SeamlessTPUTrainer:
         self.kind = _resolve_kind(self.device)
         self.precision, self.drop_last, self.strategy = precision, drop_last, strategy
         self.mesh, self._batch_sharding = _trainer_mesh(self.device, mesh, xla_spmd_config, strategy)
-        planned = _planned_specs(model, tp_plan, self.mesh, self.device)  # every plan error before any work
         distributed = self.mesh is None and _torch_dist_ranks()[0] > 1
+        ranks = _rank_mesh(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) ranks off XLA
+        mesh_sizes = dict(zip(self.mesh.axis_names or (), self.mesh.mesh_shape)) if self.mesh is not None else (ranks or {})
+        plan, planned = _checked_plan(model, tp_plan, mesh_sizes)  # every plan error before any work
+        styles = _torch_tp_styles(plan, ranks) if ranks else None
+        self._data_ranks = None
+        if ranks:
+            world, rank = _torch_dist_ranks()
+            self._data_ranks = (world // ranks[MODEL_AXIS], rank // ranks[MODEL_AXIS])  # one batch per model group
         if strategy == "fsdp" and self.mesh is None and not distributed and _once("fsdp_single"):
             _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
         model.to(self.device)
-        for param, spec in planned.items():
+        for param, spec in planned.items() if self.mesh is not None else ():
             _import("torch_xla.distributed.spmd").mark_sharding(param, self.mesh, spec)
         if strategy == "fsdp" and self.mesh is not None:
             _shard_parameters(model, self.mesh)  # all the plan left whole
         if self._batch_sharding is not None:
             _watch_inputs(model, self._batch_sharding)
         self.model = model
-        if distributed and strategy == "fsdp":
+        if styles:
+            _tensor_parallel(model, styles, self.device, ranks)
+        elif distributed and strategy == "fsdp":
             _fully_shard(model, self.device)
         elif distributed:
             self.model = _replicate(model, self.device)
@@ -1382,7 +1443,7 @@ class SeamlessTPUTrainer:
         compile a second graph (seconds to minutes on TPU). drop_last=False (here or to the trainer) keeps it."""
         drop_last = self.drop_last if drop_last is None else drop_last
         drop_last = _is_xla(self.device) if drop_last is None else drop_last
-        return _DeviceLoader(_rebuild_loader(loader, drop_last, self.device), self.device, self._batch_sharding)
+        return _DeviceLoader(_rebuild_loader(loader, drop_last, self.device, self._data_ranks), self.device, self._batch_sharding)
 
     def autocast(self):
         """Context for the forward pass: bf16 autocast when precision='bf16', else a no-op."""

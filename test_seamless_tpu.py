@@ -223,7 +223,7 @@ def test_trainer_cpu_extras(no_xla, monkeypatch, tmp_path):
     assert [len(b[0]) for b in loader] == [4, 4, 2], "off XLA the last batch is kept unless asked"
     with pytest.raises(ValueError, match=r"precision must be one of \(None, 'fp32', 'bf16'\), got 'fp16'"):
         st.SeamlessTPUTrainer(model, precision="fp16")
-    with pytest.raises(ValueError, match=r"apply to XLA devices only, but the device is cpu"):
+    with pytest.raises(ValueError, match=r"apply to XLA devices, or to several torch.distributed ranks, but the device is cpu in one process"):
         st.SeamlessTPUTrainer(model, xla_spmd_config={"mesh_shape": [1]})
 
 
@@ -549,6 +549,20 @@ def test_fsdp2_shards_a_block_repeated_in_a_module_list_once(tmp_path):
     assert ranks[0]["weights_diff"] <= 1e-5 and ranks[0]["weights"] == ranks[1]["weights"], ranks[0]["weights_diff"]
 
 
+def test_tensor_parallel_on_four_gloo_ranks_matches_eager(tmp_path):
+    """Off XLA, torch's tensor parallelism on the model dimension of a 2 x 2 DeviceMesh, FSDP2 on the other."""
+    ranks = run_two_ranks("tensor_parallel", tmp_path, world=4)
+    for rank, seen in enumerate(ranks):
+        assert seen["weights_diff"] <= 1e-5, (rank, seen["weights_diff"])
+        # 0.weight (32, 10): 32 rows over model (2) then fsdp (2); 2.weight (1, 32): 32 columns over model,
+        # its 1 row over fsdp (FSDP2 gives one rank the row, the other none)
+        assert seen["split"][0] == [8, 10] and seen["split"][2] == [1 - rank // 2, 16], seen["split"]
+        assert "with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains wrong weights" in seen["ddp_error"]
+    assert ranks[0]["batches"] == ranks[1]["batches"] and ranks[2]["batches"] == ranks[3]["batches"], "one batch per model group"
+    seen = [x for r in (ranks[0], ranks[2]) for b in r["batches"] for x in b]
+    assert sorted(seen) == list(range(16)), "the data groups split the data"
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_loaders_on_real_ranks_read_every_sample_once(tmp_path, world):
     ranks = run_two_ranks("loaders", tmp_path, world)
@@ -801,9 +815,11 @@ def test_a_plan_needs_a_model_axis(fake):
         st.SeamlessTPUTrainer(scenarios.mlp(), tp_plan=scenarios.MLP_PLAN)
 
 
-def test_a_plan_off_xla_is_not_silently_ignored(no_xla):
-    with pytest.raises(NotImplementedError, match=r"tp_plan on cpu: tensor parallelism runs on XLA meshes only so far"):
+def test_a_plan_in_one_cpu_process_is_not_silently_ignored(no_xla):
+    with pytest.raises(ValueError, match=r"tp_plan splits weights over a 'model' mesh axis, and this trainer's mesh has none"):
         st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu", tp_plan=scenarios.MLP_PLAN)
+    with pytest.raises(ValueError, match=r"apply to XLA devices, or to several torch.distributed ranks, but the device is cpu in one process"):
+        st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu", xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN)
 
 
 def test_torch_parallel_styles_are_accepted_by_name(fake):

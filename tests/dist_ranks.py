@@ -231,6 +231,72 @@ def checkpoint_objects(out_dir):
     return seen
 
 
+def tensor_parallel(out_dir):
+    """4 ranks as 2 fsdp x 2 model with a plan: torch's tensor parallelism then FSDP2, the optimizer made
+    before the trainer, the loop unchanged; like eager on the whole batch. Ranks of one tensor-parallel
+    group read the same batches."""
+    import scenarios
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = scenarios.mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu", strategy="fsdp", xla_spmd_config={"model_parallel_size": 2},
+                                    tp_plan=scenarios.MLP_PLAN)
+    data_rank = rank // 2
+    losses = []
+    for step in range(6):
+        x, y = scenarios.data(8, seed=step)
+        loss = F.mse_loss(model(x[4 * data_rank:4 * data_rank + 4]), y[4 * data_rank:4 * data_rank + 4])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    eager = scenarios.mlp()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(6):
+        x, y = scenarios.data(8, seed=step)
+        F.mse_loss(eager(x), y).backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+    seen = {"weights_diff": max(abs(a - b) for a, b in zip(flat(model), flat(eager))),
+            "split": [tuple(p.to_local().shape) for p in model.parameters()],
+            "batches": [b.tolist() for b in trainer.prepare_data_loader(torch.utils.data.DataLoader(list(range(16)), batch_size=2))]}
+    try:
+        st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu", xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN)
+    except NotImplementedError as e:
+        seen["ddp_error"] = str(e)
+    return seen
+
+
+def tensor_parallel_llama(out_dir):
+    """A transformers Llama with its own plan on 4 ranks (2 fsdp x 2 model): eager's losses on the whole batch."""
+    import workloads
+
+    rank = dist.get_rank()
+    data_rank = rank // 2
+    losses = {}
+    for name in ("tp", "eager"):
+        model = workloads.tiny_lm("llama")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if name == "tp":
+            st.SeamlessTPUTrainer(model, device="cpu", strategy="fsdp", xla_spmd_config={"model_parallel_size": 2})
+        losses[name] = []
+        for step in range(6):
+            ids = torch.randint(0, workloads.LM_VOCAB, (4, workloads.LM_SEQ), generator=torch.Generator().manual_seed(step))
+            part = ids[2 * data_rank:2 * data_rank + 2] if name == "tp" else ids
+            loss = model(input_ids=part, labels=part).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if name == "tp":  # the whole batch's loss: the mean over the data groups
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)
+                loss /= dist.get_world_size()
+            losses[name].append(loss.item())
+    return {"diff": max(abs(a - b) for a, b in zip(losses["tp"], losses["eager"])), "losses": losses}
+
+
 def loaders(out_dir):
     """prepare_data_loader on real ranks: a user's DistributedSampler kept, batch_size=None split."""
     rank, world = dist.get_rank(), dist.get_world_size()

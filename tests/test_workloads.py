@@ -5,6 +5,8 @@ devices, each against the same loop run eagerly in a separate process (tests/wor
 Every scenario runs in a fresh interpreter: SPMD cannot be switched off inside a process.
 """
 
+import json
+
 import pytest
 
 import child
@@ -19,3 +21,14 @@ def test_workload_on_real_torch_xla(name):
     print(out.stdout[-4000:])
     child.assert_ok(out.returncode, out.stdout, out.stderr, f"workload {name}")
     assert f"scenario {name}: OK" in out.stdout
+
+
+def test_llama_tensor_parallel_on_four_gloo_ranks(tmp_path):
+    """Off XLA: a transformers Llama with its own plan, torch's tensor parallelism over 2 ranks and FSDP2
+    over the other 2, gives the losses of eager on the whole batch (tests/dist_ranks.py)."""
+    env = child.env(SEAMLESS_TPU_DEVICE="cpu", drop=child.DEVICE_VARS)
+    outs = child.run_together([(["tests/dist_ranks.py", "tensor_parallel_llama", rank, 4, tmp_path / "store", tmp_path], env)
+                               for rank in range(4)], timeout=300)
+    for out in outs:
+        seen = json.loads(out.strip().splitlines()[-1])
+        assert seen["diff"] <= 1e-5, seen["losses"]
