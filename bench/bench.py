@@ -39,7 +39,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # tests/hlo.py: the dot FLOPs reader the tests use
 THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
@@ -47,6 +47,14 @@ TARGETS = {("xla_spmd_4dev", "shim"): 1.02, ("eager_cpu", "shim"): 1.01}  # step
 BASE_NAMES = {"handwritten_xla": "hand-written torch_xla", "plain": "plain PyTorch", "shim": "seamless_tpu ddp"}
 FSDP = "xla_fsdp_vs_ddp"  # the comparison's title: strategy='fsdp' against 'ddp', both through the shim
 FSDP_MEMORY_TARGET = 0.30  # per-device parameter + optimizer-state bytes, fsdp / ddp, at most
+TP = "xla_tensor_parallel"  # the comparison's title: ddp, fsdp, tensor parallel and 2-D on a transformers LM
+TP_VARIANTS = {  # variant -> trainer arguments (all through the shim, the same loop)
+    "shim": {}, "shim_fsdp": {"strategy": "fsdp"},
+    "shim_tp": {"xla_spmd_config": {"model_parallel_size": 4}},
+    "shim_2d": {"strategy": "fsdp", "xla_spmd_config": {"model_parallel_size": 2}},
+}
+TP_NAMES = {"shim": "ddp (4,) data", "shim_fsdp": "fsdp (4,) fsdp", "shim_tp": "tensor parallel (1, 4) data x model",
+            "shim_2d": "2-D (2, 2) fsdp x model"}
 DUMP_HLO = "SEAMLESS_TPU_BENCH_DUMP_HLO"  # set: the worker has XLA dump the HLO it compiles (compile time only)
 AA = " (A/A)"  # label suffix of the baseline's second, independent worker
 
@@ -64,6 +72,18 @@ def build(workload):
 
         def loss_fn(m, x, y):
             return torch.nn.functional.cross_entropy(m(x), y)
+    elif workload == "lm":  # a transformers Qwen3 from a config (random weights, nothing downloaded), with its own TP plan
+        import transformers
+
+        config = transformers.Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                          num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=256,
+                                          attn_implementation="eager", use_cache=False)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        x = torch.randint(0, 2048, (8, 128))
+        y = x.clone()
+
+        def loss_fn(m, x, y):
+            return m(input_ids=x, labels=y).loss
     else:
         layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, dropout=0.0, batch_first=True)
         model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
@@ -111,10 +131,10 @@ class Variant:
         self.wait, self.metrics = (lambda: None), None
         if name == "plain":
             pass
-        elif name in ("shim", "shim_fsdp"):
+        elif name in TP_VARIANTS:
             import seamless_tpu as st
 
-            trainer = st.SeamlessTPUTrainer(model, strategy="fsdp" if name == "shim_fsdp" else "ddp")
+            trainer = st.SeamlessTPUTrainer(model, **TP_VARIANTS[name])
             x, y = trainer.to_device(x, y)
             self.trainer = trainer
             if st.is_xla_backend():
@@ -261,7 +281,13 @@ def profile(variant, dump):
     state exists, and the last graph compiled is the steady-state step."""
     variant.step()  # a fresh variant gets its optimizer state; a warm one compiles nothing
     shapes = [tuple(p.shape) for p in variant.model.parameters()]
-    return {"bytes": variant.trainer.memory_stats(variant.optimizer), "collectives": step_collectives(dump, shapes) if dump else {}}
+    dots = None
+    if dump and glob.glob(os.path.join(dump, "*spmd-partitioning*")):
+        import hlo
+
+        dots = hlo.dot_flops_per_device(dump)
+    return {"bytes": variant.trainer.memory_stats(variant.optimizer), "collectives": step_collectives(dump, shapes) if dump else {},
+            "dot_flops": dots}
 
 
 def tree_bytes(path):
@@ -327,7 +353,10 @@ def worker_main(name, workload):
     dump = None
     if os.environ.get(DUMP_HLO):  # before torch_xla starts: XLA reads XLA_FLAGS once
         dump = tempfile.mkdtemp(prefix="seamless_tpu_hlo_")
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
+        flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+        if os.environ[DUMP_HLO] == "spmd":  # also the graph around the SPMD partitioner: dot FLOPs per device
+            flags += " --xla_dump_hlo_pass_re=spmd-partitioning"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     try:
         serve(name, workload, dump)
     finally:
@@ -555,6 +584,45 @@ def fsdp_vs_ddp(warm, rounds, steps, repeats, checkpoint_reps, rng):
                    warm, rounds, steps, repeats, rng, after=("profile", checkpoint))
     profiles = {r["variant"]: {**r["after"]["profile"], "checkpoint": r["after"][checkpoint]} for r in rows if r["after"]}
     return {"rows": rows, "profiles": profiles}
+
+
+def tensor_parallel(warm, rounds, steps, repeats, rng):
+    """ddp, fsdp, tensor parallel and 2-D on XLA with 4 devices and the transformers LM (its own plan):
+    step time in rounds (ddp is the baseline, with its A/A twin); then each worker's per-device bytes,
+    the dot FLOPs one device holds (from the HLO around the SPMD partitioner) and its step's collectives."""
+    rows = compare(TP, "lm", list(TP_VARIANTS), "shim", dict(XLA_ENV, **{DUMP_HLO: "spmd"}), warm, rounds, steps, repeats, rng,
+                   after=("profile",))
+    return {"rows": rows, "profiles": {r["variant"]: r["after"]["profile"] for r in rows if r["after"]}}
+
+
+def tp_section(tp, s):
+    """Markdown lines of the tensor-parallel section, and its headline lines."""
+    rows, profiles = tp["rows"], tp["profiles"]
+    md = ["All through `SeamlessTPUTrainer(model, ...)` with the plain loop and AdamW; the tensor-parallel variants use the "
+          "model's own plan (`config.base_model_tp_plan` and the head's). A tiny Qwen3 (4 layers, hidden 256, vocab 2048), "
+          "batch 8 x 128 tokens.", "",
+          "| variant | params + AdamW bytes per device / replica | dot FLOPs on one device / whole step | step time / ddp [95% interval] |",
+          "|---|---|---|---|"]
+    floor = pooled(rows, TP, "lm", "shim" + AA)
+    headline = []
+    for name in TP_VARIANTS:
+        p = profiles[name]
+        memory = max(p["bytes"]["per_device"]) / p["bytes"]["replica"]
+        dots = "" if not p.get("dot_flops") else f"{p['dot_flops'][2]:.3f}"
+        step = "1 (baseline)" if name == "shim" else fmt(pooled(rows, TP, "lm", name))
+        md.append(f"| {TP_NAMES[name]} | {memory:.3f} | {dots} | {step} |")
+        headline.append(f"{TP_NAMES[name]}: {memory:.3f} of the bytes, {dots or '?'} of the dot FLOPs per device, step {step}")
+    md += ["", f"- A/A floor (ddp against itself): {fmt(floor)}. Step times on XLA:CPU, where collectives are memory copies: "
+           "they say nothing about a TPU's interconnect; report only.", "",
+           "### Collectives in the compiled steady-state step (count, result bytes on one device)", ""]
+    ops = [op for op in COLLECTIVES if any(op in p["collectives"] for p in profiles.values())]
+    if ops:
+        md += ["| variant | " + " | ".join(ops) + " |", "|---" * (len(ops) + 1) + "|"]
+        for name in TP_VARIANTS:
+            c = profiles[name]["collectives"]
+            md.append(f"| {TP_NAMES[name]} | " + " | ".join(f"{c[op][0]} ({mb(c[op][1])})" if op in c else "0" for op in ops) + " |")
+    md += ["", *RUN_TABLE, *run_rows(rows)]
+    return md, headline
 
 
 def versions():
@@ -839,6 +907,10 @@ def render_ray(ray_times, s):
     return md + ["", f"- {line}"], [line]
 
 
+def run_tp(s):
+    return tensor_parallel(s.warm, *s.block("transformer", True), s.repeats, random.Random(0))
+
+
 def run_fsdp(s):
     # XLA transformer blocks; checkpoint calls 5 times (2 in smoke)
     return fsdp_vs_ddp(s.warm, *s.block("transformer", True), s.repeats, 2 if s.smoke else 5, random.Random(0))
@@ -857,6 +929,8 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
     "ray": Section("Ray Train: 2-worker CPU fit (s), random order per round, stock gloo twice (A/A)",
                    lambda s: ray_fit_times(1 if s.smoke else 3, random.Random(0)), render_ray),
     "fsdp": Section("strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", run_fsdp, fsdp_section, charted=True),
+    "tp": Section("Tensor parallelism on XLA (4 devices, a transformers LM with its own plan): ddp, fsdp, TP, 2-D",
+                  run_tp, tp_section, charted=True),
 }
 
 
