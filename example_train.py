@@ -16,15 +16,17 @@ The loop below is plain PyTorch: optimizer.step(), no mark_step, no xm.optimizer
     python example_train.py --tpu --tp 2 --strategy fsdp
                                                      # tensor parallel: hidden layers split 2 ways over
                                                      # the mesh's model axis, the rest over fsdp (2-D)
+    python example_train.py --ray --num-workers 2 --tp 2 --strategy fsdp
+                                                     # the same on 2 CPU workers (torch's TP over gloo)
 
 Prints the loss and samples/s for every epoch, the held-out accuracy, the final loss, and on XLA
 the compile statistics. --max-steps N stops early (for smoke tests). --precision bf16 trains under
 bf16 autocast. --strategy fsdp shards the parameters and optimizer state over the XLA devices, or
 with --ray over the CPU/GPU workers (torch's FSDP2); one CPU/GPU process runs it as ddp. --checkpoint-dir DIR saves a sharded checkpoint after every epoch
 and, when DIR already holds one, resumes from it (on any device or strategy) with the same shuffles.
---tp N (XLA only) adds a model axis of N devices to the mesh and splits the hidden layers over it with
-the tensor-parallel plan TP_PLAN (first Linear colwise, second rowwise); the batch then splits over the
-other axis.
+--tp N adds a model axis of N devices to the mesh and splits the hidden layers over it with the
+tensor-parallel plan TP_PLAN (first Linear colwise, second rowwise); the batch then splits over the
+other axis. On XLA, or with --ray on CPU/GPU workers (--strategy fsdp: N workers per model group).
 The device can also be chosen with SEAMLESS_TPU_DEVICE=tpu|xla|gpu|cpu.
 A device that is not there (--tpu on a machine without one) or a bad flag combination prints one
 line saying why and exits with status 2.
@@ -188,8 +190,10 @@ def main(argv=None):
         p.error(f"--tpu and --device {args.device} ask for two devices; pass one of them")
     if args.num_workers is not None and not args.ray:
         p.error("--num-workers needs --ray")
-    if args.tp > 1 and args.ray:
-        p.error("--tp runs on one XLA host here; it does not combine with --ray yet")
+    workers = args.num_workers or 2
+    if args.tp > 1 and args.ray and not args.tpu and args.device != "tpu" and (args.strategy != "fsdp" or workers % args.tp):
+        p.error(f"--tp {args.tp} on Ray CPU/GPU workers runs torch's tensor parallelism then FSDP2: it needs --strategy fsdp "
+                f"and --num-workers a multiple of {args.tp}")
     if args.samples < 2 * args.batch_size:
         p.error(f"--samples {args.samples} gives no full batch of --batch-size {args.batch_size}; use at least twice the batch size")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -198,7 +202,7 @@ def main(argv=None):
     if args.tpu:
         config["device"] = "tpu"
     if args.ray:
-        return ray_train(config, args.num_workers or 2)
+        return ray_train(config, workers)
     try:
         device = get_device(config["device"])  # a missing device is a usage error, not a traceback
     except (RuntimeError, ValueError, ImportError) as e:

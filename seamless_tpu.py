@@ -5,6 +5,8 @@
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step ends in torch_xla.sync()
 
 strategy="fsdp" shards every parameter (XLA: over the mesh's "fsdp" axis; torch.distributed: FSDP2).
+xla_spmd_config={"model_parallel_size": N} adds a "model" axis, over which a tensor-parallel plan (tp_plan=,
+Hugging Face's format; a transformers model brings its own) splits weights, alone or 2-D with "fsdp".
 trainer.save_checkpoint / load_checkpoint write atomic sharded checkpoints that reshard onto any device,
 mesh and strategy; consolidate_checkpoint(dir) gives plain CPU state_dicts. TorchConfig / TorchTrainer
 run the loop under Ray Train. Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another
@@ -1237,7 +1239,7 @@ class _DeviceLoader:
             arrived.append(moved)
             yield _map_tensors(template, on_tensor, on_other)
 
-# --- 10. strategies off XLA (DDP, FSDP2) and optimizer state placement ---------------------------
+# --- 10. strategies off XLA (DDP, FSDP2, tensor parallel) and optimizer state placement ----------
 
 _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced: the DTensor that replaced it
 

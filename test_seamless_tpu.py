@@ -731,7 +731,8 @@ def test_example_tpu_without_a_tpu_prints_no_traceback(fresh):
 
 @pytest.mark.parametrize("flags,error", [
     (["--device", "cpu", "--tp", "2"], "--tp 2 splits layers over an XLA mesh; the device here is cpu (use --tpu or --device xla)"),
-    (["--ray", "--tp", "2"], "--tp runs on one XLA host here; it does not combine with --ray yet"),
+    (["--ray", "--tp", "2"], "--tp 2 on Ray CPU/GPU workers runs torch's tensor parallelism then FSDP2: it needs --strategy fsdp and --num-workers a multiple of 2"),
+    (["--ray", "--tp", "2", "--strategy", "fsdp", "--num-workers", "3"], "and --num-workers a multiple of 2"),
 ])
 def test_example_tp_outside_xla_is_a_usage_error(flags, error):
     out = child.run(["example_train.py", *flags], env=child.env(drop=child.DEVICE_VARS), timeout=300, check=False)

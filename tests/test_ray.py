@@ -43,6 +43,18 @@ def test_example_ray_two_workers_fsdp2_with_checkpoints(tmp_path):
     assert st.consolidate_checkpoint(tmp_path / "ckpt")["epoch"] == 1
 
 
+def test_example_ray_two_workers_tensor_parallel():
+    """--tp 2 on 2 CPU workers: one tensor-parallel group (torch's TP over gloo, then FSDP2 over a data
+    dimension of 1) reads every batch, so both workers end with the single-process CPU run's loss."""
+    env = child.env(**child.RAY_ENV)
+    single = child.run([os.path.join(child.ROOT, "example_train.py"), "--device", "cpu", "--epochs", "2"], env=env, timeout=240)
+    want = re.findall(r"final loss ([0-9.]+)", single.stdout)[-1]
+    out = child.run([os.path.join(child.ROOT, "example_train.py"), "--ray", "--num-workers", "2", "--epochs", "2", "--strategy", "fsdp",
+                     "--tp", "2"], env=env, timeout=240)
+    finals = dict(re.findall(r"worker (\d) final loss ([0-9.]+)", out.stdout + out.stderr))
+    assert finals == {"0": want, "1": want}, (finals, want)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     with child.ray_env():
