@@ -36,7 +36,6 @@ import argparse
 import logging
 import math
 import os
-import sys
 import tempfile
 import time
 

@@ -378,7 +378,6 @@ def no_recompiles_over_epochs():
 
 
 def no_host_transfers_per_step():
-    met = __import__("torch_xla.debug.metrics", fromlist=["_"])
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     trainer = st.SeamlessTPUTrainer(model)
