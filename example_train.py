@@ -24,6 +24,8 @@ the compile statistics. --max-steps N stops early (for smoke tests). --precision
 bf16 autocast. --strategy fsdp shards the parameters and optimizer state over the XLA devices, or
 with --ray over the CPU/GPU workers (torch's FSDP2); one CPU/GPU process runs it as ddp. --checkpoint-dir DIR saves a sharded checkpoint after every epoch
 and, when DIR already holds one, resumes from it (on any device or strategy) with the same shuffles.
+SIGTERM (a spot or preemptible VM going away) stops the run at the next step, every process at the same
+one; with --checkpoint-dir it saves there first and a rerun resumes mid-epoch, as if never stopped.
 --tp N adds a model axis of N devices to the mesh and splits the hidden layers over it with the
 tensor-parallel plan TP_PLAN (first Linear colwise, second rowwise); the batch then splits over the
 other axis. On XLA, or with --ray on CPU/GPU workers (--strategy fsdp: N workers per model group).
@@ -86,21 +88,26 @@ def train(config):
     loader = trainer.prepare_data_loader(loader)
     x_eval, y_eval = trainer.to_device(*spiral(config["samples"] // 5, seed=config["seed"] + 1))
 
-    start, ckpt = 0, config["checkpoint_dir"]
+    start, skip, ckpt = 0, 0, config["checkpoint_dir"]
     if ckpt:
         try:
             saved = trainer.load_checkpoint(ckpt, model=model, optimizer=optimizer)
-            start = saved["epoch"] + 1
+            # A save at an epoch's end resumes at the next epoch; one at a preemption, mid-epoch, resumes
+            # in that epoch after the batches it had done (same shuffle, so the same batches).
+            start, skip = (saved["epoch"], saved["batches_done"]) if saved["batches_done"] else (saved["epoch"] + 1, 0)
             shuffle.set_state(saved["shuffle"])
             loader.set_epoch(start)
-            print(f"resumed from {ckpt} after epoch {start}", flush=True)
+            print(f"resumed from {ckpt} at epoch {start + 1}, batch {skip + 1}", flush=True)
         except FileNotFoundError:  # no checkpoint there yet: a fresh run
             pass
 
     step, last, accuracy = 0, None, float("nan")
     for epoch in range(start, config["epochs"]):
         start, total, batches = time.perf_counter(), 0.0, 0
-        for xb, yb in loader:
+        epoch_shuffle = shuffle.get_state()  # before this epoch draws its order from it
+        for done, (xb, yb) in enumerate(loader):
+            if done < skip:
+                continue
             optimizer.zero_grad()
             with trainer.autocast():
                 loss = F.cross_entropy(model(xb).float(), yb)
@@ -109,15 +116,22 @@ def train(config):
             last = loss.detach()
             total = total + last  # stays on the device: no host sync per step
             batches, step = batches + 1, step + 1
+            if trainer.preempted:  # SIGTERM (a spot VM going away): the same step on every process
+                if ckpt:
+                    trainer.save_checkpoint(ckpt, model=model, optimizer=optimizer, epoch=epoch, batches_done=done + 1,
+                                            shuffle=epoch_shuffle)
+                print(f"preempted in epoch {epoch + 1} after batch {done + 1}" + (f"; saved {ckpt}" if ckpt else ""), flush=True)
+                return {"final_loss": float(last), "accuracy": float("nan"), "preempted": True}
             if step == config["max_steps"]:
                 break
+        skip = 0
         with torch.no_grad():
             accuracy = (model(x_eval).argmax(dim=1) == y_eval).float().mean()
         epoch_loss = float(total / batches)  # one device->host read per epoch
         rate = batches * config["batch_size"] / (time.perf_counter() - start)
         print(f"epoch {epoch + 1}: loss {epoch_loss:.4f}  accuracy {float(accuracy):.3f}  {rate:,.0f} samples/s", flush=True)
         if ckpt:
-            trainer.save_checkpoint(ckpt, model=model, optimizer=optimizer, epoch=epoch, shuffle=shuffle.get_state())
+            trainer.save_checkpoint(ckpt, model=model, optimizer=optimizer, epoch=epoch, batches_done=0, shuffle=shuffle.get_state())
         if step == config["max_steps"]:
             break
     if last is None:

@@ -47,6 +47,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -123,6 +124,9 @@ class _ProcessState:
     rebound: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ optimizer -> parameter count when _place_optimizer_state last ran for it (FSDP2 rebinding)
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
+    sigterm: bool = False  # SIGTERM arrived; the next optimizer step turns it into `preempted`
+    preempted: bool = False  # every process agreed, at the same optimizer step: save and stop
+    steps: int = 0  # optimizer steps ended in this process (the sync point torch_xla's preemption manager counts)
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
 
 
@@ -1391,6 +1395,53 @@ def _placed_like(value, param, key=None):
 # --- 11. the trainer -----------------------------------------------------------------------------
 
 
+def _watch_sigterm():
+    """From the first trainer, once per process: SIGTERM (a spot or preemptible VM going away) sets a
+    flag, which the next optimizer step turns into trainer.preempted on every process at once. A handler
+    the user installed is chained, never replaced; one that ignores SIGTERM (SIG_IGN) is left alone."""
+    if "preemption" in _STATE.optimizer_hooks or threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN:
+        return
+
+    def on_sigterm(signum, frame):
+        _STATE.sigterm = True
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _STATE.torch_patches.append(lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL))
+    if _preemption_sync_manager():
+        _import("torch_xla")._XLAC._activate_preemption_sync_manager()
+    _add_step_hook("preemption", "post", _agree_on_preemption)
+
+
+def _preemption_sync_manager():
+    """torch_xla's own agreement for multi-host TPU slices that run without a torch.distributed group."""
+    return (_STATE.xla_kind == "tpu" and _torch_dist_ranks()[0] == 1
+            and _import("torch_xla.runtime").process_count() > 1)
+
+
+def _agree_on_preemption(optimizer, args, kwargs):
+    """After each optimizer step: has any process seen SIGTERM? One host-side all-reduce of one int per
+    step under torch.distributed (no device sync); torch_xla's sync point on a TPU slice; a flag alone
+    in one process."""
+    _STATE.steps += 1
+    if _STATE.preempted:
+        return
+    if _preemption_sync_manager():
+        _STATE.preempted = bool(_import("torch_xla")._XLAC._sync_point_reached(_STATE.steps))
+        return
+    seen = _STATE.sigterm
+    if _torch_dist_ranks()[0] > 1:
+        dist = torch.distributed
+        flag = torch.tensor([int(seen)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        seen = bool(flag.item())
+    _STATE.preempted = seen
+
+
 class SeamlessTPUTrainer:
     """Puts `model` on the best device and makes the user's plain loop correct there.
 
@@ -1434,6 +1485,13 @@ class SeamlessTPUTrainer:
             self.model = _replicate(model, self.device)
         if optimizer is not None:
             _place_optimizer_state(optimizer)
+        _watch_sigterm()
+
+    @property
+    def preempted(self):
+        """True from the first optimizer step that ends after SIGTERM reached any process: the same step
+        on every process. The loop then saves and stops: `if trainer.preempted: trainer.save_checkpoint(...); break`."""
+        return _STATE.preempted
 
     def to_device(self, *objs):
         """Like to_device(); on XLA every tensor's dim 0 is sharded over this trainer's mesh."""
@@ -1520,6 +1578,7 @@ def _save_checkpoint(directory, state):
     plain = {k: v for k, v in state.items() if not _is_stateful(v)}
     for name, value in plain.items():
         _refuse_nested_state(value, name)
+    rng = _rng_states()  # before the save's own syncs, each of which moves the XLA RNG on
     _sync_if_xla()
     attempt, error = None, None
     if _is_main_process():
@@ -1545,13 +1604,14 @@ def _save_checkpoint(directory, state):
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner)
         except importlib.import_module("torch.distributed.checkpoint.api").CheckpointException as e:  # a BaseException whose text starts with a remote traceback
             raise _plain_error(e, path) from None
-        rng = _rng_states()  # after the save's own syncs (each moves the XLA RNG on): what the run continues from
         if _is_main_process():
             _atomic_write({"objects": objects, "rng": rng}, os.path.join(path, OBJECT_STATES))
             _atomic_write(plain, os.path.join(path, "values.pt"))
             _commit_checkpoint(directory, attempt)
     except Exception as e:
         error = e
+    finally:
+        _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
     _agree(f"save_checkpoint({directory!r})", error=error)
     return directory
 
@@ -1592,11 +1652,16 @@ def _refuse_nested_state(value, where):
 
 
 def _rng_states():
-    """What a bitwise resume needs that the user cannot take: the XLA RNG seed (every sync, even an empty
-    one, moves it on, so a value the user took before save_checkpoint is stale after it)."""
+    """What a bitwise resume needs that the user cannot take: the XLA RNG seed. Every sync, even an empty
+    one, moves it on; save_checkpoint takes it before its own syncs and puts it back after them."""
     if _STATE.xla_device is None:
         return {}
     return {"xla": _import("torch_xla.core.xla_model").get_rng_state()}
+
+
+def _set_rng_states(states):
+    if "xla" in states and _STATE.xla_device is not None:
+        _import("torch_xla.core.xla_model").set_rng_state(states["xla"])
 
 
 def _load_checkpoint(directory, state):
@@ -1624,8 +1689,7 @@ def _load_checkpoint(directory, state):
             _place_optimizer_state(obj)
         else:
             obj.load_state_dict(saved[name])
-    if "xla" in objects.get("rng", {}) and _STATE.xla_device is not None:
-        _import("torch_xla.core.xla_model").set_rng_state(objects["rng"]["xla"])
+    _set_rng_states(objects.get("rng", {}))
     return plain
 
 

@@ -4,10 +4,13 @@ for the library; tests/test_real_xla.py runs the same scenarios on the real one.
 tests/test_inputs.py."""
 
 import logging
-import types
 import os
+import re
+import signal
+import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -715,10 +718,32 @@ def test_example_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path)
     whole = run(4, tmp_path / "a")
     run(2, tmp_path / "b")
     resumed = run(4, tmp_path / "b")
-    assert "resumed from" in resumed and "after epoch 2" in resumed
+    assert "resumed from" in resumed and "at epoch 3, batch 1" in resumed
     final = [line for line in whole.splitlines() if line.startswith("final loss")]
     assert final == [line for line in resumed.splitlines() if line.startswith("final loss")], (whole, resumed)
     assert "nothing left to train" in run(4, tmp_path / "b")
+
+
+def test_example_preempted_by_sigterm_resumes_mid_epoch_like_an_uninterrupted_run(tmp_path):
+    """SIGTERM during epoch 2 (of 6): the example saves at the next step and exits 0; the rerun resumes after
+    that batch, with the same shuffle, and ends with the uninterrupted run's final loss."""
+    argv = ["example_train.py", "--device", "cpu", "--epochs", 6, "--checkpoint-dir", tmp_path / "b"]
+    env = child.env(drop=child.DEVICE_VARS, PYTHONUNBUFFERED="1")
+    whole = child.run(argv[:-2] + ["--checkpoint-dir", tmp_path / "a"], env=env, timeout=300).stdout
+    proc = child.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:  # the first epoch's line: the run is in epoch 2 now
+        lines.append(line)
+        if line.startswith("epoch 1:"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    child.assert_ok(proc.returncode, "".join(lines) + out, err, "the preempted example")
+    assert re.search(r"preempted in epoch 2 after batch \d+; saved", out), out
+    resumed = child.run(argv, env=env, timeout=300).stdout
+    assert re.search(r"resumed from .* at epoch 2, batch \d+", resumed), resumed
+    final = [line for line in whole.splitlines() if line.startswith("final loss")]
+    assert final == [line for line in resumed.splitlines() if line.startswith("final loss")], (whole, resumed)
 
 
 def test_example_tpu_without_a_tpu_prints_no_traceback(fresh):

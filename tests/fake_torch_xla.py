@@ -32,6 +32,7 @@ class FakeXLA:
 
     def __init__(self, num_devices=4, process_count=1, pjrt_device="CPU"):
         self.num_devices, self.nprocs, self.pjrt_device = num_devices, process_count, pjrt_device
+        self.preempt_at_step = None
         self.events = []
         self.spmd = False
         self.locked = False  # torch_xla locks the SPMD config on the first device request
@@ -115,6 +116,10 @@ class FakeXLA:
             # torch_xla returns an OpSharding object (None without one); its text stands in for it here
             _get_xla_op_sharding=lambda t: fx.shardings.get(t),
             _xla_mark_sharding=lambda t, op_sharding: fx.shardings.__setitem__(t, op_sharding),
+            # torch_xla's preemption sync manager (TPU slices): the coordination service says, at a step
+            # every host reaches, whether any host got SIGTERM; preempt_at_step stands in for that signal
+            _activate_preemption_sync_manager=lambda: fx.events.append(("preemption_sync_manager",)),
+            _sync_point_reached=lambda step: fx.events.append(("sync_point", step)) or step == fx.preempt_at_step,
         )
         torch_xla.device, torch_xla.devices, torch_xla.device_count, torch_xla.sync = device, devices, device_count, sync
         torch_xla._XLAC = xlac

@@ -491,6 +491,8 @@ def dropout_resumes_bitwise():
             self.value = state["value"]
 
     model, optimizer, scheduler, trainer = build(0)
+    xm = st._import("torch_xla.core.xla_model")
+    seed_at_start = xm.get_rng_state()
     run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 3)
     scheduler.step()
     ema = Ema(trainer.to_device(torch.arange(8.0)))
@@ -506,6 +508,11 @@ def dropout_resumes_bitwise():
     resumed = run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4)
     print(f"dropout resume: uninterrupted {uninterrupted.tolist()} resumed {resumed.tolist()}")
     assert torch.equal(resumed, uninterrupted), "the resumed run drew other dropout masks"
+    model, optimizer, scheduler, trainer = build(0)  # the same run with no save at all: a save leaves no trace
+    xm.set_rng_state(seed_at_start)
+    run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 3)
+    scheduler.step()
+    assert torch.equal(run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4), uninterrupted), "the save moved the XLA RNG"
 
 
 def unfreezing_recompiles_once_without_warning():

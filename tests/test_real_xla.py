@@ -166,3 +166,18 @@ def test_fsdp2_on_two_gloo_ranks_matches_eager(tmp_path):
     fsdp2 = reshard_side("gloo2", "save", tmp_path / "gloo2")
     diff = max(abs(a - b) for a, b in zip(eager["before"] + eager["losses"], fsdp2["before"] + fsdp2["losses"]))
     assert len(fsdp2["before"] + fsdp2["losses"]) == 20 and diff <= 1e-5, diff
+
+
+def test_sigterm_on_xla_saves_at_the_next_step_and_resumes_like_an_uninterrupted_run(tmp_path):
+    """tests/preempt.py on real XLA (dropout included): the save at the preempted step leaves the XLA RNG
+    as it found it, so the resumed run continues the uninterrupted one (1e-5)."""
+    import preempt
+
+    env = dict(XLA_ENV, SEAMLESS_TPU_DEVICE="xla")
+    want = preempt.run("uninterrupted", tmp_path / "whole", 1, env=env)[0]["losses"]
+    (tmp_path / "run").mkdir()
+    stopped = preempt.run("preemptible", tmp_path / "run", 1, signal_rank=0, env=env)[0]
+    resumed = preempt.run("resume", tmp_path / "run", 1, env=env)[0]
+    assert 3 <= stopped["stopped_at"] < 39 and resumed["start"] == stopped["stopped_at"] + 1
+    got = stopped["losses"] + resumed["losses"]
+    assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)

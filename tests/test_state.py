@@ -5,12 +5,15 @@ process-wide change to torch. A trainer keeps the mesh and batch sharding it sta
 a later trainer or create_xla_mesh does to the process mesh.
 """
 
+import os
+import signal
 import sys
 
 import pytest
 import torch
 from torch.optim import optimizer as optim_module
 
+import preempt
 import scenarios
 import seamless_tpu as st
 from fake_torch_xla import FakeXLA
@@ -130,3 +133,78 @@ def test_ray_classes_live_in_one_cache_not_in_module_globals(fresh):
     assert type(config) is st.TorchConfig and st.TorchTrainer is st._ray_classes()["TorchTrainer"]
     assert not {"TorchConfig", "TorchTrainer", "_XlaSpmdBackend"} & set(vars(st)), "the factory wrote module globals"
     assert type(config).__module__ == st.__name__ and type(config).__qualname__ == "TorchConfig"
+
+
+# --- preemption: SIGTERM becomes trainer.preempted at the next optimizer step ----------------------
+
+
+@pytest.fixture
+def sigterm_restored():
+    """The test process's SIGTERM handler, put back whatever the test does."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def one_step(model, optimizer):
+    optimizer.zero_grad()
+    model(torch.ones(2, 10)).sum().backward()
+    optimizer.step()
+
+
+def test_sigterm_chains_the_users_handler_and_preempts_at_the_next_step(no_xla, fresh, sigterm_restored):
+    seen = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    model = scenarios.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    one_step(model, optimizer)
+    assert not trainer.preempted
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert seen == [signal.SIGTERM], "the user's handler still runs"
+    assert not trainer.preempted, "not before a step has ended"
+    one_step(model, optimizer)
+    assert trainer.preempted
+    st._reset_caches()
+    assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGTERM)(0, None) is None and seen[-1] == 0, \
+        "reset puts the user's handler back"
+
+
+def test_a_user_who_ignores_sigterm_keeps_ignoring_it(no_xla, fresh, sigterm_restored):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigterm_saves_at_the_next_step_and_the_resumed_run_is_bitwise_uninterrupted(tmp_path, world):
+    """A spot VM's SIGTERM mid-run: the loop sees trainer.preempted at the next step (on 2 ranks, the same
+    step on both, though only rank 1 got the signal), saves, exits 0; resuming gives the uninterrupted
+    run's losses bitwise (CPU, dropout included)."""
+    want = preempt.run("uninterrupted", tmp_path / "whole", world)
+    (tmp_path / "run").mkdir()
+    stopped = preempt.run("preemptible", tmp_path / "run", world, signal_rank=world - 1)
+    at = {r["stopped_at"] for r in stopped}
+    assert len(at) == 1 and 3 <= min(at) < 39, f"every rank stops at the same step after the signal: {at}"
+    resumed = preempt.run("resume", tmp_path / "run", world)
+    for rank in range(world):
+        assert stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
+
+
+def test_a_tpu_slice_agrees_through_torch_xlas_preemption_sync_manager(monkeypatch, fresh, sigterm_restored):
+    """Multi-host TPU without a torch.distributed group: torch_xla's preemption sync manager (activated once)
+    is asked at each step; the step it names is where every host's trainer.preempted turns True."""
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")  # the user's, set before torch_xla loads
+    st._user_pjrt_device()
+    fx = FakeXLA(num_devices=8, process_count=2, pjrt_device="TPU").install(monkeypatch)
+    fx.preempt_at_step = 3
+    model = scenarios.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = st.SeamlessTPUTrainer(model, device="tpu")
+    seen = []
+    for _ in range(4):
+        one_step(model, optimizer)
+        seen.append(trainer.preempted)
+    assert seen == [False, False, True, True]
+    asked = [e for e in fx.events if e[0] in ("preemption_sync_manager", "sync_point")]
+    assert asked == [("preemption_sync_manager",), ("sync_point", 1), ("sync_point", 2), ("sync_point", 3)], asked

@@ -1,0 +1,113 @@
+"""A run that a SIGTERM preempts, as a spot TPU VM is (test_seamless_tpu.py and test_real_xla.py drive it).
+
+    python tests/preempt.py uninterrupted DIR   # STEPS steps; prints RESULT {"losses": [...]}
+    python tests/preempt.py preemptible DIR     # writes DIR/ready-RANK after step 3, then steps until
+                                                # trainer.preempted, saves DIR/ckpt and exits 0
+    python tests/preempt.py resume DIR          # loads DIR/ckpt and runs the remaining steps
+
+run(MODE, DIR, N) runs one of these on N processes for a test, and can SIGTERM one of them.
+
+With WORLD_SIZE > 1 (RANK, MASTER_ADDR, MASTER_PORT set) each process is one gloo rank and trains on
+its half of every batch. The loop is the README's: `if trainer.preempted: save_checkpoint(...); break`.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import seamless_tpu as st
+
+STEPS = 40
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 10, generator=g), torch.randn(8, 1, generator=g)
+    if torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+        x, y = x.chunk(2)[rank], y.chunk(2)[rank]
+    return x, y
+
+
+def result(out):
+    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+
+
+def run(mode, directory, world, signal_rank=None, env=None):
+    """tests/preempt.py MODE on `world` processes (gloo ranks when 2); with signal_rank, SIGTERM that
+    process once every rank is past step 3. Each process's RESULT."""
+    port = free_port()
+    import child
+
+    base = child.env(**{"SEAMLESS_TPU_DEVICE": "cpu", **(env or {})})
+    envs = [dict(base, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) if world > 1 else base
+            for r in range(world)]
+    procs = [child.popen(["tests/preempt.py", mode, directory], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for e in envs]
+    try:
+        if signal_rank is not None:
+            deadline = time.monotonic() + 120
+            while not all(os.path.exists(os.path.join(directory, f"ready-{r}")) for r in range(world)):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run never got past step 3"
+                time.sleep(0.05)
+            procs[signal_rank].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (out, err) in zip(procs, outs):
+        child.assert_ok(p.returncode, out, err, f"preempt.py {mode}")
+    return [result(out) for out, _ in outs]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(mode, directory):
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        torch.distributed.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Dropout(0.1), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    trainer = st.SeamlessTPUTrainer(model)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    start, losses, stopped = 0, [], None
+    if mode == "resume":
+        state = trainer.load_checkpoint(os.path.join(directory, "ckpt"), model=model, optimizer=optimizer)
+        start = state["step"] + 1
+        torch.set_rng_state(state["rng"])
+    for step in range(start, STEPS):
+        x, y = trainer.to_device(*batch(step))
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        if mode == "preemptible":
+            if step == 3:
+                open(os.path.join(directory, f"ready-{rank}"), "w").close()
+            if trainer.preempted:
+                trainer.save_checkpoint(os.path.join(directory, "ckpt"), model=model, optimizer=optimizer, step=step,
+                                        rng=torch.get_rng_state())
+                stopped = step
+                break
+            time.sleep(0.05)  # a step's worth of time for the signal to land mid-run
+    print("RESULT " + json.dumps({"losses": [float(v) for v in losses], "stopped_at": stopped, "start": start}), flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
