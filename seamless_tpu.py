@@ -887,6 +887,24 @@ def get_xla_mesh():
     return _STATE.mesh
 
 
+def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
+    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's
+    tensor parallelism; every plan error is raised here, before anything moves."""
+    ranks = _rank_mesh(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) ranks off XLA
+    sizes = dict(zip(mesh.axis_names or (), mesh.mesh_shape)) if mesh is not None else (ranks or {})
+    plan, planned = _checked_plan(model, tp_plan, sizes)
+    return (planned if mesh is not None else {}), (_torch_tp_styles(plan, ranks) if ranks else None), ranks
+
+
+def _data_ranks(ranks):
+    """(data-parallel size, this rank's index) off XLA when ranks form tensor-parallel groups: the ranks of
+    one group read the same batches. None: every rank is its own data-parallel rank."""
+    if not ranks:
+        return None
+    world, rank = _torch_dist_ranks()
+    return world // ranks[MODEL_AXIS], rank // ranks[MODEL_AXIS]
+
+
 def _checked_plan(model, tp_plan, sizes):
     """(the tensor-parallel plan, {parameter: spec}) for a mesh with these axis sizes: the user's plan,
     else the one a transformers model carries, checked against the model. A 'model' axis with no plan
@@ -1448,7 +1466,10 @@ class SeamlessTPUTrainer:
     - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over
       its fsdp axis ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
     - GPU/CPU with torch.distributed running (Ray, torchrun): DDP ("ddp") or FSDP2 ("fsdp").
-    An optimizer passed here gets its existing state laid out like its parameters.
+    - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA; torch's
+      parallelize_module then FSDP2 off XLA).
+    An optimizer passed here gets its existing state laid out like its parameters. trainer.preempted
+    turns True at the first optimizer step after a SIGTERM.
     """
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
@@ -1459,18 +1480,12 @@ class SeamlessTPUTrainer:
         self.precision, self.drop_last, self.strategy = precision, drop_last, strategy
         self.mesh, self._batch_sharding = _trainer_mesh(self.device, mesh, xla_spmd_config, strategy)
         distributed = self.mesh is None and _torch_dist_ranks()[0] > 1
-        ranks = _rank_mesh(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) ranks off XLA
-        mesh_sizes = dict(zip(self.mesh.axis_names or (), self.mesh.mesh_shape)) if self.mesh is not None else (ranks or {})
-        plan, planned = _checked_plan(model, tp_plan, mesh_sizes)  # every plan error before any work
-        styles = _torch_tp_styles(plan, ranks) if ranks else None
-        self._data_ranks = None
-        if ranks:
-            world, rank = _torch_dist_ranks()
-            self._data_ranks = (world // ranks[MODEL_AXIS], rank // ranks[MODEL_AXIS])  # one batch per model group
+        planned, styles, ranks = _tp_layout(model, tp_plan, self.mesh, xla_spmd_config, strategy, distributed)
+        self._data_ranks = _data_ranks(ranks)
         if strategy == "fsdp" and self.mesh is None and not distributed and _once("fsdp_single"):
             _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
         model.to(self.device)
-        for param, spec in planned.items() if self.mesh is not None else ():
+        for param, spec in planned.items():
             _import("torch_xla.distributed.spmd").mark_sharding(param, self.mesh, spec)
         if strategy == "fsdp" and self.mesh is not None:
             _shard_parameters(model, self.mesh)  # all the plan left whole
