@@ -137,6 +137,20 @@ def two_gloo_ranks(phase, directory):
     return reports[0]
 
 
+@pytest.fixture(scope="module")
+def saved_in(tmp_path_factory):
+    """(directory, report) of one save per layout, shared by every load from it: a load only reads."""
+    saved = {}
+
+    def get(layout):
+        if layout not in saved:
+            directory = tmp_path_factory.mktemp(f"saved-{layout}")
+            saved[layout] = (directory, reshard_side(layout, "save", directory))
+        return saved[layout]
+
+    return get
+
+
 @pytest.mark.parametrize("saved_as,loaded_as", [
     ("fsdp4", "ddp4"), ("fsdp4", "fsdp2"), ("fsdp4", "eager"),
     ("ddp4", "fsdp4"), ("fsdp2", "fsdp4"), ("eager", "fsdp4"),
@@ -144,11 +158,11 @@ def two_gloo_ranks(phase, directory):
     ("tp2x2", "fsdp4"), ("tp2x2", "ddp4"), ("tp2x2", "eager"), ("fsdp4", "tp2x2"), ("ddp4", "tp2x2"), ("eager", "tp2x2"),
     ("dp2fsdp2", "fsdp4"), ("fsdp4", "dp2fsdp2"),
 ])
-def test_checkpoint_reshards_on_load(tmp_path, saved_as, loaded_as):
+def test_checkpoint_reshards_on_load(saved_in, saved_as, loaded_as):
     """Saved in one layout, loaded in another: weights bitwise equal to the consolidated checkpoint,
     and training resumes with the losses of the uninterrupted run (1e-5)."""
-    saved = reshard_side(saved_as, "save", tmp_path)
-    loaded = reshard_side(loaded_as, "load", tmp_path)
+    directory, saved = saved_in(saved_as)
+    loaded = reshard_side(loaded_as, "load", directory)
     assert loaded["bitwise"] and loaded["epoch"] == 10
     # reshard.py reports each check where it applies and only there: a report that is missing fails.
     assert loaded.get("sharded") is (True if loaded_as in SHARDED else None), "fsdp parameters and their optimizer state are sharded again after loading"
@@ -159,11 +173,11 @@ def test_checkpoint_reshards_on_load(tmp_path, saved_as, loaded_as):
 
 
 
-def test_fsdp2_on_two_gloo_ranks_matches_eager(tmp_path):
+def test_fsdp2_on_two_gloo_ranks_matches_eager(saved_in):
     """strategy='fsdp' off XLA with torch.distributed: torch's FSDP2, the loop unchanged, and each
     rank's half batch gives the whole batch's losses (20 AdamW steps, 1e-5)."""
-    eager = reshard_side("eager", "save", tmp_path / "eager")
-    fsdp2 = reshard_side("gloo2", "save", tmp_path / "gloo2")
+    eager = saved_in("eager")[1]
+    fsdp2 = saved_in("gloo2")[1]
     diff = max(abs(a - b) for a, b in zip(eager["before"] + eager["losses"], fsdp2["before"] + fsdp2["losses"]))
     assert len(fsdp2["before"] + fsdp2["losses"]) == 20 and diff <= 1e-5, diff
 
