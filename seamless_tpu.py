@@ -24,7 +24,9 @@ torch.__future__.set_swap_module_params_on_conversion(True), so model.to keeps P
 optimizer built earlier still trains; a torch.xla device module (torch's checkpoint needs its RNG state);
 torch.utils.checkpoint.CheckpointFunction and _CheckpointFrame.__init__ routed so that XLA recomputation
 sits behind an optimization barrier; global optimizer-step hooks (the sync, the recompile watchdog). With
-FSDP2 off XLA: one pre-step hook that rebinds optimizers built before the trainer. Nothing at import.
+FSDP2 or tensor parallelism off XLA: one pre-step hook that rebinds optimizers built before the trainer.
+From the first trainer on any device (main thread): a SIGTERM handler that chains the user's and leaves
+SIG_IGN alone, and a post-step hook that turns it into trainer.preempted. Nothing at import.
 """
 
 __all__ = [
@@ -119,7 +121,7 @@ class _ProcessState:
     env_we_set: dict = dataclasses.field(default_factory=dict)  # written on the user's behalf, never over theirs
     group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
     optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # name -> handle of a global step hook
-    torch_patches: list = dataclasses.field(default_factory=list)  # undo functions (see the header)
+    torch_patches: list = dataclasses.field(default_factory=list)  # undo functions of the header's changes
     watchdog: object = None  # the _CompileWatchdog, from first XLA use
     rebound: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ optimizer -> parameter count when _place_optimizer_state last ran for it (FSDP2 rebinding)
@@ -877,6 +879,11 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     return mesh
 
 
+def _axis_sizes(mesh):
+    """{axis name (or index, for unnamed axes): size} of a torch_xla Mesh."""
+    return dict(zip(mesh.axis_names or range(len(mesh.mesh_shape)), mesh.mesh_shape))
+
+
 def _set_mesh(mesh):
     _STATE.mesh, _STATE.batch_sharding = mesh, _BatchSharding.for_mesh(mesh)
     _import("torch_xla.distributed.spmd").set_global_mesh(mesh)
@@ -891,7 +898,7 @@ def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
     """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's
     tensor parallelism; every plan error is raised here, before anything moves."""
     ranks = _rank_mesh(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) ranks off XLA
-    sizes = dict(zip(mesh.axis_names or (), mesh.mesh_shape)) if mesh is not None else (ranks or {})
+    sizes = _axis_sizes(mesh) if mesh is not None else (ranks or {})
     plan, planned = _checked_plan(model, tp_plan, sizes)
     return (planned if mesh is not None else {}), (_torch_tp_styles(plan, ranks) if ranks else None), ranks
 
@@ -950,8 +957,9 @@ class _BatchSharding:
     def __init__(self, mesh, axes, minibatch=False):
         self.mesh, self.axes, self.minibatch = mesh, axes, minibatch
         self._by_rank = {}
-        sizes = dict(zip(mesh.axis_names or range(len(mesh.mesh_shape)), mesh.mesh_shape))
-        self.partial = math.prod(sizes[a] for a in axes) < math.prod(mesh.mesh_shape)  # replicated over a model axis
+        sizes = _axis_sizes(mesh)
+        self.ways = math.prod(sizes[a] for a in axes)  # devices that dim 0 splits over
+        self.partial = self.ways < math.prod(mesh.mesh_shape)  # replicated over a model axis
 
     def from_host(self, tensor):
         """Whether torch_xla 2.9 can send `tensor` from the host already split. It cannot send a 1-D
@@ -1007,7 +1015,7 @@ def _shard_parameters(module, mesh):
     and inserts the all-gathers and reduce-scatters in the step graph. Parameters the user split
     already are left as they are."""
     xs = _import("torch_xla.distributed.spmd")
-    shards = dict(zip(mesh.axis_names, mesh.mesh_shape))[FSDP_AXIS]
+    shards = _axis_sizes(mesh)[FSDP_AXIS]
     for param in module.parameters():
         if param.dim() and not _is_split(param):
             xs.mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
@@ -1034,9 +1042,7 @@ def _watch_inputs(model, sharding):
     """For the model's first INPUT_CHECKS forwards, warn once about an input tensor that arrives on
     XLA replicated where its dim 0 could be split: every device would compute all of it. Reads only
     what each tensor already holds (its sharding annotation): no sync, no transfer, no new graph."""
-    names = list(sharding.mesh.axis_names or range(len(sharding.mesh.mesh_shape)))
-    ways = math.prod(sharding.mesh.mesh_shape[names.index(axis)] for axis in sharding.axes)
-    left = [INPUT_CHECKS]
+    ways, left = sharding.ways, [INPUT_CHECKS]
 
     def check(module, args, kwargs):
         found = []
@@ -1104,6 +1110,14 @@ def _plain_sampler(sampler):
     return type(sampler) is data.SequentialSampler
 
 
+def _distributed_sampler(loader, replicas, rank):
+    """The DistributedSampler that gives this rank its share of a plain sampler's order, else None."""
+    if not _plain_sampler(loader.sampler):
+        return None
+    shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler)
+    return torch.utils.data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
+
+
 def _split_by_user(sampler, replicas, rank):
     """True for a DistributedSampler already set for this process's rank; one set for another world is an error."""
     if not isinstance(sampler, torch.utils.data.DistributedSampler):
@@ -1139,19 +1153,15 @@ def _rebuild_loader(loader, drop_last, device, ranks=None):
         rebuilt = data.DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=drop_last and not own_batches, **kwargs)
         return _ShardedBatches(rebuilt, replicas, rank, drop_last) if replicas > 1 else rebuilt
     if own_batches and loader.batch_sampler is None:  # batch_size=None: each sample is a step, as the dataset gives it
-        sampler = loader.sampler
-        if _plain_sampler(sampler):
-            sampler = data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=isinstance(sampler, data.RandomSampler))
-        else:
-            sampler = _ShardedBatches(sampler, replicas, rank, drop_last)
+        sampler = _distributed_sampler(loader, replicas, rank) or _ShardedBatches(loader.sampler, replicas, rank, drop_last)
         return data.DataLoader(loader.dataset, batch_size=None, sampler=sampler, **kwargs)
     if own_batches:
         return data.DataLoader(loader.dataset, batch_sampler=_ShardedBatches(loader.batch_sampler, replicas, rank, drop_last), **kwargs)
-    sampler = loader.sampler
-    if replicas > 1 and _plain_sampler(sampler):
-        shuffle = isinstance(sampler, data.RandomSampler)
-        sampler = data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
+    sampler = _distributed_sampler(loader, replicas, rank) if replicas > 1 else None
+    if sampler is not None:
         replicas = 1  # split already
+    else:
+        sampler = loader.sampler
     per_epoch = len(sampler) if hasattr(sampler, "__len__") else None
     if drop_last and per_epoch is not None and per_epoch % loader.batch_size:
         _log("seamless_tpu: dropping the last %d of %d samples per epoch to keep batch shapes fixed "
@@ -1304,19 +1314,17 @@ def _fully_shard(model, device, mesh=None):
     device_mesh = importlib.import_module("torch.distributed.device_mesh")
     if mesh is None:
         mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
-    before = dict(model.named_parameters())
     # Each distinct block once: ModuleList([blk, blk, blk]) repeats one module (weight sharing by
     # repetition), and fully_shard on a module twice is an AssertionError inside torch.
     blocks = list({id(b): b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m}.values())
-    for block in reversed(blocks):  # innermost first: a unit must not already hold another's parameters
-        if next(block.parameters(), None) is not None:
-            fsdp.fully_shard(block, mesh=mesh)
-    fsdp.fully_shard(model, mesh=mesh)
-    after = dict(model.named_parameters())
-    for name, old in before.items():
-        if after[name] is not old:
-            setattr(old, _SHARDED_AS, after[name])
-    _add_step_hook("fsdp2_rebind", "pre", _rebind_before_step)
+
+    def shard():
+        for block in reversed(blocks):  # innermost first: a unit must not already hold another's parameters
+            if next(block.parameters(), None) is not None:
+                fsdp.fully_shard(block, mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
+
+    _replacing_parameters(model, shard)
 
 
 def _rank_mesh(config, strategy):
@@ -1362,12 +1370,20 @@ def _tensor_parallel(model, styles, device, sizes):
     tp = importlib.import_module("torch.distributed.tensor.parallel")
     mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
         device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
+    _fully_shard(model, device, mesh[FSDP_AXIS])  # a second replacement: optimizers follow the chain
+
+
+def _replacing_parameters(model, replace):
+    """Run replace() (fully_shard, parallelize_module), which swaps in new parameters that an optimizer
+    made earlier does not hold: each replaced one names its replacement, and optimizers move over before
+    their first step (_rebind_before_step)."""
     before = dict(model.named_parameters())
-    tp.parallelize_module(model, mesh[MODEL_AXIS], styles)
-    for name, param in model.named_parameters():  # FSDP2 below records the final replacements
+    replace()
+    for name, param in model.named_parameters():
         if before[name] is not param:
             setattr(before[name], _SHARDED_AS, param)
-    _fully_shard(model, device, mesh[FSDP_AXIS])
+    _add_step_hook("fsdp2_rebind", "pre", _rebind_before_step)
 
 
 def _rebind_before_step(optimizer, args, kwargs):

@@ -499,7 +499,7 @@ def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla
         trainer.save({"step": 2}, tmp_path / "missing" / "ckpt.pt")
 
 
-def run_two_ranks(case, tmp_path, world=2):
+def run_ranks(case, tmp_path, world=2):
     """Every rank of tests/dist_ranks.py CASE on CPU (gloo); what each saw."""
     env = child.env(SEAMLESS_TPU_DEVICE="cpu")
     outs = child.run_together([(["tests/dist_ranks.py", case, rank, world, tmp_path / "store", tmp_path], env) for rank in range(world)],
@@ -512,7 +512,7 @@ def test_gradients_are_averaged_in_backward_whichever_object_the_loop_calls(tmp_
     """clip_grad_norm_ between backward and step sees the averaged gradient; ranks that use different
     heads in one step, no_sync accumulation, eval passes and a trainer that was not kept all train
     like one process on the whole batch, and like torch's own DDP."""
-    ranks = run_two_ranks("grad_sync", tmp_path, world)
+    ranks = run_ranks("grad_sync", tmp_path, world)
     for name, seen in ranks[0].items():
         assert seen["norms_diff"] <= 1e-5, f"{name}: clip_grad_norm_ saw a local gradient (norms off by {seen['norms_diff']:.3g})"
         assert seen["weights_diff"] <= 1e-5, f"{name}: weights off eager by {seen['weights_diff']:.3g}"
@@ -520,7 +520,7 @@ def test_gradients_are_averaged_in_backward_whichever_object_the_loop_calls(tmp_
 
 
 def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):
-    rank0, rank1 = run_two_ranks("save_errors", tmp_path)
+    rank0, rank1 = run_ranks("save_errors", tmp_path)
     assert rank0["missing_dir"].startswith("FileNotFoundError: cannot save to") and "does not exist" in rank0["missing_dir"]
     assert rank1["missing_dir"].startswith("RuntimeError: trainer.save(") and "failed on process 0: FileNotFoundError" in rank1["missing_dir"]
     assert "pickle" in rank0["unpicklable"].lower() and "failed on process 0" in rank1["unpicklable"]
@@ -528,7 +528,7 @@ def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):
 
 
 def test_failure_on_process_1_raises_on_every_rank(tmp_path):
-    rank0, rank1 = run_two_ranks("agreement", tmp_path)
+    rank0, rank1 = run_ranks("agreement", tmp_path)
     assert rank0["value"] == rank1["value"] == "from process 0"
     assert rank0["failed"] == "RuntimeError: step failed on process 1: OSError: disk full"
     assert rank1["failed"] == "OSError: disk full", "the failing rank raises its own exception"
@@ -536,7 +536,7 @@ def test_failure_on_process_1_raises_on_every_rank(tmp_path):
 
 
 def test_checkpoint_objects_and_a_full_disk_on_real_ranks(tmp_path):
-    ranks = run_two_ranks("checkpoint_objects", tmp_path)
+    ranks = run_ranks("checkpoint_objects", tmp_path)
     for strategy in ("ddp", "fsdp"):
         for rank, seen in enumerate(ranks):
             got = seen[strategy]
@@ -548,13 +548,13 @@ def test_checkpoint_objects_and_a_full_disk_on_real_ranks(tmp_path):
 
 def test_fsdp2_shards_a_block_repeated_in_a_module_list_once(tmp_path):
     """ModuleList([blk, blk, blk]) made fully_shard run twice on one module (an AssertionError in torch)."""
-    ranks = run_two_ranks("repeated_block", tmp_path)
+    ranks = run_ranks("repeated_block", tmp_path)
     assert ranks[0]["weights_diff"] <= 1e-5 and ranks[0]["weights"] == ranks[1]["weights"], ranks[0]["weights_diff"]
 
 
 def test_tensor_parallel_on_four_gloo_ranks_matches_eager(tmp_path):
     """Off XLA, torch's tensor parallelism on the model dimension of a 2 x 2 DeviceMesh, FSDP2 on the other."""
-    ranks = run_two_ranks("tensor_parallel", tmp_path, world=4)
+    ranks = run_ranks("tensor_parallel", tmp_path, world=4)
     for rank, seen in enumerate(ranks):
         assert seen["weights_diff"] <= 1e-5, (rank, seen["weights_diff"])
         # 0.weight (32, 10): 32 rows over model (2) then fsdp (2); 2.weight (1, 32): 32 columns over model,
@@ -568,14 +568,14 @@ def test_tensor_parallel_on_four_gloo_ranks_matches_eager(tmp_path):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_loaders_on_real_ranks_read_every_sample_once(tmp_path, world):
-    ranks = run_two_ranks("loaders", tmp_path, world)
+    ranks = run_ranks("loaders", tmp_path, world)
     for kind in ("own_sampler", "unbatched"):
         seen = [x for r in ranks for x in r[kind]]
         assert set(seen) == set(range(16)) and len(seen) == world * -(-16 // world), f"{kind}: {[r[kind] for r in ranks]}"
 
 
 def test_user_ddp_is_not_wrapped_again(tmp_path):
-    rank0, rank1 = run_two_ranks("user_ddp", tmp_path)
+    rank0, rank1 = run_ranks("user_ddp", tmp_path)
     assert rank0["same_object"] and rank1["same_object"]
     assert rank0["keys"] == ["bias", "weight"], "the user's keys, no module. prefix"
     # Grads averaged exactly once: the mean of rank inputs 1 and 2 is 1.5, so w = w0 - 1.5.
@@ -588,7 +588,7 @@ def test_user_ddp_is_not_wrapped_again(tmp_path):
 def test_fsdp2_on_two_gloo_ranks_keeps_the_loop_idioms(tmp_path):
     """strategy='fsdp' with torch.distributed is FSDP2: the user's optimizer (even one with state) moves to
     the sharded parameters at its first step, clipping works, save gathers plain tensors, errors name the rule."""
-    rank0, rank1 = run_two_ranks("fsdp2_idioms", tmp_path)
+    rank0, rank1 = run_ranks("fsdp2_idioms", tmp_path)
     assert "cannot work inside DDP" in rank0["ddp_error"] and "model.module" in rank0["ddp_error"]
     assert rank0["unit"] == "FSDPLinear", "a ModuleList block is its own FSDP unit"
     assert rank0["old_params_until_step"] and rank0["adopted"] and rank0["state_sharded"] and rank0["state_kept"]
