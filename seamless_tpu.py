@@ -996,8 +996,28 @@ def _to_xla(tensor, device, sharding):
     # Subclasses (nn.Parameter, tv_tensors) and tensors with an autograd history move by their own
     # .to(), which keeps their type and graph as it does anywhere, then are resharded in place.
     tensor = tensor.to(device)
-    _import("torch_xla.distributed.spmd").mark_sharding(tensor, sharding.mesh, sharding.spec_for(tensor.dim()))
+    _mark_sharding(tensor, sharding.mesh, sharding.spec_for(tensor.dim()))
     return tensor
+
+
+def _mark_sharding(tensor, mesh, spec=None):
+    """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding
+    alone. The data of a tensor that an asynchronous step is still computing (a step ran just before,
+    on another trainer or by hand) cannot be resharded yet: torch_xla raises "Data does not present
+    on any device". Then wait for the devices once and annotate again; nothing waits otherwise."""
+    def annotate():
+        if spec is None:
+            _import("torch_xla")._XLAC._xla_mark_sharding(tensor, mesh)
+        else:
+            _import("torch_xla.distributed.spmd").mark_sharding(tensor, mesh, spec)
+
+    try:
+        annotate()
+    except RuntimeError as e:
+        if "Data does not present on any device" not in str(e):
+            raise
+        _import("torch_xla.core.xla_model").wait_device_ops()
+        annotate()
 
 
 def _fsdp_spec(shape, shards):
@@ -1014,11 +1034,10 @@ def _shard_parameters(module, mesh):
     replicated over the others. XLA's sharding propagation gives the gradients the same sharding,
     and inserts the all-gathers and reduce-scatters in the step graph. Parameters the user split
     already are left as they are."""
-    xs = _import("torch_xla.distributed.spmd")
     shards = _axis_sizes(mesh)[FSDP_AXIS]
     for param in module.parameters():
         if param.dim() and not _is_split(param):
-            xs.mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
+            _mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
 
 
 def _xla_shardings(tensors):
@@ -1035,7 +1054,7 @@ def _mark_shardings(pairs):
     """Give each tensor its sharding, unless something split it already."""
     for tensor, sharding in pairs:
         if _is_xla(tensor.device) and not _is_split(tensor):
-            _import("torch_xla")._XLAC._xla_mark_sharding(tensor, sharding)
+            _mark_sharding(tensor, sharding)
 
 
 def _watch_inputs(model, sharding):
@@ -1502,7 +1521,7 @@ class SeamlessTPUTrainer:
             _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
         model.to(self.device)
         for param, spec in planned.items():
-            _import("torch_xla.distributed.spmd").mark_sharding(param, self.mesh, spec)
+            _mark_sharding(param, self.mesh, spec)
         if strategy == "fsdp" and self.mesh is not None:
             _shard_parameters(model, self.mesh)  # all the plan left whole
         if self._batch_sharding is not None:

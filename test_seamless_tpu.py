@@ -666,6 +666,33 @@ def test_fsdp_errors(fake):
         st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="fsdp", mesh=mesh)
 
 
+def test_resharding_waits_for_data_a_running_step_still_computes(fake, monkeypatch):
+    """tests/scenarios.py reshards_what_a_running_step_still_computes proves the race on torch_xla;
+    here the fsdp and tensor-parallel trainers, which reshard parameters and optimizer state that
+    already live on XLA, wait once and annotate again, and any other torch_xla error is left alone.
+    (The fake's XLA tensors live on the CPU, so its to_device sends them from the host instead.)"""
+    for how in ("fsdp", "tp"):
+        model = scenarios.mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        torch.nn.functional.mse_loss(model(torch.ones(4, 10)), torch.ones(4, 1)).backward()
+        optimizer.step()
+        moment = optimizer.state[model[0].weight]["momentum_buffer"]
+        fake.running.update(id(t) for t in [*model.parameters(), moment])
+        fake.events.clear()
+        if how == "fsdp":
+            st.SeamlessTPUTrainer(model, optimizer, strategy="fsdp")
+            assert fake.shardings[moment] == fake.shardings[model[0].weight] == "{devices=[4,1]0,1,2,3}"
+        else:
+            st.SeamlessTPUTrainer(model, optimizer, xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN)
+            assert fake.shardings[moment] == fake.shardings[model[0].weight] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+        assert fake.events.count(("wait_device_ops",)) == 1, (how, fake.events)
+    xs = fake.modules["torch_xla.distributed.spmd"]
+    broken = RuntimeError("Check failed: mesh mismatch")
+    monkeypatch.setattr(xs, "mark_sharding", lambda *a: (_ for _ in ()).throw(broken))
+    with pytest.raises(RuntimeError) as raised:
+        st.SeamlessTPUTrainer(torch.nn.Linear(4, 4), strategy="fsdp")
+    assert raised.value is broken
+
 def test_fsdp_shards_every_parameter_on_one_dimension(fake):
     model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
     trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 FAKE_API = {
     "torch_xla": ("device", "devices", "device_count", "sync"),
     "torch_xla.runtime": ("use_spmd", "is_spmd", "global_runtime_device_count", "process_count", "process_index", "device_type"),
-    "torch_xla.core.xla_model": ("send_cpu_data_to_device",),
+    "torch_xla.core.xla_model": ("send_cpu_data_to_device", "wait_device_ops"),
     "torch_xla.distributed.spmd": ("Mesh", "ShardingSpec", "mark_sharding", "set_global_mesh", "get_global_mesh"),
     "torch_xla.distributed.parallel_loader": ("MpDeviceLoader",),
     "torch_xla.debug.metrics": ("counter_value", "metric_data"),
@@ -42,6 +42,9 @@ class FakeXLA:
         self.graphs = set()
         # tensor -> sharding text, by identity and weakly: a freed tensor's id, reused, must not look sharded
         self.shardings = WeakIdKeyDictionary()
+        # ids of tensors an asynchronous step is still computing: not reshardable until wait_device_ops()
+        # (ids, not weak references: torch cannot swap a parameter that has one)
+        self.running = set()
         self.global_mesh = None
         self.modules = self._build()
 
@@ -51,6 +54,13 @@ class FakeXLA:
         self._count("CreateXlaTensor")
 
     # -- helpers used by the fake modules --
+    def _settled(self, tensor):
+        """torch_xla refuses to reshard data that a running step is still computing."""
+        if id(tensor) in self.running:
+            raise RuntimeError("Check failed: (xtensor->CurrentDataHandle() && xtensor->CurrentDataHandle()->HasValue()) || "
+                               "device_data_node != nullptr: Cannot shard tensor. Data does not present on any device.")
+        return True
+
     def _count(self, name, n=1):
         self.counters[name] = self.counters.get(name, 0) + n
 
@@ -115,7 +125,7 @@ class FakeXLA:
             _get_xla_tensor_debug_info=lambda t: "XLATensor {\nIR: None\nXLAData: None\n}\n",  # every tensor is data here
             # torch_xla returns an OpSharding object (None without one); its text stands in for it here
             _get_xla_op_sharding=lambda t: fx.shardings.get(t),
-            _xla_mark_sharding=lambda t, op_sharding: fx.shardings.__setitem__(t, op_sharding),
+            _xla_mark_sharding=lambda t, op_sharding: fx._settled(t) and fx.shardings.__setitem__(t, op_sharding),
             # torch_xla's preemption sync manager (TPU slices): the coordination service says, at a step
             # every host reaches, whether any host got SIGTERM; preempt_at_step stands in for that signal
             _activate_preemption_sync_manager=lambda: fx.events.append(("preemption_sync_manager",)),
@@ -160,6 +170,7 @@ class FakeXLA:
         def mark_sharding(t, mesh, partition_spec):
             if len(t.shape) != len(partition_spec):
                 raise AssertionError(f"Partition spec length ({len(partition_spec)}) should be equal to the input rank ({len(t.shape)}).")
+            fx._settled(t)
             fx.events.append(("mark_sharding", tuple(t.shape), tuple(partition_spec)))
             fx.shardings[t] = fx._sharding_text(mesh, partition_spec)
             return t
@@ -188,6 +199,12 @@ class FakeXLA:
             return _map_tensors(datas, convert)
 
         xm.send_cpu_data_to_device = send_cpu_data_to_device
+
+        def wait_device_ops(devices=[]):
+            fx.events.append(("wait_device_ops",))
+            fx.running.clear()
+
+        xm.wait_device_ops = wait_device_ops
 
         class MpDeviceLoader:
             def __init__(self, loader, device, **kwargs):

@@ -289,6 +289,62 @@ def fsdp_places_existing_optimizer_state():
             assert ratio <= 0.26, ratio  # 0.25 plus the padding of the 1-element bias
 
 
+
+def reshards_what_a_running_step_still_computes():
+    """Steps run asynchronously: right after one, its outputs are data still being computed, and
+    torch_xla refuses to reshard those ("Data does not present on any device"; CI hit it once on a
+    loaded machine). Each way the shim reshards existing XLA tensors right after a step (an "fsdp"
+    or tensor-parallel trainer over a model and optimizer a ddp trainer just stepped, to_device of a
+    tensor the step computed) waits for that data, and the resharded values are the step's (eager,
+    1e-5). Whether a step is still running is up to the machine: most of the six reshards find one."""
+    import torch_xla.core.xla_model as xm
+
+    st.get_device()
+    waits, wait = [], xm.wait_device_ops
+    xm.wait_device_ops = lambda *a, **k: waits.append(1) or wait(*a, **k)
+    width = 2048  # a step of seconds on 4 virtual devices: still running when the next line reshards
+
+    def busy(seed=0):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(6)))
+
+    def stepped(model, trainer):
+        """The optimizer, and a replicated tensor the step's graph also computes."""
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # has state; linear in the gradient
+        x, y = (torch.randn(64, width, generator=torch.Generator().manual_seed(1)) for _ in range(2))
+        if trainer is not None:
+            x, y = trainer.to_device(x, y)
+        F.mse_loss(model(x), y).backward()
+        doubled = model[-1].weight.grad * 2
+        optimizer.step()
+        return optimizer, doubled
+
+    want = busy()
+    _, want_doubled = stepped(want, None)
+    raced = collections.Counter()
+    for how in ("fsdp", "to_device", "tp") * 2:  # twice: whether a step is still running is up to the machine
+        model = busy()
+        trainer = st.SeamlessTPUTrainer(model, xla_spmd_config={"mesh_shape": (4,)})  # ddp, whatever mesh came last
+        optimizer, doubled = stepped(model, trainer)
+        before = len(waits)
+        if how == "to_device":
+            moved = trainer.to_device(doubled)
+            assert sharding(moved).startswith("{devices=[4,1]"), sharding(moved)
+            assert_close(moved.cpu(), want_doubled, 1e-5, "to_device of data a running step computes vs eager")
+        else:
+            if how == "fsdp":
+                st.SeamlessTPUTrainer(model, optimizer, strategy="fsdp")
+            else:
+                st.SeamlessTPUTrainer(model, optimizer, xla_spmd_config={"model_parallel_size": 2}, tp_plan={"0": "colwise", "1": "rowwise"})
+            split = list(model.parameters()) if how == "fsdp" else [model[0].weight, model[0].bias, model[1].weight]
+            assert all(sharding(p).startswith("{devices=[") for p in split), (how, [sharding(p) for p in split])
+            got, expected = (torch.cat([p.detach().cpu().flatten() for p in m.parameters()]) for m in (model, want))
+            assert_close(got, expected, 1e-5, f"{how}: weights resharded right after a step vs eager")
+        raced[how] += len(waits) > before
+    print("reshards that found a step still running:", dict(raced))
+    assert sum(raced.values()), "every step had finished before its reshard: the race was never exercised"
+
+
 TWINS = (
     spmd_first_one_sync_per_step_shard_by_rank,
     loader_shards_every_tensor,
