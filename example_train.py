@@ -26,6 +26,8 @@ with --ray over the CPU/GPU workers (torch's FSDP2); one CPU/GPU process runs it
 and, when DIR already holds one, resumes from it (on any device or strategy) with the same shuffles.
 SIGTERM (a spot or preemptible VM going away) stops the run at the next step, every process at the same
 one; with --checkpoint-dir it saves there first and a rerun resumes mid-epoch, as if never stopped.
+--accumulate K takes K batches per optimizer step (gradient accumulation: K backward passes, one step);
+on XLA each micro-batch is one graph whatever K is. --batch-size 16 --accumulate 4 trains like --batch-size 64.
 --tp N adds a model axis of N devices to the mesh and splits the hidden layers over it with the
 tensor-parallel plan TP_PLAN (first Linear colwise, second rowwise); the batch then splits over the
 other axis. On XLA, or with --ray on CPU/GPU workers (--strategy fsdp: N workers per model group).
@@ -101,21 +103,24 @@ def train(config):
         except FileNotFoundError:  # no checkpoint there yet: a fresh run
             pass
 
-    step, last, accuracy = 0, None, float("nan")
+    step, last, accuracy, k = 0, None, float("nan"), config["accumulate"]
     for epoch in range(start, config["epochs"]):
         start, total, batches = time.perf_counter(), 0.0, 0
         epoch_shuffle = shuffle.get_state()  # before this epoch draws its order from it
         for done, (xb, yb) in enumerate(loader):
             if done < skip:
                 continue
-            optimizer.zero_grad()
             with trainer.autocast():
                 loss = F.cross_entropy(model(xb).float(), yb)
-            loss.backward()
-            optimizer.step()
+            # k micro-batches per step; an epoch's last step may have fewer, so divide by its own count
+            (loss / min(k, len(loader) - done // k * k)).backward()
             last = loss.detach()
-            total = total + last  # stays on the device: no host sync per step
-            batches, step = batches + 1, step + 1
+            total, batches = total + last, batches + 1  # the sum stays on the device: no host sync per batch
+            if (done + 1) % k and done + 1 < len(loader):
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
             if trainer.preempted:  # SIGTERM (a spot VM going away): the same step on every process
                 if ckpt:
                     trainer.save_checkpoint(ckpt, model=model, optimizer=optimizer, epoch=epoch, batches_done=done + 1,
@@ -195,6 +200,7 @@ def main(argv=None):
     p.add_argument("--precision", choices=["bf16"], default=None)
     p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="fsdp: shard parameters over the XLA devices")
     p.add_argument("--tp", type=positive(int), default=1, help="tensor-parallel size: devices on the mesh's model axis (XLA)")
+    p.add_argument("--accumulate", type=positive(int), default=1, help="micro-batches (backward passes) per optimizer step")
     p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint every epoch; resume from it if present")
     p.add_argument("--ray", action="store_true", help="run under Ray Train's TorchTrainer")
     p.add_argument("--num-workers", type=positive(int), default=None, help="Ray workers (default 2; needs --ray)")
@@ -210,7 +216,8 @@ def main(argv=None):
     if args.samples < 2 * args.batch_size:
         p.error(f"--samples {args.samples} gives no full batch of --batch-size {args.batch_size}; use at least twice the batch size")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps", "precision", "strategy", "tp")}
+    config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps", "precision",
+                                            "strategy", "tp", "accumulate")}
     config["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None  # Ray workers chdir
     if args.tpu:
         config["device"] = "tpu"

@@ -4,6 +4,10 @@
     x, y = trainer.to_device(x, y)               # on XLA: dim 0 split over the mesh's batch axes
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step ends in torch_xla.sync()
 
+On XLA a loop that no step ends (gradient accumulation, updates by hand, LBFGS, evaluation, inference) is cut
+into one graph per iteration too: a forward of the trainer's model cuts the graph when a backward, or a no_grad
+forward, came since the last cut (a forward pre-hook on the model, a post-accumulate-grad hook per parameter).
+
 strategy="fsdp" shards every parameter (XLA: over the mesh's "fsdp" axis; torch.distributed: FSDP2).
 xla_spmd_config={"model_parallel_size": N} adds a "model" axis, over which a tensor-parallel plan (tp_plan=,
 Hugging Face's format; a transformers model brings its own) splits weights, alone or 2-D with "fsdp".
@@ -129,6 +133,10 @@ class _ProcessState:
     sigterm: bool = False  # SIGTERM arrived; the next optimizer step turns it into `preempted`
     preempted: bool = False  # every process agreed, at the same optimizer step: save and stop
     steps: int = 0  # optimizer steps ended in this process (the sync point torch_xla's preemption manager counts)
+    backward_since_cut: bool = False  # a backward reached a trainer's parameters since the graph was last cut
+    no_grad_forward_since_cut: bool = False  # a trainer's model ran under no_grad since the graph was last cut
+    accumulating: bool = False  # a forward cut a backward off since the last optimizer step
+    bounded: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
 
 
@@ -812,16 +820,22 @@ def _patch_torch_for_xla():
 
 
 class _CompileWatchdog:
-    """Counts XLA compilations inside optimizer steps; warns once per process when, after each
-    optimizer's warm-up, steps keep compiling. Evaluation graphs between steps are not counted.
-    A new parameter group (progressive unfreezing) is a new graph by design: its warm-up restarts."""
+    """Counts XLA compilations per iteration of the loop, and warns once per process when, after its
+    warm-up, an iteration keeps compiling. An iteration ends where the graph is cut: an optimizer step
+    (counted from its start, closure included, so an eval pass between steps is not) or a trainer
+    forward that starts the next iteration (counted since the previous cut). A new parameter group
+    (progressive unfreezing) is a new graph by design: that optimizer's warm-up restarts."""
 
     def __init__(self):
         self.steps = weakref.WeakKeyDictionary()  # optimizer -> (its parameter layout, steps taken with it)
-        self.late_compiles = 0  # steps after warm-up that compiled
-        self._before = 0
+        self.iterations = collections.Counter()  # (id of the model, "train" or "eval") -> forward-cut iterations
+        self.late_compiles = 0  # iterations after warm-up that compiled
+        self.sliced_input = False  # a forward's input was a view of a larger XLA tensor
+        self.in_step = False  # inside optimizer.step(): a closure's forwards belong to the step
+        self._before = self._at_cut = 0
 
     def before_step(self, met):
+        self.in_step = True
         self._before = met.counter_value("UncachedCompile") or 0
 
     def after_step(self, optimizer, met):
@@ -829,16 +843,32 @@ class _CompileWatchdog:
         seen_layout, step = self.steps.get(optimizer, (layout, 0))
         step = 1 if seen_layout != layout else step + 1
         self.steps[optimizer] = (layout, step)
-        compiled = (met.counter_value("UncachedCompile") or 0) - self._before
-        self.late_compiles += bool(compiled and step > WARMUP_STEPS)
-        if self.late_compiles >= LATE_COMPILES_TO_WARN and _once("recompiles"):
-            logger.warning(
-                "seamless_tpu: step %d compiled %d new XLA graph(s) after warm-up. Each recompile "
-                "stalls training. Likely causes: input shapes that change between steps (a smaller "
-                "last batch: use trainer.prepare_data_loader, which drops it), Python control flow "
-                "on tensor values, or .item()/print(tensor) inside the step. PT_XLA_DEBUG=1 names the cause.",
-                step, compiled,
-            )
+        self.in_step, self._at_cut = False, met.counter_value("UncachedCompile") or 0
+        self._count(self._at_cut - self._before, step, "step")
+
+    def after_forward_cut(self, key, met):
+        if self.in_step:  # LBFGS: its step counts them
+            return
+        self.iterations[key] += 1
+        now = met.counter_value("UncachedCompile") or 0
+        compiled, self._at_cut = now - self._at_cut, now
+        self._count(compiled, self.iterations[key], "iteration")
+
+    def _count(self, compiled, index, what):
+        self.late_compiles += bool(compiled and index > WARMUP_STEPS)
+        if self.late_compiles < LATE_COMPILES_TO_WARN or not _once("recompiles"):
+            return
+        if self.sliced_input:
+            cause = ("A model input is a slice of a device tensor (e.g. source[i:i + seq_len] on XLA): each new offset "
+                     "is a new graph. Keep the source on the host and move each batch with trainer.to_device, or "
+                     "select with index_select and an index tensor. Other causes: ")
+        else:
+            cause = "Likely causes: "
+        logger.warning(
+            "seamless_tpu: %s %d compiled %d new XLA graph(s) after warm-up. Each recompile stalls training. %s"
+            "input shapes that change between steps (a smaller last batch: use trainer.prepare_data_loader, which "
+            "drops it), Python control flow on tensor values, or .item()/print(tensor) inside the step. "
+            "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause)
 
 
 def _steps_on_xla(optimizer):
@@ -848,14 +878,61 @@ def _steps_on_xla(optimizer):
 
 def _before_xla_step(optimizer, args, kwargs):
     if _steps_on_xla(optimizer):
+        if _STATE.accumulating:
+            # The last micro-batch becomes the same graph as the others, and the step a graph of its
+            # own: compiling k=16 then costs what k=1 does (two forward+backward graphs either way).
+            _cut_graph()
         _STATE.watchdog.before_step(_import("torch_xla.debug.metrics"))
 
 
 def _after_xla_step(optimizer, args, kwargs):
     if _steps_on_xla(optimizer):
         # Sync point: compiles (first time) and runs forward+backward+step as one graph.
-        _import("torch_xla").sync()
+        _cut_graph()
+        _STATE.accumulating = False
         _STATE.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
+
+
+def _cut_graph():
+    """Compile (the first time) and run everything pending as one graph, asynchronously."""
+    _import("torch_xla").sync()
+    _STATE.backward_since_cut = _STATE.no_grad_forward_since_cut = False
+
+
+def _bound_iterations(model):
+    """The graph rule for loops an optimizer step does not end: accumulation (k backwards per step),
+    closure optimizers (LBFGS runs k forwards and backwards inside one step), updates by hand, and
+    evaluation or inference. A forward of the trainer's model starts a new iteration, and cuts the
+    graph, when a backward reached the model's parameters, or the model ran under no_grad, since the
+    last cut. So a graph is one iteration whatever the loop, and the plain loop (forward, backward,
+    step) keeps its one graph per step: its step already cut it. Several forwards within one training
+    iteration (a GAN's discriminator on real and fake, two views of a batch) stay in one graph.
+    Costs: a flag set per parameter per backward, and one check per forward."""
+    if model in _STATE.bounded:
+        return
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_saw_backward)
+    model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    _STATE.bounded.add(model)
+
+
+def _saw_backward(param):
+    _STATE.backward_since_cut = True
+
+
+def _before_forward(module, args, kwargs):
+    state = _STATE
+    if state.backward_since_cut or state.no_grad_forward_since_cut:
+        kind = "train" if state.backward_since_cut else "eval"
+        state.accumulating |= kind == "train"
+        _cut_graph()
+        state.watchdog.after_forward_cut((id(module), kind), _import("torch_xla.debug.metrics"))
+    if not torch.is_grad_enabled():
+        state.no_grad_forward_since_cut = True
+    if not state.watchdog.sliced_input:
+        state.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
+                                          for t in (*args, *kwargs.values()))
 
 # --- 8. meshes, batch sharding, FSDPv2 on XLA ----------------------------------------------------
 
@@ -1526,6 +1603,8 @@ class SeamlessTPUTrainer:
             _shard_parameters(model, self.mesh)  # all the plan left whole
         if self._batch_sharding is not None:
             _watch_inputs(model, self._batch_sharding)
+        if _is_xla(self.device):
+            _bound_iterations(model)
         self.model = model
         if styles:
             _tensor_parallel(model, styles, self.device, ranks)
@@ -1756,7 +1835,7 @@ def _is_stateful(value):
 
 def _sync_if_xla():
     if _STATE.xla_device is not None:
-        _import("torch_xla").sync()  # sync point: what is saved is what the loop computed so far
+        _cut_graph()  # what is saved is what the loop computed so far
 
 
 def _unwrap(module):

@@ -693,6 +693,47 @@ def test_resharding_waits_for_data_a_running_step_still_computes(fake, monkeypat
         st.SeamlessTPUTrainer(torch.nn.Linear(4, 4), strategy="fsdp")
     assert raised.value is broken
 
+def test_the_graph_is_cut_where_an_iteration_of_any_loop_ends(fake):
+    """tests/test_real_xla.py proves the graph counts and losses on torch_xla; here, where each cut
+    falls. A forward cuts the graph when a backward or a no-grad forward came since the last cut; an
+    optimizer step after accumulation cuts before it runs; the plain loop keeps one cut per step."""
+    model = scenarios.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = st.SeamlessTPUTrainer(model)
+    x, y = trainer.to_device(*scenarios.data(8))
+
+    def cuts(loop):
+        fake.events.clear()
+        loop()
+        return fake.events.count(("sync",))
+
+    def step(k=1, forwards=1):
+        optimizer.zero_grad()
+        for _ in range(k):
+            sum(torch.nn.functional.mse_loss(model(x), y) for _ in range(forwards)).backward()
+        optimizer.step()
+
+    assert cuts(lambda: [step() for _ in range(3)]) == 3, "the plain loop: its steps' syncs only"
+    assert cuts(lambda: [step(forwards=2) for _ in range(3)]) == 3, "two forwards in one iteration stay one graph"
+    assert cuts(lambda: [step(k=3) for _ in range(2)]) == 2 * 4, "per step: 2 forwards after a backward, then before and after the step"
+
+    def by_hand():
+        for _ in range(3):
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+
+    assert cuts(by_hand) == 2, "each forward after a backward (the step before left nothing pending)"
+
+    def evaluate():
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+        model(x)  # training again
+
+    assert cuts(evaluate) == 1 + 2 + 1, "the last update by hand, each later no-grad forward, and the switch back"
+
 def test_fsdp_shards_every_parameter_on_one_dimension(fake):
     model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
     trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
@@ -750,6 +791,15 @@ def test_example_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path)
     assert final == [line for line in resumed.splitlines() if line.startswith("final loss")], (whole, resumed)
     assert "nothing left to train" in run(4, tmp_path / "b")
 
+
+def test_example_accumulating_k_batches_trains_like_a_k_times_larger_batch():
+    def epochs(*flags):
+        argv = ["example_train.py", "--device", "cpu", "--samples", 960, "--epochs", 2, *flags]
+        out = child.run(argv, env=child.env(drop=child.DEVICE_VARS), timeout=300).stdout
+        return [line.split("  ")[:2] for line in out.splitlines() if line.startswith("epoch ")]  # loss, accuracy
+
+    whole = epochs("--batch-size", 32)
+    assert len(whole) == 2 and whole == epochs("--batch-size", 16, "--accumulate", 2) == epochs("--batch-size", 8, "--accumulate", 4)
 
 def test_example_preempted_by_sigterm_resumes_mid_epoch_like_an_uninterrupted_run(tmp_path):
     """SIGTERM during epoch 2 (of 6): the example saves at the next step and exits 0; the rerun resumes after

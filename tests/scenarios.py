@@ -92,14 +92,21 @@ def spmd_first_one_sync_per_step_shard_by_rank():
         x, y, labels, batch = trainer.to_device(x, y[:, 0], labels, {"x": x, "y": y[:, 0]})
         assert (sharding(x), sharding(y), sharding(labels)) == (SPEC_2D, SPEC_1D, SPEC_1D)
         assert (sharding(batch["x"]), sharding(batch["y"])) == (SPEC_2D, SPEC_1D)
-        for step in range(3):  # gradient accumulation: two backward passes, one step
+        for step in range(3):
+            before = len(syncs)
+            optimizer.zero_grad()
+            F.mse_loss(model(x)[:, 0], y).backward()
+            assert len(syncs) == before, f"a backward pass synced in step {step}"
+            optimizer.step()
+            assert len(syncs) == before + 1, f"step {step} synced {len(syncs) - before} times"
+        for step in range(3):  # gradient accumulation: each micro-batch a graph, the step another
             before = len(syncs)
             optimizer.zero_grad()
             for _ in range(2):
                 F.mse_loss(model(x)[:, 0], y).backward()
-            assert len(syncs) == before, f"a backward pass synced in step {step}"
+            assert len(syncs) == before + 1, f"accumulation step {step}: the second forward did not cut the first micro-batch"
             optimizer.step()
-            assert len(syncs) == before + 1, f"step {step} synced {len(syncs) - before} times"
+            assert len(syncs) == before + 3, f"accumulation step {step} synced {len(syncs) - before} times"
     finally:
         xr.use_spmd, torch_xla.sync = real_use_spmd, real_sync
 
@@ -162,7 +169,8 @@ def hand_moved_batch_warns_once():
         model(x.to(trainer.device))
         model(x.to(trainer.device))
     assert len(caught.messages) == 1 and "(8, 10) reaches the model replicated" in caught.messages[0] and "4x the work" in caught.messages[0], caught.messages
-    assert not model._forward_pre_hooks, "the guard removes itself after its first forwards"
+    guards = [h for h in model._forward_pre_hooks.values() if "_watch_inputs" in h.__qualname__]
+    assert guards == [] and len(model._forward_pre_hooks) == 1, "the guard removes itself after its first forwards (the iteration cut stays)"
 
 
 def train_epoch(model, optimizer, loader, after_step=lambda: None):

@@ -86,6 +86,12 @@ def test_example_xla_matches_cpu(example_cpu_loss, flags):
     assert abs(loss - example_cpu_loss) < 1e-4, (loss, example_cpu_loss)
 
 
+def test_example_accumulating_on_xla_matches_cpu():
+    flags = ["--max-steps", "12", "--epochs", "1", "--batch-size", "32", "--accumulate", "3"]
+    cpu, xla = (python(["example_train.py", "--device", device, *flags], child.XLA_ON_CPU) for device in ("cpu", "xla"))
+    loss = [float(re.findall(r"final loss ([0-9.]+)", out)[-1]) for out in (cpu, xla)]
+    assert abs(loss[0] - loss[1]) < 1e-4, loss
+
 def test_device_requested_before_spmd_segfaults_in_plain_torch_xla():
     """Why the shim refuses an early torch_xla.device(): without the shim, torch_xla 2.9 crashes.
     If this starts passing after an upgrade, the refusal can be relaxed."""
@@ -196,3 +202,60 @@ def test_sigterm_on_xla_saves_at_the_next_step_and_resumes_like_an_uninterrupted
     assert 3 <= stopped["stopped_at"] < 39 and resumed["start"] == stopped["stopped_at"] + 1
     got = stopped["losses"] + resumed["losses"]
     assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def _loops(*runs):
+    """tests/loops.py for each (device, args) at once, two at a time (the CI machine has 2 cores)."""
+    results = []
+    for pair in (runs[i:i + 2] for i in range(0, len(runs), 2)):
+        commands = [(["tests/loops.py", *args], child.env(**(XLA_ENV if device == "xla" else {"SEAMLESS_TPU_DEVICE": "cpu"})))
+                    for device, args in pair]
+        results += [json.loads(out.split("RESULT ", 1)[1].splitlines()[0]) for out in child.run_together(commands, timeout=300)]
+    return results
+
+
+def _assert_close(got, want, tol, what):
+    diff = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol}"
+
+
+def test_accumulation_compiles_the_same_graphs_for_any_k():
+    """k backwards per optimizer.step(): each micro-batch is one graph (cut where the next forward
+    starts, the last one where the step starts), so the graph count does not depend on k; before,
+    k micro-batches compiled one unrolled graph (10x the compile time at k=16). Losses are eager's."""
+    one, eager, four, sixteen = _loops(("xla", ["accumulate", "1"]), ("cpu", ["accumulate", "4"]),
+                                       ("xla", ["accumulate", "4"]), ("xla", ["accumulate", "16"]))
+    assert one["compiles"][1] == one["compiles"][-1] == 2, f"the plain loop: one graph, then one with AdamW state: {one['compiles']}"
+    assert four["compiles"][1] == four["compiles"][-1] == sixteen["compiles"][-1] == 4, (four["compiles"], sixteen["compiles"])
+    assert four["transfers"][-1] == sixteen["transfers"][-1] == 0
+    _assert_close(four["losses"], eager["losses"], 1e-5, "k=4 vs eager")
+    print(f"compile seconds: k=1 {one['compile_s']:.2f}, k=4 {four['compile_s']:.2f}, k=16 {sixteen['compile_s']:.2f}")
+
+
+@pytest.mark.parametrize("loop", ["manual_rnn", "lbfgs", "inference"])
+def test_loops_without_a_plain_step_have_bounded_graphs_and_eager_losses(loop):
+    """word_language_model's manual updates with a carried hidden state (then a no-grad evaluation
+    that carries it), time_sequence_prediction's LBFGS closure, and a forward-only loop: a fixed graph
+    count after warm-up, no device->host transfer the loop did not make, and eager's losses."""
+    xla, eager = _loops(("xla", [loop]), ("cpu", [loop]))
+    compiles, transfers = xla["compiles"], xla["transfers"]
+    # An iteration's graph runs when the next one starts; the second (AdamW state, a carried
+    # hidden state, a running sum) is a graph of its own; from the third on nothing compiles.
+    if loop == "manual_rnn":  # training, then evaluation (its first graph is cut by the second forward)
+        half = len(compiles) // 2
+        assert compiles[2] == compiles[half - 1] and compiles[half + 1] == compiles[-1], compiles
+        assert transfers[-1] == 0, transfers
+    elif loop == "lbfgs":  # LBFGS's history fills over its first steps; it reads the loss itself, 7 times a step
+        assert compiles[2] == compiles[-1], compiles
+        assert len({b - a for a, b in zip(transfers[2:], transfers[3:])}) == 1, transfers
+    else:
+        assert compiles[2] == compiles[-1] and transfers[-1] == 0, (compiles, transfers)
+    _assert_close(xla["losses"], eager["losses"], 1e-5, f"{loop} vs eager")
+
+
+def test_slicing_a_device_tensor_at_a_moving_offset_is_named_as_the_recompile_cause():
+    out = child.run(["tests/loops.py", "sliced"], env=child.env(**XLA_ENV), timeout=300)
+    compiles = json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])["compiles"]
+    assert compiles[-1] > compiles[2] + 2, f"each offset should compile a new graph: {compiles}"
+    warnings = [line for line in out.stderr.splitlines() if "compiled" in line and "after warm-up" in line]
+    assert len(warnings) == 1 and "slice of a device tensor" in warnings[0] and "index_select" in warnings[0], warnings

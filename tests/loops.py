@@ -1,0 +1,189 @@
+"""Loops that no optimizer.step() ends, in the shapes real scripts have (tests/test_real_xla.py drives them).
+
+    python tests/loops.py NAME [K]   # prints RESULT {"losses": [...], "compiles": [...], ...}
+
+Run with SEAMLESS_TPU_DEVICE=cpu it is the eager reference (a separate process, as XLA needs), with
+SEAMLESS_TPU_DEVICE=xla the same loop through the shim. Each loop records its losses on the device and
+reads them once at the end, so any device->host transfer per step is the shim's. "compiles" is the
+compile count after each iteration (always 0 on the CPU); "compile_s" the seconds XLA spent compiling.
+
+    accumulate K   # an 8-layer MLP, AdamW, K micro-batches (K backwards) per optimizer.step()
+    manual_rnn     # pytorch/examples word_language_model: an LSTM LM, SGD by hand (p.data.add_), the
+                   # hidden state carried across batches, then a no-grad evaluation that carries it too
+    lbfgs          # pytorch/examples time_sequence_prediction: LSTM cells, LBFGS with a closure
+    inference      # forwards only, under no_grad, outputs summed on the device
+    sliced         # manual_rnn fed by slicing a device tensor at a moving offset: recompiles, and says why
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import seamless_tpu as st
+
+STEPS = 6  # warm-up (2 graphs) and 4 iterations that must compile nothing
+
+
+def stats(trainer):
+    return trainer.compile_stats() if st.is_xla_backend() else {"compiles": 0, "device_to_host_transfers": 0}
+
+
+def mlp(seed=0, width=64, depth=8):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def accumulate(k):
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = st.SeamlessTPUTrainer(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [trainer.to_device(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g)) for _ in range(k)]
+    losses, compiles, transfers = [], [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for x, y in batches:
+            loss = F.mse_loss(model(x), y) / k
+            loss.backward()
+            losses.append(loss.detach())
+        optimizer.step()
+        compiles.append(stats(trainer)["compiles"])
+        transfers.append(stats(trainer)["device_to_host_transfers"])
+    return losses, compiles, transfers
+
+
+class RNNModel(torch.nn.Module):
+    """word_language_model's RNNModel (LSTM): encoder, LSTM, decoder."""
+
+    def __init__(self, ntoken=50, ninp=16, nhid=16, nlayers=2):
+        super().__init__()
+        self.encoder, self.rnn, self.decoder = torch.nn.Embedding(ntoken, ninp), torch.nn.LSTM(ninp, nhid, nlayers), torch.nn.Linear(nhid, ntoken)
+        self.nlayers, self.nhid = nlayers, nhid
+
+    def forward(self, inputs, hidden):
+        output, hidden = self.rnn(self.encoder(inputs), hidden)
+        return F.log_softmax(self.decoder(output), dim=-1), hidden
+
+    def init_hidden(self, bsz):
+        weight = next(self.parameters())
+        return weight.new_zeros(self.nlayers, bsz, self.nhid), weight.new_zeros(self.nlayers, bsz, self.nhid)
+
+
+def corpus(bsz=4, length=200):
+    """word_language_model's batchify: a token stream cut into bsz columns, on the host."""
+    data = torch.randint(0, 50, (length,), generator=torch.Generator().manual_seed(2))
+    return data[: length // bsz * bsz].view(bsz, -1).t().contiguous()
+
+
+def manual_rnn(sliced=False, bptt=5, lr=0.5):
+    torch.manual_seed(0)
+    model = RNNModel()
+    trainer = st.SeamlessTPUTrainer(model)
+    source = corpus()
+    if sliced:  # what the script does: the whole corpus on the device, sliced at i each batch
+        source = trainer.to_device(source)
+    hidden = model.init_hidden(4)
+    losses, compiles, transfers = [], [], []
+
+    def batches():
+        for i in range(0, STEPS * bptt, bptt):
+            x, y = source[i:i + bptt], source[i + 1:i + 1 + bptt].reshape(-1)
+            yield (x, y) if sliced else trainer.to_device(x, y)
+
+    for x, y in batches():
+        hidden = tuple(h.detach() for h in hidden)  # repackage_hidden
+        model.zero_grad()
+        output, hidden = model(x, hidden)
+        loss = F.nll_loss(output.view(-1, 50), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-lr)
+        losses.append(loss.detach())
+        compiles.append(stats(trainer)["compiles"])
+        transfers.append(stats(trainer)["device_to_host_transfers"])
+    with torch.no_grad():  # evaluate(): the hidden state carried, no optimizer, no backward
+        hidden = model.init_hidden(4)
+        for x, y in batches():
+            output, hidden = model(x, hidden)
+            losses.append(F.nll_loss(output.view(-1, 50), y))
+            compiles.append(stats(trainer)["compiles"])
+            transfers.append(stats(trainer)["device_to_host_transfers"])
+    return losses, compiles, transfers
+
+
+class Sequence(torch.nn.Module):
+    """time_sequence_prediction's model: two LSTM cells and a linear head over a sine wave."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm1, self.lstm2, self.linear = torch.nn.LSTMCell(1, 8), torch.nn.LSTMCell(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, inputs):
+        h1 = c1 = h2 = c2 = inputs.new_zeros(inputs.size(0), 8)
+        outputs = []
+        for t in inputs.split(1, dim=1):
+            h1, c1 = self.lstm1(t, (h1, c1))
+            h2, c2 = self.lstm2(h1, (h2, c2))
+            outputs.append(self.linear(h2))
+        return torch.cat(outputs, dim=1)
+
+
+def lbfgs():
+    torch.manual_seed(0)
+    model = Sequence().double()
+    # history_size bounds LBFGS's two-loop recursion, which XLA traces unrolled: until the history is
+    # full, each inner iteration is a new graph (the script's default of 100 means 100 graphs)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2, history_size=1)
+    trainer = st.SeamlessTPUTrainer(model)
+    wave = torch.sin(torch.arange(8 * 5, dtype=torch.float64).view(8, 5) / 4.0 + torch.arange(8.0, dtype=torch.float64)[:, None])
+    x, y = trainer.to_device(wave[:, :-1], wave[:, 1:])
+    losses, compiles, transfers = [], [], []
+    for _ in range(STEPS):
+        def closure():
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        losses.append(optimizer.step(closure).detach())
+        compiles.append(stats(trainer)["compiles"])
+        transfers.append(stats(trainer)["device_to_host_transfers"])
+    return losses, compiles, transfers
+
+
+def inference():
+    model = mlp()
+    trainer = st.SeamlessTPUTrainer(model)
+    g = torch.Generator().manual_seed(1)
+    total, losses, compiles, transfers = None, [], [], []
+    with torch.no_grad():
+        for _ in range(STEPS):
+            out = model(trainer.to_device(torch.randn(16, 64, generator=g))).sum()
+            total = out if total is None else total + out
+            losses.append(total)
+            compiles.append(stats(trainer)["compiles"])
+            transfers.append(stats(trainer)["device_to_host_transfers"])
+    return losses, compiles, transfers
+
+
+def main(name, *args):
+    st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
+    run = {"accumulate": lambda: accumulate(int(args[0])), "manual_rnn": manual_rnn, "lbfgs": lbfgs,
+           "inference": inference, "sliced": lambda: manual_rnn(sliced=True)}[name]
+    losses, compiles, transfers = run()
+    compile_s = 0.0
+    if st.is_xla_backend():
+        import torch_xla.debug.metrics as met
+
+        compile_s = (met.metric_data("CompileTime") or (0, 0))[1] / 1e9
+    print("RESULT " + json.dumps({"losses": torch.stack([l.float() for l in losses]).cpu().tolist(),
+                                  "compiles": compiles, "transfers": transfers, "compile_s": compile_s}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
