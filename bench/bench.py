@@ -3,7 +3,7 @@
     ./dev.sh bench                      # every section: writes bench/RESULTS.md and bench/step_times.png
     ./dev.sh bench --smoke              # a few steps of every section (CI); writes nothing unless --out is given
     ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd, eager_cpu,
-                                        # compiles, overhead, imports, ray, fsdp, tp); writes nothing unless --out is given
+                                        # compiles, overhead, imports, ray, fsdp, accumulate, tp); writes nothing unless --out is given
 
 RESULTS.md holds one block per section (between <!-- bench:NAME --> and <!-- /bench:NAME -->), whose
 first line names the commit it ran at and the command that runs it alone. A write to --out replaces
@@ -907,6 +907,53 @@ def render_ray(ray_times, s):
     return md + ["", f"- {line}"], [line]
 
 
+RULE_COST = """
+import time, torch, seamless_tpu as st
+st.get_device()
+model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
+st.SeamlessTPUTrainer(model)
+p, n = next(model.parameters()), 200000
+t = time.perf_counter()
+for _ in range(n):
+    st._before_forward(model, (), {})  # the common path: nothing to cut
+forward = (time.perf_counter() - t) / n
+st._STATE.no_grad_forward_since_cut = False
+t = time.perf_counter()
+for _ in range(n):
+    st._saw_backward(p)
+print(forward * 1e6, (time.perf_counter() - t) / n * 1e6)
+"""
+
+
+def run_accumulate(s):
+    """Compile seconds and graph counts of tests/loops.py accumulate K (8-layer MLP, AdamW) for K in 1, 4,
+    16, each in fresh processes, alternating; and the iteration rule's own cost per forward and per
+    parameter per backward, timed in isolation."""
+    env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    runs = {k: [] for k in (1, 4, 16)}
+    for _ in range(1 if s.smoke else 3):
+        for k in runs:
+            out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "loops.py"), "accumulate", str(k)], env=env,
+                                 capture_output=True, text=True, timeout=600, check=True).stdout
+            runs[k].append(json.loads(out.split("RESULT ", 1)[1].splitlines()[0]))
+    cost = subprocess.run([sys.executable, "-c", RULE_COST], env=env, capture_output=True, text=True, timeout=600, check=True)
+    forward_us, backward_us = map(float, cost.stdout.split())
+    return {"runs": runs, "forward_us": forward_us, "per_param_backward_us": backward_us}
+
+
+def render_accumulate(result, s):
+    runs = result["runs"]
+    base = statistics.median(r["compile_s"] for r in runs[1])
+    md = ["| k (backwards per step) | graphs compiled | compile s (median) | ratio to k=1 |", "|---|---|---|---|"]
+    for k, rs in runs.items():
+        median = statistics.median(r["compile_s"] for r in rs)
+        md.append(f"| {k} | {rs[0]['compiles'][-1]} | {median:.2f} | {median / base:.2f} |")
+    line = (f"accumulation compile time k=16 / k=1: {statistics.median(r['compile_s'] for r in runs[16]) / base:.2f} "
+            f"({len(runs[1])} run(s) each; target 1.5); the iteration rule costs {result['forward_us']:.2f} us per forward and "
+            f"{result['per_param_backward_us']:.2f} us per parameter per backward")
+    return md + ["", f"- {line}"], [line]
+
+
 def run_tp(s):
     return tensor_parallel(s.warm, *s.block("transformer", True), s.repeats, random.Random(0))
 
@@ -929,6 +976,7 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
     "ray": Section("Ray Train: 2-worker CPU fit (s), random order per round, stock gloo twice (A/A)",
                    lambda s: ray_fit_times(1 if s.smoke else 3, random.Random(0)), render_ray),
     "fsdp": Section("strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", run_fsdp, fsdp_section, charted=True),
+    "accumulate": Section("Gradient accumulation on XLA: compile time against k (ratio to k=1)", run_accumulate, render_accumulate),
     "tp": Section("Tensor parallelism on XLA (4 devices, a transformers LM with its own plan): ddp, fsdp, TP, 2-D",
                   run_tp, tp_section, charted=True),
 }
