@@ -930,7 +930,7 @@ def _before_forward(module, args, kwargs):
         state.watchdog.after_forward_cut((id(module), kind), _import("torch_xla.debug.metrics"))
     if not torch.is_grad_enabled():
         state.no_grad_forward_since_cut = True
-    if not state.watchdog.sliced_input:
+    if state.watchdog.late_compiles and not state.watchdog.sliced_input:  # only once a warning may follow
         state.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
                                           for t in (*args, *kwargs.values()))
 
