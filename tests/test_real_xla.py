@@ -259,3 +259,37 @@ def test_slicing_a_device_tensor_at_a_moving_offset_is_named_as_the_recompile_ca
     assert compiles[-1] > compiles[2] + 2, f"each offset should compile a new graph: {compiles}"
     warnings = [line for line in out.stderr.splitlines() if "compiled" in line and "after warm-up" in line]
     assert len(warnings) == 1 and "slice of a device tensor" in warnings[0] and "index_select" in warnings[0], warnings
+
+
+def _load_cost(layout, phase, directory, tmp):
+    """tests/load_cost.py on 4 XLA devices or 2 gloo ranks, with TMPDIR=`tmp`; each process's report."""
+    if layout == "fsdp4":
+        return [json.loads(python(["tests/load_cost.py", layout, phase, directory], dict(XLA_ENV, TMPDIR=str(tmp))).split("REPORT", 1)[1])]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = child.env(SEAMLESS_TPU_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", TMPDIR=str(tmp))
+    outs = child.run_together([(["tests/load_cost.py", layout, phase, directory], dict(env, RANK=str(r))) for r in range(2)], timeout=300)
+    return [json.loads(out.split("REPORT", 1)[1]) for out in outs]
+
+
+@pytest.mark.parametrize("layout", ["fsdp4", "gloo2"])
+def test_load_reads_only_its_share_and_holds_no_second_copy(layout, tmp_path):
+    """A 255 MB checkpoint (an 85 MB MLP with AdamW) loaded into the layout it was saved in. Each process
+    reads its share (on 4 XLA devices in one process, the checkpoint once; each of 2 FSDP2 ranks, half),
+    writes no file (before: a temporary consolidated copy of the whole checkpoint), and its resident memory
+    grows by at most 0.3x the checkpoint (before: 4.3x), beyond the optimizer state a fresh load creates."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    _load_cost(layout, "save", str(tmp_path / "ckpt"), tmp)
+    share = 1.0 if layout == "fsdp4" else 0.5
+    for phase in ("warm", "fresh"):
+        for report in _load_cost(layout, phase, str(tmp_path / "ckpt"), tmp):
+            size = report["checkpoint"]
+            assert size > 200e6 and report["bitwise"] and report["adam_bitwise"], report
+            assert report["read"] <= (share + 0.05) * size, f"{phase}: read {report['read'] / size:.3f}x the checkpoint"
+            assert report["written"] < 1e6, f"{phase}: wrote {report['written']} bytes while loading"
+            grown = report["rss_peak"] - (report["rss_before"] if phase == "warm" else max(report["rss_before"], report["rss_after"]))
+            assert grown <= 0.3 * size, f"{phase}: peak memory grew by {grown / size:.2f}x the checkpoint"
+            print(layout, phase, {k: round(report[k] / size, 3) for k in ("read", "rss_peak")}, "growth", round(grown / size, 3))
+    assert not list(tmp.iterdir()), "no temporary file"
