@@ -40,6 +40,7 @@ __all__ = [
 
 import collections
 import contextlib
+import concurrent.futures
 import copy
 import ctypes
 import dataclasses
@@ -49,6 +50,7 @@ import glob
 import importlib
 import importlib.util
 import inspect
+import io
 import logging
 import math
 import os
@@ -93,6 +95,7 @@ TP_STYLES = {
                      "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"), None),
 }
 CHECKPOINT_POINTER = "LATEST"  # names the committed save attempt; a save that never wrote it never happened
+CHECKPOINT_HISTORY = "HISTORY"  # the committed attempts kept (save_checkpoint(..., keep_last=K)), oldest first
 SAVE_ATTEMPT = re.compile(r"(save|step)-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
 ATTEMPT_MARKER = ".seamless_tpu_attempt"  # in every attempt a save creates: the only folders a later save removes
 OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (schedulers, scalers, ...) and RNG states
@@ -140,6 +143,8 @@ class _ProcessState:
     accumulating: bool = False  # a forward cut a backward off since the last optimizer step
     bounded: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
+    save_group: object = None  # its own gloo process group under torch.distributed: collectives off the main thread
+    save_in_flight: object = None  # the Future of the asynchronous save not yet waited for
 
 
 _STATE = _ProcessState()
@@ -275,6 +280,8 @@ _CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
 def _reset_caches():
     """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
     global _STATE
+    if _STATE.save_in_flight is not None:
+        concurrent.futures.wait([_STATE.save_in_flight])
     for probe in _CACHED_PROBES:
         probe.cache_clear()
     for handle in _STATE.optimizer_hooks.values():
@@ -1649,12 +1656,17 @@ class SeamlessTPUTrainer:
         leaves the previous file. Every rank returns, or raises the same error, together."""
         return _save_file(obj, path)
 
-    def save_checkpoint(self, directory, **state):
+    def save_checkpoint(self, directory, *, blocking=True, keep_last=1, **state):
         """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states).
         Every process writes only its shards (torch.distributed.checkpoint; on XLA torch_xla's SPMD
         planner); replacing `directory/LATEST` atomically commits it, so a crash at any point leaves
-        the previous checkpoint loadable. Returns `directory`."""
-        return _save_checkpoint(directory, state)
+        the previous checkpoint loadable. Returns `directory`.
+        blocking=False copies the state to the host and returns a concurrent.futures.Future of
+        `directory` while a background thread writes and commits; the loop goes on meanwhile.
+        keep_last=K keeps the K newest committed checkpoints (their names are in `directory/HISTORY`;
+        load an older one by passing `directory/<name>`); LATEST is always the newest.
+        `blocking` and `keep_last` are reserved names, like `directory`."""
+        return _save_checkpoint(directory, state, blocking, keep_last)
 
     def load_checkpoint(self, directory, **state):
         """Load modules and optimizers saved by save_checkpoint in place, onto this trainer's device,
@@ -1701,15 +1713,20 @@ def _save_file(obj, path):
     return path
 
 
-def _save_checkpoint(directory, state):
+def _save_checkpoint(directory, state, blocking=True, keep_last=1):
     """trainer.save_checkpoint: every process writes its shards into one new save attempt, which
-    process 0 commits by pointing LATEST at it."""
+    process 0 commits by pointing LATEST at it. With blocking=False, everything that reads the state
+    (the device->host copy of each shard, the pickling of plain values) happens before the call returns;
+    the writes and the commit run on a background thread, and the call returns their Future."""
     directory = os.fspath(directory)
     if not state:
         raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, optimizer=optimizer, epoch=epoch)")
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+        raise ValueError(f"save_checkpoint(keep_last=...) is how many committed checkpoints to keep, at least 1; got {keep_last!r}")
     plain = {k: v for k, v in state.items() if not _is_stateful(v)}
     for name, value in plain.items():
         _refuse_nested_state(value, name)
+    _wait_for_saves()  # one save at a time: the next attempt's commit may remove the one in flight
     rng = _rng_states()  # before the save's own syncs, each of which moves the XLA RNG on
     _sync_if_xla()
     attempt, error = None, None
@@ -1721,31 +1738,110 @@ def _save_checkpoint(directory, state):
         except Exception as e:  # shared with every rank below
             error = e
     attempt = _agree(f"save_checkpoint({directory!r})", attempt, error)
-    path = os.path.join(directory, attempt)
     tensors = {k: _state_dicts(v) for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
     objects = {k: _map_tensors(v.state_dict(), lambda t: _full_tensor(t).detach().cpu())
                for k, v in state.items() if _is_stateful(v) and k not in tensors}
+    files = {OBJECT_STATES: _serialized({"objects": objects, "rng": rng}), "values.pt": _serialized(plain)}
+    write = functools.partial(_write_checkpoint, directory, attempt, keep_last=keep_last, blocking=blocking)
+    if blocking:
+        try:
+            return write(_map_tensors(tensors, _one_copy_of_each_shard) if _STATE.xla_device is not None else tensors, files)
+        finally:
+            _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
+    try:
+        tensors = _map_tensors(tensors, _host_shards if _STATE.xla_device is not None else _host_copy)
+    finally:
+        _set_rng_states(rng)
+    if _torch_dist_ranks()[0] > 1 and _STATE.save_group is None:
+        _STATE.save_group = torch.distributed.new_group(backend="gloo")  # collective: every rank is here
+    future = _STATE.save_in_flight = _SaveFuture()
+
+    def run():
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(write(tensors, files))
+        except BaseException as e:  # the Future raises it, or the next save or load if nobody asked
+            future.set_exception(e)
+
+    # Not a daemon: the interpreter waits for it at exit, so the last save of a run is never cut off.
+    threading.Thread(target=run, name="seamless_tpu-save").start()
+    return future
+
+
+class _SaveFuture(concurrent.futures.Future):
+    """An asynchronous save's Future, which remembers whether its outcome was asked for: a failure
+    nobody asked about is raised by the next save or load instead of being lost."""
+
+    asked = False
+
+    def result(self, timeout=None):
+        self.asked = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self.asked = True
+        return super().exception(timeout)
+
+
+def _write_checkpoint(directory, attempt, tensors, files, *, keep_last, blocking):
+    """Write this process's shards, then process 0 writes the other files and commits; every rank
+    returns `directory` or raises together. Off the main thread, the collectives (DCP's planning, the
+    agreement) go through a process group of their own, never the one the training loop is using."""
+    group = None if blocking else _STATE.save_group
+    path = os.path.join(directory, attempt)
     error = None
     try:
         dcp = importlib.import_module("torch.distributed.checkpoint")  # part of torch, slow to import: on use
-        planner = None
-        if _STATE.xla_device is not None:
-            planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner()
-            tensors = _map_tensors(tensors, _one_copy_of_each_shard)
+        planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner() if _STATE.xla_device is not None else None
         try:
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner, process_group=group)
         except importlib.import_module("torch.distributed.checkpoint.api").CheckpointException as e:  # a BaseException whose text starts with a remote traceback
             raise _plain_error(e, path) from None
         if _is_main_process():
-            _atomic_write({"objects": objects, "rng": rng}, os.path.join(path, OBJECT_STATES))
-            _atomic_write(plain, os.path.join(path, "values.pt"))
-            _commit_checkpoint(directory, attempt)
+            for name, data in files.items():
+                _atomic_write(data, os.path.join(path, name))
+            _commit_checkpoint(directory, attempt, keep_last)
     except Exception as e:
         error = e
-    finally:
-        _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
-    _agree(f"save_checkpoint({directory!r})", error=error)
+    _agree(f"save_checkpoint({directory!r})", error=error, group=group)
     return directory
+
+
+def _wait_for_saves():
+    """Wait for the save_checkpoint(..., blocking=False) in flight, if any (the next save and load do;
+    the end of the process does too), and raise its failure if nobody asked its Future about it."""
+    future, _STATE.save_in_flight = _STATE.save_in_flight, None
+    if future is not None:
+        concurrent.futures.wait([future])
+        if not future.asked:
+            future.result()
+
+
+def _serialized(obj):
+    """`obj` as torch.save bytes, taken now: what a later write puts on disk cannot change after the call."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _host_shards(t):
+    """An XLA tensor's shards copied to the host now, for an asynchronous save: one copy of each
+    (replica 0), as torch_xla's planner writes them; a replicated tensor as one CPU tensor."""
+    if not _is_xla(t.device):
+        return t.detach().clone()
+    if not _is_split(t):
+        return t.detach().cpu()
+    helpers = _import("torch_xla.experimental.distributed_checkpoint._helpers")
+    shards = helpers._cpu_shards_from_tensors([t])[0]
+    return helpers._CpuShards(shards=[s for s in shards.shards if s.replica_id == 0], global_shape=shards.global_shape)
+
+
+def _host_copy(t):
+    """A tensor copied to the host now, for an asynchronous save; an FSDP2 DTensor keeps its placements."""
+    if hasattr(t, "to_local"):
+        local = t.to_local().detach().to("cpu", copy=True)
+        return type(t).from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return t.detach().to("cpu", copy=True)
 
 
 def _one_copy_of_each_shard(t):
@@ -1806,6 +1902,7 @@ def _load_checkpoint(directory, state):
         if not _is_stateful(obj):
             raise TypeError(f"load_checkpoint loads modules, optimizers and objects with state_dict()/load_state_dict() "
                             f"in place; {name!r} is a {type(obj).__name__}. Plain values come back from the call instead")
+    _wait_for_saves()
     path = _committed_attempt(directory)
     dcp = importlib.import_module("torch.distributed.checkpoint")
     reader = dcp.FileSystemReader(path)
@@ -1971,14 +2068,14 @@ def _full_tensor(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2 DTensor: a collective, every rank calls it
 
 
-def _agree(what, value=None, error=None):
+def _agree(what, value=None, error=None, group=None):
     """The one agreement step for collective outcomes: every rank learns whether `what` worked on every
     rank and gets process 0's `value`; if any failed, all raise together, so nobody hangs. It is also
     the barrier that keeps readers out of a checkpoint until it is complete."""
     size, _ = _torch_dist_ranks()
     if size > 1:
         outcomes = [None] * size
-        torch.distributed.all_gather_object(outcomes, (value, None if error is None else f"{type(error).__name__}: {error}"))
+        torch.distributed.all_gather_object(outcomes, (value, None if error is None else f"{type(error).__name__}: {error}"), group=group)
         failed = [(rank, message) for rank, (_, message) in enumerate(outcomes) if message is not None]
         if failed and error is None:
             raise RuntimeError(f"{what} failed on process {failed[0][0]}: {failed[0][1]}")
@@ -2022,16 +2119,39 @@ def _fsync_dir(directory):
             os.close(fd)
 
 
-def _commit_checkpoint(directory, attempt):
-    """Point LATEST at `attempt` with one atomic rename, then drop every other save attempt (older
-    ones, and what killed saves left behind). A reader sees the old checkpoint or the new one."""
+def _commit_checkpoint(directory, attempt, keep_last=1):
+    """Make `attempt` the newest of the kept checkpoints: HISTORY, then LATEST, each replaced by one
+    atomic rename. Then drop every other save attempt (older ones past `keep_last`, and what killed
+    saves left behind). A reader sees the old checkpoint or the new one."""
+    kept = [a for a in _history(directory) if a != attempt][-(keep_last - 1):] if keep_last > 1 else []
+    kept.append(attempt)
+    _atomic_write("\n".join(kept).encode(), os.path.join(directory, CHECKPOINT_HISTORY))
     _atomic_write(attempt.encode(), os.path.join(directory, CHECKPOINT_POINTER))
     for name in os.listdir(directory):
-        if name != attempt and os.path.isfile(os.path.join(directory, name, ATTEMPT_MARKER)):
+        if name not in kept and os.path.isfile(os.path.join(directory, name, ATTEMPT_MARKER)):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
+def _history(directory):
+    """The committed save attempts in `directory` that still exist, oldest first."""
+    try:
+        with open(os.path.join(directory, CHECKPOINT_HISTORY)) as f:
+            names = f.read().split()
+    except FileNotFoundError:  # written by a release before HISTORY: its one checkpoint
+        try:
+            with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
+                names = f.read().split()
+        except FileNotFoundError:
+            return []
+    return [n for n in names if SAVE_ATTEMPT.fullmatch(n) and os.path.isdir(os.path.join(directory, n))]
+
+
 def _committed_attempt(directory):
+    """The folder to load: the one LATEST names, or `directory` itself when it is an older checkpoint
+    that save_checkpoint(..., keep_last=K) kept (one of the names in its parent's HISTORY)."""
+    parent, name = os.path.split(os.path.normpath(directory))
+    if SAVE_ATTEMPT.fullmatch(name) and name in _history(parent):
+        return directory
     pointer = os.path.join(directory, CHECKPOINT_POINTER)
     try:
         with open(pointer) as f:

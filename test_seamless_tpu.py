@@ -3,6 +3,7 @@ for the library; tests/test_real_xla.py runs the same scenarios on the real one.
 (hygiene, fresh, no_xla, fake) are in conftest.py; what to_device does with batches is in
 tests/test_inputs.py."""
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 
 import pytest
@@ -284,7 +286,7 @@ trainer = st.SeamlessTPUTrainer(model, device="cpu")
 with torch.no_grad():
     model.weight.fill_(2.0)
 
-def killed_before_commit(directory, step):  # every shard is on disk; the commit never comes
+def killed_before_commit(directory, step, keep_last):  # every shard is on disk; the commit never comes
     open(flag, "w").close()
     time.sleep(120)
 
@@ -308,6 +310,117 @@ def test_checkpoint_killed_midway_keeps_the_previous_one(tmp_path, no_xla, monke
     assert torch.equal(fresh.weight, torch.ones(2, 3)), "the previous checkpoint, not the half-written one"
     trainer.save_checkpoint(directory, model=model, epoch=3)  # the next save cleans up the leftovers
     assert len([n for n in os.listdir(directory) if n.startswith("save-")]) == 1
+
+
+def test_async_checkpoint_saves_the_state_at_the_call_while_training_goes_on(tmp_path, no_xla, monkeypatch):
+    """save_checkpoint(..., blocking=False) returns a Future at once; the loop trains while the write is
+    held back; what lands on disk is the state at the call (weights, Adam state, a plain value mutated
+    after it); the next save waits for the one in flight."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = scenarios.mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    x, y = torch.randn(8, 10), torch.randn(8, 1)
+    scenarios.run_steps(model, optimizer, x, y, 2)
+    gate, commit = threading.Event(), st._commit_checkpoint
+    monkeypatch.setattr(st, "_commit_checkpoint", lambda *a: gate.wait(60) and commit(*a))
+    at_call = {k: v.clone() for k, v in model.state_dict().items()}
+    adam_at_call = optimizer.state[model[0].weight]["exp_avg"].clone()
+    meta = {"seen": [1, 2]}
+    future = trainer.save_checkpoint(tmp_path / "ckpt", blocking=False, model=model, optimizer=optimizer, meta=meta)
+    assert isinstance(future, concurrent.futures.Future)
+    meta["seen"].append(3)
+    scenarios.run_steps(model, optimizer, x, y, 3)  # training goes on while the write waits
+    assert not future.done() and not (tmp_path / "ckpt" / "LATEST").exists()
+    threading.Timer(0.5, gate.set).start()
+    trainer.save_checkpoint(tmp_path / "ckpt2", model=model)  # waits for the one in flight first
+    assert future.done() and future.result() == str(tmp_path / "ckpt")
+    fresh = scenarios.mlp(seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert trainer.load_checkpoint(tmp_path / "ckpt", model=fresh, optimizer=fresh_opt) == {"meta": {"seen": [1, 2]}}
+    assert all(torch.equal(v, at_call[k]) for k, v in fresh.state_dict().items())
+    assert not torch.equal(model[0].weight, at_call["0.weight"]), "the loop did train meanwhile"
+    assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], adam_at_call)
+
+
+def test_async_checkpoint_failure_raises_from_its_future_or_else_the_next_call(tmp_path, no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = torch.nn.Linear(3, 2)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    trainer.save_checkpoint(tmp_path, model=model, epoch=1)
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(st, "_commit_checkpoint", full_disk)
+    future = trainer.save_checkpoint(tmp_path, blocking=False, model=model, epoch=2)
+    with pytest.raises(OSError, match="No space left on device"):
+        future.result(timeout=60)
+    assert trainer.load_checkpoint(tmp_path, model=model) == {"epoch": 1}, "the previous checkpoint stays"
+    trainer.save_checkpoint(tmp_path, blocking=False, model=model, epoch=3)  # nobody asks this one's Future
+    with pytest.raises(OSError, match="No space left on device"):
+        trainer.save_checkpoint(tmp_path, model=model, epoch=4)
+
+
+def test_rolling_history_keeps_the_last_k_and_each_loads(tmp_path, no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = torch.nn.Linear(3, 2)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    for epoch in range(4):
+        with torch.no_grad():
+            model.weight.fill_(epoch)
+        trainer.save_checkpoint(tmp_path, keep_last=2, model=model, epoch=epoch)
+    kept = (tmp_path / "HISTORY").read_text().split()
+    assert len(kept) == 2 and sorted(n for n in os.listdir(tmp_path) if n.startswith("save-")) == sorted(kept)
+    assert (tmp_path / "LATEST").read_text() == kept[-1]
+    assert trainer.load_checkpoint(tmp_path, model=model) == {"epoch": 3}, "resume from the newest"
+    assert trainer.load_checkpoint(tmp_path / kept[0], model=model) == {"epoch": 2}
+    assert torch.equal(model.weight, torch.full((2, 3), 2.0))
+    trainer.save_checkpoint(tmp_path, model=model, epoch=4)  # keep_last=1 again: only the new one stays
+    assert len([n for n in os.listdir(tmp_path) if n.startswith("save-")]) == 1
+    with pytest.raises(ValueError, match="at least 1; got 0"):
+        trainer.save_checkpoint(tmp_path, keep_last=0, model=model)
+
+
+KILL_MID_ASYNC_WRITE = """
+import sys, time, torch
+import torch.distributed.checkpoint as dcp
+import seamless_tpu as st
+directory, flag = sys.argv[1], sys.argv[2]
+model = torch.nn.Linear(3, 2)
+trainer = st.SeamlessTPUTrainer(model, device="cpu")
+trainer.save_checkpoint(directory, model=model, epoch=1)
+write = dcp.FileSystemWriter.write_data
+
+def killed_while_writing(self, plan, planner):  # the shards of the second save are being written
+    open(flag, "w").close()
+    time.sleep(120)
+
+dcp.FileSystemWriter.write_data = killed_while_writing
+trainer.save_checkpoint(directory, blocking=False, model=model, epoch=2)
+while True:  # the loop trains on
+    model(torch.randn(4, 3)).sum().backward()
+"""
+
+EXIT_WITH_SAVE_IN_FLIGHT = """
+import sys, time, torch
+import seamless_tpu as st
+model = torch.nn.Linear(3, 2)
+trainer = st.SeamlessTPUTrainer(model, device="cpu")
+commit = st._commit_checkpoint
+st._commit_checkpoint = lambda *a: (time.sleep(1), commit(*a))
+trainer.save_checkpoint(sys.argv[1], blocking=False, model=model, epoch=7)
+"""
+
+
+def test_async_checkpoint_killed_mid_write_keeps_the_previous_one_and_exit_waits(tmp_path, no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    kill_when_flagged(KILL_MID_ASYNC_WRITE, tmp_path / "a", flag=tmp_path / "writing")
+    model = torch.nn.Linear(3, 2)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    assert trainer.load_checkpoint(tmp_path / "a", model=model) == {"epoch": 1}
+    child.run(["-c", EXIT_WITH_SAVE_IN_FLIGHT, tmp_path / "b"], timeout=120)
+    assert trainer.load_checkpoint(tmp_path / "b", model=model) == {"epoch": 7}, "the process waited for its save"
 
 
 def test_checkpoint_bad_input_names_the_key_or_path(tmp_path, no_xla, monkeypatch):
@@ -544,6 +657,14 @@ def test_checkpoint_objects_and_a_full_disk_on_real_ranks(tmp_path):
             assert got["disk_full"] is not None and "No space left on device" in got["disk_full"], (strategy, rank, got)
             assert got["after"] == 1, "the previous checkpoint is still the committed one"
         assert "could not write the checkpoint" in ranks[1][strategy]["disk_full"]
+
+
+def test_async_checkpoint_on_real_ranks_saves_the_state_at_the_call(tmp_path):
+    for rank, seen in enumerate(run_ranks("async_checkpoint", tmp_path)):
+        for strategy in ("ddp", "fsdp"):
+            got = seen[strategy]
+            assert got["result"] == f"async-{strategy}" and got["epoch"] == 2 and got["at_call"], (rank, strategy, got)
+            assert got["steps"] > 0, "the loop trained while the save was in flight"
 
 
 def test_fsdp2_shards_a_block_repeated_in_a_module_list_once(tmp_path):

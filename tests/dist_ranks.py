@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -228,6 +230,38 @@ def checkpoint_objects(out_dir):
         finally:
             os.fsync = fsync
         seen[strategy]["after"] = trainer2.load_checkpoint(directory, model=model2)["epoch"]
+    return seen
+
+
+def async_checkpoint(out_dir):
+    """On real ranks (ddp and FSDP2): save_checkpoint(..., blocking=False) while the loop trains on, its
+    gradient all-reduces and FSDP2 gathers on the default group, the save's planning on a group of its
+    own. Every rank's future resolves; the checkpoint holds the weights at the call."""
+    import scenarios
+
+    seen = {}
+    for strategy in ("ddp", "fsdp"):
+        directory = os.path.join(out_dir, f"async-{strategy}")
+        model, optimizer = heads_model()
+        trainer = st.SeamlessTPUTrainer(model, device="cpu", strategy=strategy)
+        x, y = full_batch(0, dist.get_world_size(), 0)
+        x, y = x.chunk(dist.get_world_size())[dist.get_rank()], y.chunk(dist.get_world_size())[dist.get_rank()]
+        scenarios.run_steps(model, optimizer, x, y, 2)
+        at_call = {k: getattr(v, "full_tensor", lambda v=v: v)().clone() for k, v in model.state_dict().items()}
+        commit = st._commit_checkpoint
+        st._commit_checkpoint = lambda *a: (time.sleep(1), commit(*a))  # a write that takes a second
+        future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizer, epoch=2)
+        steps = 0
+        while not future.done():  # the loop goes on meanwhile
+            scenarios.run_steps(model, optimizer, x, y, 1)
+            steps += 1
+        st._commit_checkpoint = commit
+        model2, optimizer2 = heads_model()
+        trainer2 = st.SeamlessTPUTrainer(model2, device="cpu", strategy=strategy)
+        epoch = trainer2.load_checkpoint(directory, model=model2, optimizer=optimizer2)["epoch"]
+        loaded = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in model2.state_dict().items()}
+        seen[strategy] = {"result": os.path.basename(future.result()), "epoch": epoch, "steps": steps,
+                          "at_call": all(torch.equal(loaded[k], at_call[k]) for k in at_call)}
     return seen
 
 

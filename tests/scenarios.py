@@ -528,6 +528,44 @@ def checkpoint_round_trip(tmp=None):
     assert_close(torch.stack(resumed), torch.stack(uninterrupted), 1e-6, "resume from checkpoint")
 
 
+def async_checkpoint_saves_the_state_at_the_call():
+    """save_checkpoint(..., blocking=False) on 4 XLA devices with fsdp: the shards are on the host when
+    the call returns, the loop trains on while they are written (the commit held back a second), and
+    the checkpoint holds the weights and Adam state at the call, still sharded when loaded."""
+    import tempfile
+    import time
+
+    import torch_xla
+
+    directory = tempfile.mkdtemp()
+    x_cpu, y_cpu = data()
+    model = mlp()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+    x, y = trainer.to_device(x_cpu, y_cpu)
+    run_steps(model, optimizer, x, y, 2)
+    at_call = {k: v.cpu() for k, v in model.state_dict().items()}
+    adam_at_call = optimizer.state[model[0].weight]["exp_avg"].cpu()
+    commit = st._commit_checkpoint
+    st._commit_checkpoint = lambda *a: (time.sleep(1), commit(*a))
+    future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizer, epoch=2)
+    steps = 0
+    while not future.done():
+        run_steps(model, optimizer, x, y, 1)[-1].item()  # one step at a time, each finished
+        steps += 1
+    st._commit_checkpoint = commit
+    assert future.result() == directory and steps > 0, steps
+    fresh = mlp(seed=123)
+    fresh_opt = OPTIMIZERS["adam"](fresh.parameters())
+    fresh_trainer = st.SeamlessTPUTrainer(fresh, strategy="fsdp")
+    assert fresh_trainer.load_checkpoint(directory, model=fresh, optimizer=fresh_opt) == {"epoch": 2}
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v.cpu(), at_call[k]), k
+        assert torch_xla._XLAC._get_xla_sharding_spec(v).startswith("{devices="), k
+    assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"].cpu(), adam_at_call)
+    print(f"steps while the save was in flight: {steps}")
+
+
 def dropout_resumes_bitwise():
     """A dropout model resumed from save_checkpoint draws the masks the uninterrupted run drew: the
     checkpoint holds the XLA RNG state taken before the save's own sync, and loading restores it."""

@@ -32,6 +32,7 @@ REAL_ONLY = [
     "no_device_repeats_another_devices_dots",
     "checkpoint_round_trip",
     "dropout_resumes_bitwise",
+    "async_checkpoint_saves_the_state_at_the_call",
     "unfreezing_recompiles_once_without_warning",
     "bf16_close_to_fp32",
     "mixed_device_optimizer_is_synced",
