@@ -11,8 +11,9 @@ forward, came since the last cut (a forward pre-hook on the model, a post-accumu
 strategy="fsdp" shards every parameter (XLA: over the mesh's "fsdp" axis; torch.distributed: FSDP2).
 xla_spmd_config={"model_parallel_size": N} adds a "model" axis, over which a tensor-parallel plan (tp_plan=,
 Hugging Face's format; a transformers model brings its own) splits weights, alone or 2-D with "fsdp".
-trainer.save_checkpoint / load_checkpoint write atomic sharded checkpoints that reshard onto any device,
-mesh and strategy; consolidate_checkpoint(dir) gives plain CPU state_dicts. TorchConfig / TorchTrainer
+trainer.save_checkpoint / load_checkpoint write atomic sharded checkpoints (in the background with
+blocking=False; the last K with keep_last=K) that load shard by shard onto any device, mesh and strategy;
+consolidate_checkpoint(dir) gives plain CPU state_dicts. TorchConfig / TorchTrainer
 run the loop under Ray Train. Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another
 PJRT device, e.g. PJRT_DEVICE=CPU CPU_NUM_DEVICES=4), "gpu", "cpu". torch_xla and ray load only when used.
 
@@ -30,7 +31,9 @@ torch.utils.checkpoint.CheckpointFunction and _CheckpointFrame.__init__ routed s
 sits behind an optimization barrier; global optimizer-step hooks (the sync, the recompile watchdog). With
 FSDP2 or tensor parallelism off XLA: one pre-step hook that rebinds optimizers built before the trainer.
 From the first trainer on any device (main thread): a SIGTERM handler that chains the user's and leaves
-SIG_IGN alone, and a post-step hook that turns it into trainer.preempted. Nothing at import.
+SIG_IGN alone, and a post-step hook that turns it into trainer.preempted. From the first
+save_checkpoint(..., blocking=False): one non-daemon thread per save (the interpreter waits for it at exit) and,
+under torch.distributed, one extra gloo process group for its collectives. Nothing at import.
 """
 
 __all__ = [

@@ -539,7 +539,7 @@ def test_save_checkpoint_removes_only_what_it_wrote(tmp_path, no_xla, monkeypatc
     trainer.save_checkpoint(tmp_path, model=model, epoch=2)
     left = sorted(os.listdir(tmp_path))
     assert first not in left, "our previous attempt is removed"
-    assert left == sorted(["LATEST", (tmp_path / "LATEST").read_text(), "save-1-2", "step-3-4", "step-5000"]), left
+    assert left == sorted(["HISTORY", "LATEST", (tmp_path / "LATEST").read_text(), "save-1-2", "step-3-4", "step-5000"]), left
 
 
 def test_failed_checkpoint_write_raises_an_ordinary_exception_naming_the_path(tmp_path, no_xla, monkeypatch):
