@@ -3,6 +3,8 @@
     python tests/preempt.py uninterrupted DIR   # STEPS steps; prints RESULT {"losses": [...]}
     python tests/preempt.py preemptible DIR     # writes DIR/ready-RANK after step 3, then steps until
                                                 # trainer.preempted, saves DIR/ckpt and exits 0
+    python tests/preempt.py saving DIR          # the same, with a periodic save at step 5 whose commit takes
+                                                # a second: DIR/saving-0 says it has started
     python tests/preempt.py resume DIR          # loads DIR/ckpt and runs the remaining steps
 
 run(MODE, DIR, N) runs one of these on N processes for a test, and can SIGTERM one of them.
@@ -40,9 +42,10 @@ def result(out):
     return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
 
 
-def run(mode, directory, world, signal_rank=None, env=None):
+def run(mode, directory, world, signal_rank=None, env=None, signals=1):
     """tests/preempt.py MODE on `world` processes (gloo ranks when 2); with signal_rank, SIGTERM that
-    process once every rank is past step 3. Each process's RESULT."""
+    process `signals` times once every rank is past step 3 (mode 'saving': once the step-5 save is
+    committing). Each process's RESULT."""
     port = free_port()
     import child
 
@@ -54,10 +57,13 @@ def run(mode, directory, world, signal_rank=None, env=None):
     try:
         if signal_rank is not None:
             deadline = time.monotonic() + 120
-            while not all(os.path.exists(os.path.join(directory, f"ready-{r}")) for r in range(world)):
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run never got past step 3"
+            flags = ["saving-0"] if mode == "saving" else [f"ready-{r}" for r in range(world)]
+            while not all(os.path.exists(os.path.join(directory, f)) for f in flags):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"the run never wrote {flags}"
                 time.sleep(0.05)
-            procs[signal_rank].send_signal(signal.SIGTERM)
+            for _ in range(signals):
+                procs[signal_rank].send_signal(signal.SIGTERM)
+                time.sleep(0.2)
         outs = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:
@@ -95,7 +101,13 @@ def main(mode, directory):
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
-        if mode == "preemptible":
+        if mode == "saving" and step == 5:  # a periodic save, which the signals interrupt
+            commit = st._commit_checkpoint
+            st._commit_checkpoint = lambda *a: (open(os.path.join(directory, "saving-0"), "w").close(), time.sleep(1), commit(*a))
+            trainer.save_checkpoint(os.path.join(directory, "ckpt"), model=model, optimizer=optimizer, step=step,
+                                    rng=torch.get_rng_state())
+            st._commit_checkpoint = commit
+        if mode in ("preemptible", "saving"):
             if step == 3:
                 open(os.path.join(directory, f"ready-{rank}"), "w").close()
             if trainer.preempted:

@@ -191,6 +191,20 @@ def test_sigterm_saves_at_the_next_step_and_the_resumed_run_is_bitwise_uninterru
         assert stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigterm_twice_during_a_save_lets_it_commit_then_saves_at_the_next_step(tmp_path, world):
+    """Two SIGTERMs while the step-5 save is committing (on 2 ranks, to rank 1, which waits in the save's
+    agreement): the save completes, the loop stops at step 6 with a second save, exits 0, and resuming
+    from it continues the uninterrupted run bitwise."""
+    want = preempt.run("uninterrupted", tmp_path / "whole", world)
+    (tmp_path / "run").mkdir()
+    stopped = preempt.run("saving", tmp_path / "run", world, signal_rank=world - 1, signals=2)
+    assert [r["stopped_at"] for r in stopped] == [6] * world, stopped
+    resumed = preempt.run("resume", tmp_path / "run", world)
+    for rank in range(world):
+        assert resumed[rank]["start"] == 7 and stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
+
+
 def test_a_tpu_slice_agrees_through_torch_xlas_preemption_sync_manager(monkeypatch, fresh, sigterm_restored):
     """Multi-host TPU without a torch.distributed group: torch_xla's preemption sync manager (activated once)
     is asked at each step; the step it names is where every host's trainer.preempted turns True."""
