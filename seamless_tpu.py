@@ -54,6 +54,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import itertools
 import logging
 import math
 import os
@@ -146,6 +147,8 @@ class _ProcessState:
     accumulating: bool = False  # a forward cut a backward off since the last optimizer step
     bounded: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
+    uninitialized: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    # ^ module of a meta-built model -> how to initialise it: laid out on XLA, not yet used or loaded
     save_group: object = None  # its own gloo process group under torch.distributed: collectives off the main thread
     save_in_flight: object = None  # the Future of the asynchronous save not yet waited for
 
@@ -935,6 +938,8 @@ def _saw_backward(param):
 
 def _before_forward(module, args, kwargs):
     state = _STATE
+    if state.uninitialized:  # a meta-built model's first forward: initialise what no checkpoint filled
+        _initialize_pending(module)
     if state.backward_since_cut or state.no_grad_forward_since_cut:
         kind = "train" if state.backward_since_cut else "eval"
         state.accumulating |= kind == "train"
@@ -1127,6 +1132,112 @@ def _shard_parameters(module, mesh):
     for param in module.parameters():
         if param.dim() and not _is_split(param):
             _mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
+
+
+def _has_meta_tensors(model):
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _materialize(model, device, mesh, fsdp, planned):
+    """A model built under torch.device("meta") made real on `device` one module at a time, children
+    before their parent (the order their constructors ran in), each tensor split over `mesh` as it will
+    be trained (its `planned` spec, else fsdp's). Off XLA each module is initialised now. On XLA the
+    tensors are only laid out (lazily: nothing is computed or sent) and each module is initialised at
+    the model's first forward or save, unless load_checkpoint filled it first: a model loaded from a
+    checkpoint is never initialised. Parameter objects are kept, so an optimizer made earlier trains."""
+    owners = {}  # module -> the transformers model whose _initialize_weights initialises it, or None
+
+    def visit(module, owner):
+        owner = module if callable(getattr(module, "_initialize_weights", None)) else owner
+        for child in module.children():
+            visit(child, owner)
+        owners[module] = owner
+
+    visit(model, None)
+    pending, rng = {}, [torch.get_rng_state()]  # the CPU RNG as the build left it: every module draws from it in turn
+    for module, owner in owners.items():  # dicts keep insertion order: post-order
+        own = [name for name, t in _own_tensors(module) if t.is_meta]
+        if not own:
+            continue
+        _check_initialisable(module, owner, own)
+        for name in own:
+            t = getattr(module, name)
+            made = torch.empty(t.shape, dtype=t.dtype, device=device)
+            _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
+        pending[module] = (owner, rng)
+    _STATE.uninitialized.update(pending)
+    if not _is_xla(device):
+        _initialize_pending(model)
+
+
+def _own_tensors(module):
+    return [(n, t) for n, t in itertools.chain(module._parameters.items(), module._buffers.items()) if t is not None]
+
+
+def _check_initialisable(module, owner, names):
+    if owner is None and not any(callable(getattr(module, m, None)) for m in ("reset_parameters", "_reset_parameters")):
+        raise ValueError(
+            f"cannot initialise the meta tensors {names} of {type(module).__name__}: it has no reset_parameters(), so "
+            "their values are unknown. Give it a reset_parameters() that sets them, or build the model on the CPU")
+
+
+def _split_like_planned(tensor, meta, mesh, fsdp, planned):
+    if mesh is not None and tensor.dim() and isinstance(meta, torch.nn.Parameter):
+        if meta in planned:
+            _mark_sharding(tensor, mesh, planned[meta])
+        elif fsdp:
+            _mark_sharding(tensor, mesh, _fsdp_spec(tuple(tensor.shape), _axis_sizes(mesh)[FSDP_AXIS]))
+    return tensor
+
+
+def _set_own_tensor(module, name, value):
+    """Put `value` in place of the module's own tensor `name`. A parameter keeps its object (swapped in
+    place, with the hooks and attributes it carries), so optimizers and the trainer's hooks keep it."""
+    if name not in module._parameters:
+        module._buffers[name] = value
+        return
+    param = module._parameters[name]
+    kept = dict(param.__dict__)
+    torch.utils.swap_tensors(param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
+    param.__dict__.update(kept)
+
+
+def _initialize_pending(model):
+    """Initialise the modules of `model` that _materialize laid out and nothing filled yet: each on the
+    CPU, by its own initialisation (reset_parameters(), or _reset_parameters() as MultiheadAttention
+    has; in a transformers model its _initialize_weights), then sent to its place shard by shard. The
+    host holds one module at a time. The modules draw, in turn, from the CPU RNG as it was when the
+    trainer was made, and the loop's own RNG is left as it is: if nothing drew from it between the build
+    and the trainer, the weights are those of the same model built on the CPU, when its modules are
+    built in the order they are registered (a module deep-copied from another, as nn.TransformerEncoder
+    copies its layer, draws its own values instead)."""
+    members = set(model.modules())
+    for module in [m for m in list(_STATE.uninitialized) if m in members]:  # the post-order they were laid out in
+        owner, rng = _STATE.uninitialized.pop(module)
+        placed = dict(_own_tensors(module))
+        for name, t in placed.items():  # a CPU stand-in for each own tensor while the module initialises
+            stand_in = torch.empty(t.shape, dtype=t.dtype)
+            if name in module._parameters:
+                module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
+            else:
+                module._buffers[name] = stand_in
+        with torch.random.fork_rng(devices=[]):  # the loop's own CPU RNG goes on untouched
+            torch.set_rng_state(rng[0])
+            if owner is not None:
+                module._is_hf_initialized = False  # built under meta, its initialisation ran on nothing
+                owner._initialize_weights(module)
+            elif callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            else:
+                module._reset_parameters()
+            rng[0] = torch.get_rng_state()
+        for name, t in placed.items():
+            value = getattr(module, name).detach().to(t.device)
+            if _is_xla(t.device) and _is_split(t):
+                _mark_sharding(value, _import("torch_xla")._XLAC._get_xla_op_sharding(t))
+            if name in module._parameters:
+                module._parameters[name] = t
+            _set_own_tensor(module, name, value)
 
 
 def _xla_shardings(tensors):
@@ -1608,9 +1719,12 @@ class SeamlessTPUTrainer:
         self._data_ranks = _data_ranks(ranks)
         if strategy == "fsdp" and self.mesh is None and not distributed and _once("fsdp_single"):
             _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
+        if _has_meta_tensors(model):
+            _materialize(model, self.device, self.mesh, strategy == "fsdp", planned)
         model.to(self.device)
         for param, spec in planned.items():
-            _mark_sharding(param, self.mesh, spec)
+            if not _is_split(param):  # a meta model's planned weights were split as they were made
+                _mark_sharding(param, self.mesh, spec)
         if strategy == "fsdp" and self.mesh is not None:
             _shard_parameters(model, self.mesh)  # all the plan left whole
         if self._batch_sharding is not None:
@@ -1741,6 +1855,9 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
         except Exception as e:  # shared with every rank below
             error = e
     attempt = _agree(f"save_checkpoint({directory!r})", attempt, error)
+    for value in state.values():
+        if isinstance(value, torch.nn.Module) and _STATE.uninitialized:
+            _initialize_pending(value)
     tensors = {k: _state_dicts(v) for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
     objects = {k: _map_tensors(v.state_dict(), lambda t: _full_tensor(t).detach().cpu())
                for k, v in state.items() if _is_stateful(v) and k not in tensors}
@@ -1925,6 +2042,9 @@ def _load_checkpoint(directory, state):
         dcp.load(reads, storage_reader=reader, planner=_load_planner(release))
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
+            for module in _unwrap(obj).modules():  # filled: a meta-built model's module needs no initialisation
+                if not module._non_persistent_buffers_set & {n for n, _ in _own_tensors(module)}:
+                    _STATE.uninitialized.pop(module, None)
             if extra[name]:  # the tensors are in place; a non-tensor entry (extra state) goes through the module's own hook
                 values = _unflatten(saved[name], reads)
                 _unwrap(obj).load_state_dict({key: values[saved_key] for key, saved_key in extra[name].items()}, strict=False)
