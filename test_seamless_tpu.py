@@ -1054,6 +1054,67 @@ def test_torch_parallel_styles_are_accepted_by_name(fake):
     assert fake.shardings.get(model[0].weight) and fake.shardings.get(model[2].weight)
 
 
+def in_order_model():
+    """Standard layers built in the order they are registered (MultiheadAttention initialises its
+    out_proj child, then its own weights: children first, as _materialize replays it)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(20, 16), torch.nn.LayerNorm(16), torch.nn.MultiheadAttention(16, 2, batch_first=True),
+                               torch.nn.Conv1d(4, 4, 3), torch.nn.BatchNorm1d(4), torch.nn.Linear(16, 3))
+
+
+def test_a_meta_model_off_xla_gets_a_cpu_builds_weights_and_keeps_its_parameter_objects(no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = in_order_model()
+    with torch.device("meta"):
+        model = in_order_model()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # made on the meta parameters
+    untouched = torch.get_rng_state()
+    st.SeamlessTPUTrainer(model, device="cpu")
+    assert torch.equal(torch.get_rng_state(), untouched), "the modules drew from a copy of the RNG; the loop's is as it was"
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    for (k, v), (_, w) in zip(model.state_dict().items(), cpu.state_dict().items()):
+        assert v.device.type == "cpu" and torch.equal(v, w), k
+    model[-1](torch.ones(2, 16)).sum().backward()
+    before = model[-1].weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(model[-1].weight, before), "the optimizer made on meta trains the real weights"
+
+
+def test_a_meta_module_without_reset_parameters_is_refused_with_the_fix(no_xla, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.full((3,), 2.0))
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), Scaled())
+    with pytest.raises(ValueError, match=r"meta tensors \['scale'\] of Scaled: it has no reset_parameters\(\).*build the model on the CPU"):
+        st.SeamlessTPUTrainer(model, device="cpu")
+
+
+def test_a_meta_transformers_model_follows_its_own_initialisation(no_xla, monkeypatch):
+    """A transformers model initialises by its _initialize_weights (normal(0, initializer_range) for
+    Linear and Embedding, ones for RMSNorm, the rotary inv_freq computed), never by torch's defaults."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    import workloads
+
+    reference = workloads.tiny_lm("llama")
+    with torch.device("meta"):
+        model = workloads.tiny_lm("llama")
+    st.SeamlessTPUTrainer(model, device="cpu")
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    rotary = model.model.rotary_emb
+    assert torch.equal(rotary.inv_freq, reference.model.rotary_emb.inv_freq)
+    weights = torch.cat([m.weight.flatten() for m in model.modules() if isinstance(m, torch.nn.Linear)])
+    assert abs(weights.std().item() - model.config.initializer_range) < 0.002, weights.std()
+    assert all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in model.modules() if "RMSNorm" in type(m).__name__)
+    ids = torch.randint(0, workloads.LM_VOCAB, (2, 8))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
 class HFLike(torch.nn.Module):
     """How a transformers causal LM carries its plan: config.base_model_tp_plan for the base model under
     base_model_prefix, and the class's _tp_plan for the head (transformers 5 also merges both onto the

@@ -294,3 +294,25 @@ def test_load_reads_only_its_share_and_holds_no_second_copy(layout, tmp_path):
             assert grown <= 0.3 * size, f"{phase}: peak memory grew by {grown / size:.2f}x the checkpoint"
             print(layout, phase, {k: round(report[k] / size, 3) for k in ("read", "rss_peak")}, "growth", round(grown / size, 3))
     assert not list(tmp.iterdir()), "no temporary file"
+
+
+def test_meta_model_is_made_one_module_at_a_time_with_a_cpu_builds_weights(tmp_path):
+    """A 320 MB model of standard layers (Embedding, LayerNorm, MultiheadAttention, Linear) built under
+    torch.device("meta") and given to the fsdp trainer on 4 XLA devices. At its first forward each module
+    is initialised on the CPU by its own reset_parameters and sent shard by shard: the weights equal a
+    CPU build's with the same seed bitwise, every parameter is split, and the process grows by the
+    model's shards (device memory, on XLA:CPU) plus at most 2 modules and 64 MB (the forward's compile
+    included); a CPU build then the trainer grows by 1.6x the model. With load_checkpoint before the first
+    forward nothing is initialised (no reset_parameters call) and the weights are the checkpoint's."""
+    cpu = json.loads(python(["tests/meta_init.py", "cpu", str(tmp_path)], {"SEAMLESS_TPU_DEVICE": "cpu"}).split("REPORT", 1)[1])
+    for phase in ("meta", "load"):
+        got = json.loads(python(["tests/meta_init.py", phase, str(tmp_path)], XLA_ENV).split("REPORT", 1)[1])
+        assert got["bytes"] == cpu["bytes"] > 300e6 and got["sharded"], got
+        assert got["digests"] == cpu["digests"], [k for k in cpu["digests"] if got["digests"][k] != cpu["digests"][k]][:5]
+        extra = got["rss_peak"] - got["rss_before"] - got["bytes"]
+        print(phase, f"growth beyond the shards: {extra / 2**20:.0f} MiB ({extra / got['bytes']:.2f}x the model)")
+        if phase == "meta":
+            assert got["resets"] == 26, "one reset_parameters per Embedding, LayerNorm and Linear"
+            assert extra <= 2 * got["largest_module"] + 64 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's shards"
+        else:
+            assert got["resets"] == 0 and got["epoch"] == 1, got

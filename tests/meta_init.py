@@ -1,0 +1,84 @@
+"""A model built under torch.device("meta") and given to SeamlessTPUTrainer(model, strategy="fsdp").
+
+    python tests/meta_init.py cpu DIR     # build on the CPU (seed 0), save a checkpoint; print each tensor's digest
+    python tests/meta_init.py meta DIR    # build on meta (seed 0), trainer, one forward; digests and memory
+    python tests/meta_init.py load DIR    # build on meta, trainer, load DIR's checkpoint; never initialised
+
+The model: an embedding, 6 pre-norm blocks (LayerNorm, MultiheadAttention, a 4x MLP) at width 1024 and
+a head: 309 MB of float32, 50 MB in each block. Run 'cpu' with SEAMLESS_TPU_DEVICE=cpu and the others on
+4 XLA devices. One JSON line: digests (sha1 of each tensor's bytes), the process's resident memory before
+the first forward or the load (the trainer made, the XLA runtime up), at its peak and after them (VmHWM,
+reset just before). On XLA:CPU the devices' memory is the process's too: the model's shards count.
+"""
+
+import hashlib
+import json
+import re
+import sys
+
+import torch
+
+import seamless_tpu as st
+
+WIDTH, BLOCKS = 1024, 6
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, 8, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0] + self.mlp(h)
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(4096, WIDTH), *[Block(WIDTH) for _ in range(BLOCKS)], torch.nn.Linear(WIDTH, 256))
+
+
+def kib(field):
+    return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+
+def digests(model):
+    return {k: hashlib.sha1(v.detach().cpu().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}
+
+
+def main(phase, directory):
+    report = {}
+    if phase == "cpu":
+        model = build()
+        trainer = st.SeamlessTPUTrainer(model, device="cpu")
+        trainer.save_checkpoint(directory, model=model, epoch=1)
+    else:
+        with torch.device("meta"):
+            model = build()
+        resets = []
+        for cls in (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm):
+            cls.reset_parameters = (lambda f: lambda self: (resets.append(type(self).__name__), f(self))[1])(cls.reset_parameters)
+        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")  # on XLA: lays the model out, computes nothing
+        report["rss_before"] = kib("VmRSS")  # the XLA runtime is up
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        if phase == "meta":
+            model(trainer.to_device(torch.zeros(4, 8, dtype=torch.long)))
+        else:
+            report["epoch"] = trainer.load_checkpoint(directory, model=model)["epoch"]
+            model(trainer.to_device(torch.zeros(4, 8, dtype=torch.long)))
+        st._sync_if_xla()
+        report.update(rss_peak=kib("VmHWM"), rss_after=kib("VmRSS"), resets=len(resets))
+        import torch_xla
+
+        report["sharded"] = all(torch_xla._XLAC._get_xla_sharding_spec(p).startswith("{devices=[") for p in model.parameters())
+    report["bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    report["largest_module"] = max(sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in model.modules())
+    report["digests"] = digests(model)
+    print("REPORT" + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
