@@ -954,6 +954,99 @@ def render_accumulate(result, s):
     return md + ["", f"- {line}"], [line]
 
 
+SAVE_WHILE_TRAINING = """
+import json, random, statistics, sys, tempfile, time, torch, seamless_tpu as st
+import torch_xla.core.xla_model as xm
+rounds, steps = int(sys.argv[1]), 8
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1152, 1152) for _ in range(16)])  # 85 MB, AdamW: a 255 MB checkpoint
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+x = trainer.to_device(torch.randn(64, 1152))
+def step():
+    optimizer.zero_grad(); model(x).square().mean().backward(); optimizer.step()
+def block(save):
+    future = trainer.save_checkpoint(tempfile.mkdtemp(), blocking=False, model=model, optimizer=optimizer) if save else None
+    t = time.perf_counter()
+    for _ in range(steps):
+        step(); xm.wait_device_ops()
+    elapsed = time.perf_counter() - t
+    in_flight = future is not None and not future.done()
+    if future is not None:
+        future.result()
+    return elapsed, in_flight
+for _ in range(3):
+    step()
+blocking = []
+for _ in range(rounds):
+    d = tempfile.mkdtemp(); t = time.perf_counter()
+    trainer.save_checkpoint(d, model=model, optimizer=optimizer); blocking.append(time.perf_counter() - t)
+times = {"plain": [], "plain (A/A)": [], "save in flight": []}
+still = 0
+for r in range(rounds):
+    for name in random.Random(r).sample(sorted(times), len(times)):  # a new order each round
+        elapsed, in_flight = block(name == "save in flight")
+        times[name].append(elapsed / steps); still += in_flight
+print(json.dumps({"times": times, "blocking_save_s": statistics.median(blocking), "in_flight_blocks": still}))
+"""
+
+PREEMPT_TIME = """
+import os, signal, subprocess, sys, tempfile, time
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import child
+d = tempfile.mkdtemp()
+p = child.popen(["tests/preempt.py", "preemptible", d], env=child.env(SEAMLESS_TPU_DEVICE="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+while not os.path.exists(os.path.join(d, "ready-0")):
+    time.sleep(0.01)
+t = time.perf_counter(); p.send_signal(signal.SIGTERM); p.communicate(timeout=120)
+committed = os.path.exists(os.path.join(d, "ckpt", "LATEST"))
+print(time.perf_counter() - t, int(committed), p.returncode)
+"""
+
+
+def run_checkpoints(s):
+    """Load cost (tests/load_cost.py: a 255 MB fsdp checkpoint on 4 XLA devices), step time with an
+    asynchronous save in flight against plain blocks and the A/A floor, and SIGTERM to exit with a
+    committed checkpoint (tests/preempt.py on the CPU)."""
+    env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    load = {}
+    with tempfile.TemporaryDirectory() as d:
+        for phase in ("save", "warm", "fresh"):
+            out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "load_cost.py"), "fsdp4", phase, os.path.join(d, "c")],
+                                 env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+            load[phase] = json.loads(out.split("REPORT", 1)[1])
+    out = subprocess.run([sys.executable, "-c", SAVE_WHILE_TRAINING, str(2 if s.smoke else 7)], env=env,
+                         capture_output=True, text=True, timeout=900, check=True).stdout
+    saving = json.loads(out.strip().splitlines()[-1])
+    cpu_env = dict(os.environ, PYTHONPATH=ROOT)
+    preempt = [list(map(float, subprocess.run([sys.executable, "-c", PREEMPT_TIME, ROOT], env=cpu_env, capture_output=True, text=True,
+                                              timeout=300, check=True).stdout.split())) for _ in range(1 if s.smoke else 3)]
+    return {"load": load, "saving": saving, "preempt": preempt}
+
+
+def render_checkpoints(result, s):
+    md = ["| load (255 MB fsdp checkpoint, 4 XLA devices) | bytes read / checkpoint | peak growth / checkpoint | written |",
+          "|---|---|---|---|"]
+    for phase, what in (("warm", "into a trained trainer"), ("fresh", "into a new model and optimizer (beyond the state it makes)")):
+        r = result["load"][phase]
+        grown = r["rss_peak"] - (r["rss_before"] if phase == "warm" else max(r["rss_before"], r["rss_after"]))
+        md.append(f"| {what} | {r['read'] / r['checkpoint']:.3f} | {grown / r['checkpoint']:.3f} | {r['written']} B |")
+    times = result["saving"]["times"]
+    base = statistics.median(times["plain"])
+    ratio, floor = statistics.median(times["save in flight"]) / base, statistics.median(times["plain (A/A)"]) / base
+    md += ["", "| step time (85 MB MLP, AdamW, fsdp, 8-step blocks) | median s/step | ratio to plain |", "|---|---|---|"]
+    md += [f"| {name} | {statistics.median(ts):.4f} | {statistics.median(ts) / base:.3f} |" for name, ts in times.items()]
+    seconds = statistics.median(p[0] for p in result["preempt"])
+    line = (f"checkpoints: load reads {result['load']['warm']['read'] / result['load']['warm']['checkpoint']:.2f}x the checkpoint; "
+            f"step time with an async save in flight {ratio:.2f}x plain (A/A {floor:.2f}x; a blocking save takes "
+            f"{result['saving']['blocking_save_s']:.2f} s; {result['saving']['in_flight_blocks']} blocks ended with the save still "
+            f"writing); SIGTERM to exit with a committed checkpoint {seconds:.2f} s")
+    md += ["", f"- SIGTERM to exit 0 with the checkpoint committed (tests/preempt.py, CPU, includes the next step and the save): "
+           f"{', '.join(f'{p[0]:.2f} s' for p in result['preempt'])}; committed: {all(p[1] for p in result['preempt'])}",
+           f"- {line}"]
+    return md, [line]
+
+
 def run_tp(s):
     return tensor_parallel(s.warm, *s.block("transformer", True), s.repeats, random.Random(0))
 
@@ -977,6 +1070,8 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
                    lambda s: ray_fit_times(1 if s.smoke else 3, random.Random(0)), render_ray),
     "fsdp": Section("strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", run_fsdp, fsdp_section, charted=True),
     "accumulate": Section("Gradient accumulation on XLA: compile time against k (ratio to k=1)", run_accumulate, render_accumulate),
+    "checkpoints": Section("Checkpoints on XLA: load cost, step time during an async save, SIGTERM to a saved exit",
+                           run_checkpoints, render_checkpoints),
     "tp": Section("Tensor parallelism on XLA (4 devices, a transformers LM with its own plan): ddp, fsdp, TP, 2-D",
                   run_tp, tp_section, charted=True),
 }
