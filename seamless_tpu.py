@@ -1846,32 +1846,34 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
     _wait_for_saves()  # one save at a time: the next attempt's commit may remove the one in flight
     rng = _rng_states()  # before the save's own syncs, each of which moves the XLA RNG on
     _sync_if_xla()
+    for value in state.values():  # a meta-built model not used yet is initialised before it is saved
+        if isinstance(value, torch.nn.Module) and _STATE.uninitialized:
+            _initialize_pending(value)
     attempt, error = None, None
-    if _is_main_process():
-        try:
+    try:  # all that reads the state happens now, blocking or not; a failure on any rank is shared below
+        tensors = {k: _state_dicts(v) for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
+        objects = {k: _map_tensors(v.state_dict(), lambda t: _full_tensor(t).detach().cpu())
+                   for k, v in state.items() if _is_stateful(v) and k not in tensors}
+        files = {OBJECT_STATES: _serialized({"objects": objects, "rng": rng}), "values.pt": _serialized(plain)}
+        if _STATE.xla_device is not None:
+            tensors = _map_tensors(tensors, _one_copy_of_each_shard if blocking else _host_shards)
+        elif not blocking:
+            tensors = _map_tensors(tensors, _host_copy)
+        if _is_main_process():
             attempt = f"save-{os.getpid()}-{time.time_ns()}"
             os.makedirs(os.path.join(directory, attempt))
             open(os.path.join(directory, attempt, ATTEMPT_MARKER), "w").close()
-        except Exception as e:  # shared with every rank below
-            error = e
+    except Exception as e:
+        error = e
+    finally:
+        _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
     attempt = _agree(f"save_checkpoint({directory!r})", attempt, error)
-    for value in state.values():
-        if isinstance(value, torch.nn.Module) and _STATE.uninitialized:
-            _initialize_pending(value)
-    tensors = {k: _state_dicts(v) for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
-    objects = {k: _map_tensors(v.state_dict(), lambda t: _full_tensor(t).detach().cpu())
-               for k, v in state.items() if _is_stateful(v) and k not in tensors}
-    files = {OBJECT_STATES: _serialized({"objects": objects, "rng": rng}), "values.pt": _serialized(plain)}
     write = functools.partial(_write_checkpoint, directory, attempt, keep_last=keep_last, blocking=blocking)
     if blocking:
         try:
-            return write(_map_tensors(tensors, _one_copy_of_each_shard) if _STATE.xla_device is not None else tensors, files)
+            return write(tensors, files)
         finally:
-            _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
-    try:
-        tensors = _map_tensors(tensors, _host_shards if _STATE.xla_device is not None else _host_copy)
-    finally:
-        _set_rng_states(rng)
+            _set_rng_states(rng)
     if _torch_dist_ranks()[0] > 1 and _STATE.save_group is None:
         _STATE.save_group = torch.distributed.new_group(backend="gloo")  # collective: every rank is here
     future = _STATE.save_in_flight = _SaveFuture()
