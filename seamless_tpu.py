@@ -1165,6 +1165,10 @@ def _materialize(model, device, mesh, fsdp, planned):
             made = torch.empty(t.shape, dtype=t.dtype, device=device)
             _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
         pending[module] = (owner, rng)
+    if _is_xla(device):
+        root = weakref.ref(model)  # a submodule run on its own first (model.encoder(x)) must not see unset values
+        for module in pending:
+            pending[module] += (module.register_forward_pre_hook(lambda *_: _initialize_pending(root())),)
     _STATE.uninitialized.update(pending)
     if not _is_xla(device):
         _initialize_pending(model)
@@ -1213,7 +1217,9 @@ def _initialize_pending(model):
     copies its layer, draws its own values instead)."""
     members, release = set(model.modules()), _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
     for module in [m for m in list(_STATE.uninitialized) if m in members]:  # the post-order they were laid out in
-        owner, rng = _STATE.uninitialized.pop(module)
+        owner, rng, *hook = _STATE.uninitialized.pop(module)
+        for handle in hook:
+            handle.remove()
         placed = dict(_own_tensors(module))
         for name, t in placed.items():  # a CPU stand-in for each own tensor while the module initialises
             stand_in = torch.empty(t.shape, dtype=t.dtype)
@@ -2045,8 +2051,9 @@ def _load_checkpoint(directory, state):
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             for module in _unwrap(obj).modules():  # filled: a meta-built model's module needs no initialisation
-                if not module._non_persistent_buffers_set & {n for n, _ in _own_tensors(module)}:
-                    _STATE.uninitialized.pop(module, None)
+                if module in _STATE.uninitialized and not module._non_persistent_buffers_set & {n for n, _ in _own_tensors(module)}:
+                    for handle in _STATE.uninitialized.pop(module)[2:]:
+                        handle.remove()
             if extra[name]:  # the tensors are in place; a non-tensor entry (extra state) goes through the module's own hook
                 values = _unflatten(saved[name], reads)
                 _unwrap(obj).load_state_dict({key: values[saved_key] for key, saved_key in extra[name].items()}, strict=False)
