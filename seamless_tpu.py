@@ -101,10 +101,10 @@ TP_STYLES = {
 CHECKPOINT_POINTER = "LATEST"  # names the committed save attempt; a save that never wrote it never happened
 CHECKPOINT_HISTORY = "HISTORY"  # the committed attempts kept (save_checkpoint(..., keep_last=K)), oldest first
 SAVE_ATTEMPT = re.compile(r"(save|step)-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
+                                                          # ('step-' is how releases before this one named it)
 ATTEMPT_MARKER = ".seamless_tpu_attempt"  # in every attempt a save creates: the only folders a later save removes
 OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (schedulers, scalers, ...) and RNG states
 RELEASE_EVERY = 32 << 20  # bytes a checkpoint load reads between handing freed host memory back to the OS
-                                                          # ('step-' is how releases before this one named it)
 WARMUP_STEPS = 2  # step 1 compiles the step graph, step 2 the one with optimizer state; then stable
 INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
 LATE_COMPILES_TO_WARN = 2  # one late compile is a one-off (an eval pass folded into the next step, an
@@ -1155,6 +1155,7 @@ def _materialize(model, device, mesh, fsdp, planned):
 
     visit(model, None)
     pending, rng = {}, [torch.get_rng_state()]  # the CPU RNG as the build left it: every module draws from it in turn
+    root = weakref.ref(model)
     for module, owner in owners.items():  # dicts keep insertion order: post-order
         own = [name for name, t in _own_tensors(module) if t.is_meta]
         if not own:
@@ -1164,14 +1165,18 @@ def _materialize(model, device, mesh, fsdp, planned):
             t = getattr(module, name)
             made = torch.empty(t.shape, dtype=t.dtype, device=device)
             _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
-        pending[module] = (owner, rng)
-    if _is_xla(device):
-        root = weakref.ref(model)  # a submodule run on its own first (model.encoder(x)) must not see unset values
-        for module in pending:
-            pending[module] += (module.register_forward_pre_hook(lambda *_: _initialize_pending(root())),)
+        # A submodule run on its own first (model.encoder(x)) must not see unset values either.
+        pending[module] = (owner, rng, module.register_forward_pre_hook(lambda *_: _initialize_pending(root())))
     _STATE.uninitialized.update(pending)
     if not _is_xla(device):
         _initialize_pending(model)
+
+
+def _forget_pending(module):
+    """(owner, rng) of a module _materialize laid out, which needs no initialisation hook from now on."""
+    owner, rng, hook = _STATE.uninitialized.pop(module)
+    hook.remove()
+    return owner, rng
 
 
 def _own_tensors(module):
@@ -1217,9 +1222,7 @@ def _initialize_pending(model):
     copies its layer, draws its own values instead)."""
     members, release = set(model.modules()), _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
     for module in [m for m in list(_STATE.uninitialized) if m in members]:  # the post-order they were laid out in
-        owner, rng, *hook = _STATE.uninitialized.pop(module)
-        for handle in hook:
-            handle.remove()
+        owner, rng = _forget_pending(module)
         placed = dict(_own_tensors(module))
         for name, t in placed.items():  # a CPU stand-in for each own tensor while the module initialises
             stand_in = torch.empty(t.shape, dtype=t.dtype)
@@ -1957,8 +1960,11 @@ def _host_shards(t):
     (replica 0), as torch_xla's planner writes them; a replicated tensor as one CPU tensor."""
     if not _is_xla(t.device):
         return t.detach().clone()
-    if not _is_split(t):
-        return t.detach().cpu()
+    return _replica_0_shards(t) if _is_split(t) else t.detach().cpu()
+
+
+def _replica_0_shards(t):
+    """A split XLA tensor's shards on the host, one copy of each (replica 0): what torch_xla's planner writes."""
     helpers = _import("torch_xla.experimental.distributed_checkpoint._helpers")
     shards = helpers._cpu_shards_from_tensors([t])[0]
     return helpers._CpuShards(shards=[s for s in shards.shards if s.replica_id == 0], global_shape=shards.global_shape)
@@ -1981,9 +1987,7 @@ def _one_copy_of_each_shard(t):
     # TODO(remove when torch_xla's planner saves partially replicated tensors)"""
     if not _is_xla(t.device) or "last_tile_dim_replicate" not in _import("torch_xla")._XLAC._get_xla_sharding_spec(t):
         return t
-    helpers = _import("torch_xla.experimental.distributed_checkpoint._helpers")
-    shards = helpers._cpu_shards_from_tensors([t])[0]
-    return helpers._CpuShards(shards=[s for s in shards.shards if s.replica_id == 0], global_shape=shards.global_shape)
+    return _replica_0_shards(t)
 
 
 def _plain_error(e, path):
@@ -2052,8 +2056,7 @@ def _load_checkpoint(directory, state):
         if isinstance(obj, torch.nn.Module):
             for module in _unwrap(obj).modules():  # filled: a meta-built model's module needs no initialisation
                 if module in _STATE.uninitialized and not module._non_persistent_buffers_set & {n for n, _ in _own_tensors(module)}:
-                    for handle in _STATE.uninitialized.pop(module)[2:]:
-                        handle.remove()
+                    _forget_pending(module)
             if extra[name]:  # the tensors are in place; a non-tensor entry (extra state) goes through the module's own hook
                 values = _unflatten(saved[name], reads)
                 _unwrap(obj).load_state_dict({key: values[saved_key] for key, saved_key in extra[name].items()}, strict=False)

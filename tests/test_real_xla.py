@@ -6,12 +6,12 @@ A crash (segfault: exit 139 / -11) fails like any other error.
 
 import json
 import re
-import socket
 import textwrap
 
 import pytest
 
 import child
+import preempt
 import scenarios
 
 pytestmark = [pytest.mark.xla, child.requires("torch_xla")]
@@ -134,10 +134,7 @@ def reshard_side(layout, phase, directory):
 
 def two_gloo_ranks(phase, directory):
     """torch's FSDP2 on 2 CPU ranks (gloo), as torchrun or Ray would start them; rank 0's report."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = child.env(SEAMLESS_TPU_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    env = child.env(SEAMLESS_TPU_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(preempt.free_port()), WORLD_SIZE="2")
     outs = child.run_together([(["tests/reshard.py", "gloo2", phase, directory], dict(env, RANK=str(rank))) for rank in range(2)],
                               timeout=300)
     reports = [json.loads(out.split("REPORT", 1)[1]) for out in outs]
@@ -193,8 +190,6 @@ def test_fsdp2_on_two_gloo_ranks_matches_eager(saved_in):
 def test_sigterm_on_xla_saves_at_the_next_step_and_resumes_like_an_uninterrupted_run(tmp_path):
     """tests/preempt.py on real XLA (dropout included): the save at the preempted step leaves the XLA RNG
     as it found it, so the resumed run continues the uninterrupted one (1e-5)."""
-    import preempt
-
     env = dict(XLA_ENV, SEAMLESS_TPU_DEVICE="xla")
     want = preempt.run("uninterrupted", tmp_path / "whole", 1, env=env)[0]["losses"]
     (tmp_path / "run").mkdir()
@@ -266,10 +261,7 @@ def _load_cost(layout, phase, directory, tmp):
     """tests/load_cost.py on 4 XLA devices or 2 gloo ranks, with TMPDIR=`tmp`; each process's report."""
     if layout == "fsdp4":
         return [json.loads(python(["tests/load_cost.py", layout, phase, directory], dict(XLA_ENV, TMPDIR=str(tmp))).split("REPORT", 1)[1])]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = child.env(SEAMLESS_TPU_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", TMPDIR=str(tmp))
+    env = child.env(SEAMLESS_TPU_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(preempt.free_port()), WORLD_SIZE="2", TMPDIR=str(tmp))
     outs = child.run_together([(["tests/load_cost.py", layout, phase, directory], dict(env, RANK=str(r))) for r in range(2)], timeout=300)
     return [json.loads(out.split("REPORT", 1)[1]) for out in outs]
 
