@@ -25,7 +25,9 @@ bf16 autocast. --strategy fsdp shards the parameters and optimizer state over th
 with --ray over the CPU/GPU workers (torch's FSDP2); one CPU/GPU process runs it as ddp. --checkpoint-dir DIR saves a sharded checkpoint after every epoch
 and, when DIR already holds one, resumes from it (on any device or strategy) with the same shuffles.
 SIGTERM (a spot or preemptible VM going away) stops the run at the next step, every process at the same
-one; with --checkpoint-dir it saves there first and a rerun resumes mid-epoch, as if never stopped.
+one; with --checkpoint-dir it saves there first and a rerun resumes mid-epoch, as if never stopped. Under
+--ray with --checkpoint-dir, Ray does the rerun: the preempted attempt fails, and Ray restarts it (up to 3
+times) from there.
 --accumulate K takes K batches per optimizer step (gradient accumulation: K backward passes, one step);
 on XLA each micro-batch is one graph whatever K is. --batch-size 16 --accumulate 4 trains like --batch-size 64.
 --tp N adds a model axis of N devices to the mesh and splits the hidden layers over it with the
@@ -152,7 +154,7 @@ def train(config):
 def ray_train(config, num_workers):
     """The same train() on Ray Train workers; prints every worker's final loss."""
     import ray
-    from ray.train import RunConfig, ScalingConfig, UserCallback
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, UserCallback
 
     from seamless_tpu import TorchTrainer
 
@@ -167,7 +169,10 @@ def ray_train(config, num_workers):
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # worker prints once, not twice
     ray.init(num_cpus=max(2, num_workers), include_dashboard=False, log_to_driver=True)
     scaling = ScalingConfig(num_workers=num_workers, use_tpu=config["device"] == "tpu")
-    run = RunConfig(storage_path=tempfile.mkdtemp(prefix="seamless_tpu_example_"), callbacks=[PrintFinalLoss()])
+    # A preempted attempt saves, then fails so that Ray restarts it; the restart resumes from --checkpoint-dir.
+    failures = FailureConfig(max_failures=3 if config["checkpoint_dir"] else 0)
+    run = RunConfig(storage_path=tempfile.mkdtemp(prefix="seamless_tpu_example_"), callbacks=[PrintFinalLoss()],
+                    failure_config=failures)
     TorchTrainer(worker, train_loop_config=config, scaling_config=scaling, run_config=run).fit()
     ray.shutdown()
 

@@ -30,8 +30,9 @@ optimizer built earlier still trains; a torch.xla device module (torch's checkpo
 torch.utils.checkpoint.CheckpointFunction and _CheckpointFrame.__init__ routed so that XLA recomputation
 sits behind an optimization barrier; global optimizer-step hooks (the sync, the recompile watchdog). With
 FSDP2 or tensor parallelism off XLA: one pre-step hook that rebinds optimizers built before the trainer.
-From the first trainer on any device (main thread): a SIGTERM handler that chains the user's and leaves
-SIG_IGN alone, and a post-step hook that turns it into trainer.preempted. From the first
+From the first trainer on any device (main thread), or from the Ray backends' start on each worker: a SIGTERM
+handler that chains the user's, leaves SIG_IGN alone and delays (never cancels) the default's or Ray's exit,
+and a post-step hook that turns it into trainer.preempted. From the first
 save_checkpoint(..., blocking=False): one non-daemon thread per save (the interpreter waits for it at exit) and,
 under torch.distributed, one extra gloo process group for its collectives. Nothing at import.
 """
@@ -139,6 +140,8 @@ class _ProcessState:
     rebound: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ optimizer -> parameter count when _place_optimizer_state last ran for it (FSDP2 rebinding)
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
+    sigterm_caught: bool = False  # our SIGTERM handler is installed (from the main thread)
+    sigterm_delays_exit: bool = False  # it delays an exit (the default's, Ray's) until the loop has saved
     sigterm: bool = False  # SIGTERM arrived; the next optimizer step turns it into `preempted`
     preempted: bool = False  # every process agreed, at the same optimizer step: save and stop
     steps: int = 0  # optimizer steps ended in this process (the sync point torch_xla's preemption manager counts)
@@ -1657,23 +1660,37 @@ def _placed_like(value, param, key=None):
 # --- 11. the trainer -----------------------------------------------------------------------------
 
 
-def _watch_sigterm():
-    """From the first trainer, once per process: SIGTERM (a spot or preemptible VM going away) sets a
-    flag, which the next optimizer step turns into trainer.preempted on every process at once. A handler
-    the user installed is chained, never replaced; one that ignores SIGTERM (SIG_IGN) is left alone."""
-    if "preemption" in _STATE.optimizer_hooks or threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread
+def _catch_sigterm():
+    """Once per process, from the main thread (the only one that may set a handler): SIGTERM (a spot or
+    preemptible VM going away) sets a flag, which the next optimizer step turns into trainer.preempted on
+    every process at once. A handler of the user's is chained, never replaced; SIG_IGN is left alone.
+    An exit is delayed, never cancelled: the default action's and Ray's worker handler's (SystemExit at
+    once) wait while a trainer can act on the flag, and a loop that steps on past it is stopped there."""
+    if _STATE.sigterm_caught or threading.current_thread() is not threading.main_thread():
+        return
     previous = signal.getsignal(signal.SIGTERM)
     if previous is signal.SIG_IGN:
         return
+    delays_exit = previous in (signal.SIG_DFL, None) or getattr(previous, "__module__", None) == "ray._private.worker"
 
     def on_sigterm(signum, frame):
         _STATE.sigterm = True
-        if callable(previous):
+        if callable(previous) and not (delays_exit and "preemption" in _STATE.optimizer_hooks):
             previous(signum, frame)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    _STATE.sigterm_caught, _STATE.sigterm_delays_exit = True, delays_exit
     _STATE.torch_patches.append(lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL))
+
+
+def _watch_sigterm():
+    """From the first trainer: catch SIGTERM and agree on it after each optimizer step. A trainer built
+    on another thread (Ray Train runs the loop on one) relies on a handler its Ray backend installed."""
+    if "preemption" in _STATE.optimizer_hooks:
+        return
+    _catch_sigterm()
+    if not _STATE.sigterm_caught:
+        return
     if _preemption_sync_manager():
         _import("torch_xla")._XLAC._activate_preemption_sync_manager()
     _add_step_hook("preemption", "post", _agree_on_preemption)
@@ -1691,6 +1708,13 @@ def _agree_on_preemption(optimizer, args, kwargs):
     in one process."""
     _STATE.steps += 1
     if _STATE.preempted:
+        if _STATE.sigterm_delays_exit:
+            raise RuntimeError(
+                f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
+                f"{_STATE.steps - 1}, but the loop stepped again. The trainer delays SIGTERM's exit only until the "
+                "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
+                "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
+                "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
         return
     if _preemption_sync_manager():
         _STATE.preempted = bool(_import("torch_xla")._XLAC._sync_point_reached(_STATE.steps))
@@ -2417,6 +2441,26 @@ def _check_cluster_tpus(scaling_config):
                            "fewer workers or TPU per worker, or use_tpu=False for CPU/GPU")
 
 
+class _RayTrainLoop:
+    """The user's train function, as seamless_tpu's TorchTrainer runs it. A preempted loop that saved and
+    returned must not end the run as finished: Ray would never restart it. Here it ends as failed, so Ray
+    restarts it (FailureConfig) and the loop resumes from ray.train.get_checkpoint(). A class, not a
+    closure: cloudpickle would ship a closure's globals by value, _STATE with them."""
+
+    def __init__(self, train_fn):
+        self.train_fn = train_fn
+        functools.update_wrapper(self, train_fn)  # Ray reads the signature to pass `config` or not
+
+    def __call__(self, *args):
+        result = self.train_fn(*args)
+        if _STATE.preempted and _STATE.sigterm_delays_exit:
+            raise RuntimeError(
+                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.steps}; the loop returned after it, so "
+                "this attempt ends as failed for Ray to restart it from the last reported checkpoint "
+                "(ray.train.get_checkpoint()). Allow the restart with RunConfig(failure_config=FailureConfig(max_failures=N))")
+        return result
+
+
 @functools.lru_cache(maxsize=None)
 def _ray_classes():
     """Ray's classes subclassed on first use (importing this module never imports ray); declarations only."""
@@ -2431,6 +2475,7 @@ def _ray_classes():
             hostnames = [ip for _, ip in sorted(worker_group.execute(_worker_rank_and_ip))]
             reports = worker_group.execute(_xla_worker_setup, master_addr, master_port, hostnames,
                                            backend_config.xla_spmd_config, backend_config.timeout_s)
+            worker_group.execute(_catch_sigterm)
             logger.info("seamless_tpu: xla_tpu backend started: %s", reports)
 
         def on_shutdown(self, worker_group, backend_config):
@@ -2438,6 +2483,13 @@ def _ray_classes():
                 worker_group.execute(_xla_worker_shutdown)
             except _import("ray").exceptions.RayError as e:  # workers that already died hold no mesh
                 logger.debug("seamless_tpu: shutdown skipped on dead workers: %s", e)
+
+    class _RayTorchBackend(_import("ray.train.torch.config")._TorchBackend):
+        """Ray's own gloo/NCCL backend, plus the trainer's SIGTERM handler on every worker."""
+
+        def on_start(self, worker_group, backend_config):
+            super().on_start(worker_group, backend_config)
+            worker_group.execute(_catch_sigterm)
 
     @dataclasses.dataclass
     class TorchConfig(ray_torch.TorchConfig):
@@ -2454,7 +2506,7 @@ def _ray_classes():
 
         @property
         def backend_cls(self):
-            return _XlaSpmdBackend if self.backend in RAY_XLA_BACKENDS else super().backend_cls
+            return _XlaSpmdBackend if self.backend in RAY_XLA_BACKENDS else _RayTorchBackend
 
         @property
         def train_func_context(self):
@@ -2466,23 +2518,25 @@ def _ray_classes():
         torch_xla SPMD backend instead of Ray's torch_tpu one."""
 
         def __init__(self, train_loop_per_worker, *, torch_config=None, scaling_config=None, **kwargs):
-            if torch_config is None and scaling_config is not None and getattr(scaling_config, "use_tpu", False):
-                torch_config = TorchConfig(backend="xla_tpu")
-            if torch_config is not None and torch_config.backend in RAY_XLA_BACKENDS and scaling_config is not None:
+            if torch_config is None:
+                use_tpu = scaling_config is not None and getattr(scaling_config, "use_tpu", False)
+                torch_config = TorchConfig(backend="xla_tpu") if use_tpu else TorchConfig()
+            if torch_config.backend in RAY_XLA_BACKENDS and scaling_config is not None:
                 _check_tpu_scaling(scaling_config.num_workers, scaling_config.num_tpus_per_worker, scaling_config.topology)
-            super().__init__(train_loop_per_worker, torch_config=torch_config, scaling_config=scaling_config, **kwargs)
+            super().__init__(_RayTrainLoop(train_loop_per_worker), torch_config=torch_config,
+                             scaling_config=scaling_config, **kwargs)
 
         def fit(self):
             _check_cluster_tpus(self.scaling_config)
             return super().fit()
 
-    classes = {cls.__name__: cls for cls in (_XlaSpmdBackend, TorchConfig, TorchTrainer)}
+    classes = {cls.__name__: cls for cls in (_XlaSpmdBackend, _RayTorchBackend, TorchConfig, TorchTrainer)}
     for name, cls in classes.items():  # picklable by reference (Ray ships configs to its controller)
         cls.__module__, cls.__qualname__ = __name__, name
     return classes
 
 
 def __getattr__(name):
-    if name in ("TorchConfig", "TorchTrainer", "_XlaSpmdBackend"):
+    if name in ("TorchConfig", "TorchTrainer", "_XlaSpmdBackend", "_RayTorchBackend"):
         return _ray_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

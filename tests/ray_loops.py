@@ -3,6 +3,7 @@ JSON files under config["out"], which the test (same machine) reads back."""
 
 import json
 import os
+import signal
 import time
 
 import torch
@@ -82,16 +83,16 @@ def crash_resume(config):
 
     config["sharded"]: the sharded recipe, every worker saving its shards into one directory with
     save_checkpoint and reporting it, and load_checkpoint after a restart. Otherwise trainer.save
-    writes one file and rank 0 reports it. config["strategy"] goes to the trainer."""
+    writes one file and rank 0 reports it. config["strategy"] goes to the trainer.
+    config["preempt"] (sharded only): instead of dying, the last rank gets a SIGTERM at that point, and
+    the README's loop saves at the next step, reports the checkpoint and returns."""
     ctx = ray.train.get_context()
     rank, last_rank = ctx.get_world_rank(), ctx.get_world_size() - 1
     sharded = config.get("sharded", False)
     mesh = st.get_xla_mesh()
-    append(config, "starts", {"rank": rank, "pid": os.getpid(), "mesh": list(mesh.mesh_shape) if mesh else None,
-                              "worker_id": os.environ.get("TPU_WORKER_ID")})
     model = scenarios.mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    start = 0
+    start, skip = 0, 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint and not sharded:
         with checkpoint.as_directory() as d:
@@ -105,25 +106,44 @@ def crash_resume(config):
         with checkpoint.as_directory() as d:
             values = trainer.load_checkpoint(d, model=model, optimizer=optimizer)
         torch.set_rng_state(values["rng"])
-        start = values["epoch"] + 1
+        start, skip = values["epoch"], values["batches"]  # a preemption's save is mid-epoch
+        if skip == STEPS:
+            start, skip = start + 1, 0
+    append(config, "starts", {"rank": rank, "pid": os.getpid(), "mesh": list(mesh.mesh_shape) if mesh else None,
+                              "worker_id": os.environ.get("TPU_WORKER_ID"), "at": [start, skip]})
     loader = trainer.prepare_data_loader(torch.utils.data.DataLoader(
         scenarios._Pairs(STEPS * 4 * ctx.get_world_size()), batch_size=4, shuffle=True))
     loader.set_epoch(start)
     for epoch in range(start, EPOCHS):
         for step, (x, y) in enumerate(loader):
-            if config.get("crash") and epoch == 2 and step == STEPS // 2 and rank == last_rank:
+            if epoch == start and step < skip:
+                continue
+            if (config.get("crash") or config.get("preempt")) and epoch == 2 and step == STEPS // 2 and rank == last_rank:
                 marker = os.path.join(config["out"], "crashed")
                 if not os.path.exists(marker):
                     open(marker, "w").close()
-                    os._exit(1)
+                    if config.get("crash"):
+                        os._exit(1)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    deadline = time.monotonic() + 60  # Ray's main thread runs the handler when it next runs Python
+                    while not st._STATE.sigterm and time.monotonic() < deadline:
+                        time.sleep(0.01)
             optimizer.zero_grad()
             loss = F.mse_loss(model(x)[:, 0], y)
             loss.backward()
             optimizer.step()
+            if sharded and trainer.preempted:
+                directory = os.path.join(config["out"], f"ckpt_{epoch}_preempted")
+                trainer.save_checkpoint(directory, model=model, optimizer=optimizer, epoch=epoch, batches=step + 1,
+                                        rng=torch.get_rng_state())
+                ray.train.report({"epoch": epoch, "loss": float(loss)}, checkpoint=ray.train.Checkpoint.from_directory(directory))
+                append(config, "preempted", {"rank": rank, "pid": os.getpid(), "at": [epoch, step + 1]})
+                return
         metrics = {"epoch": epoch, "loss": float(loss)}
         if sharded:
             directory = os.path.join(config["out"], f"ckpt_{epoch}")  # the same directory on every worker
-            trainer.save_checkpoint(directory, model=model, optimizer=optimizer, epoch=epoch, rng=torch.get_rng_state())
+            trainer.save_checkpoint(directory, model=model, optimizer=optimizer, epoch=epoch, batches=STEPS,
+                                    rng=torch.get_rng_state())
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
             continue
         directory = os.path.join(config["out"], f"ckpt_{epoch}_{rank}_{time.time_ns()}")

@@ -17,7 +17,7 @@ import child  # noqa: E402
 import scenarios  # noqa: E402
 import seamless_tpu as st  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
-from ray_loops import EPOCHS  # noqa: E402
+from ray_loops import EPOCHS, STEPS  # noqa: E402
 
 XLA_ON_CPU = child.XLA_ON_CPU
 NEVER_READ = scenarios.NEVER_READ
@@ -205,15 +205,6 @@ def test_crash_and_resume_cpu(cluster, tmp_path):
     assert_resumed(crashed, clean, tol=0.0)
 
 
-@needs_xla
-def test_crash_and_resume_xla(cluster, tmp_path):
-    kwargs = dict(torch_config=st.TorchConfig(backend="xla_tpu"), worker_env=XLA_ON_CPU, scaling_config=ScalingConfig(num_workers=1))
-    clean = crash_run(tmp_path, "clean", **kwargs)
-    crashed = crash_run(tmp_path, "crashed", config={"crash": True}, **kwargs)
-    starts = assert_resumed(crashed, clean, tol=1e-6)
-    assert [s["mesh"] for s in starts] == [[4], [4]] and [s["worker_id"] for s in starts] == ["0", "0"], "hook ran again"
-
-
 def test_topology_contradiction_fails_before_workers_start():
     with pytest.raises(ValueError, match=r"num_workers=2 x TPU per worker=4 = 8 chips, but topology '2x2' has 4 chips"):
         st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E"))
@@ -232,7 +223,8 @@ def test_torch_config_routing_and_validation():
 
     assert st.TorchConfig(backend="xla_tpu").backend_cls is st._XlaSpmdBackend
     assert st.TorchConfig(backend="xla").backend_cls is st._XlaSpmdBackend
-    assert st.TorchConfig(backend="gloo").backend_cls is _TorchBackend
+    assert st.TorchConfig(backend="gloo").backend_cls.__bases__ == (_TorchBackend,), "Ray's, plus the SIGTERM handler"
+    assert st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)).backend_config.backend_cls is st._RayTorchBackend
     assert st.TorchConfig().train_func_context is ray.train.torch.TorchConfig().train_func_context
     with pytest.raises(ValueError, match=r"xla_spmd_config needs backend='xla_tpu', got backend='gloo'"):
         st.TorchConfig(backend="gloo", xla_spmd_config={"mesh_shape": [4]})
@@ -258,14 +250,40 @@ def test_xla_backend_without_torch_xla_fails_clearly(cluster, tmp_path):
     assert not glob.glob(str(tmp_path / "out" / "*.json")), "the train function never ran"
 
 
-def test_sharded_checkpoint_crash_and_resume_fsdp2_cpu(cluster, tmp_path):
+FSDP2_CPU = dict(scaling_config=ScalingConfig(num_workers=2), config={"sharded": True, "strategy": "fsdp"})
+
+
+@pytest.fixture(scope="module")
+def fsdp2_clean(cluster, tmp_path_factory):
+    """The uninterrupted FSDP2 run that the crash and the preemption tests both compare with."""
+    return crash_run(tmp_path_factory.mktemp("fsdp2"), "clean", **FSDP2_CPU)
+
+
+def test_sharded_checkpoint_crash_and_resume_fsdp2_cpu(fsdp2_clean, tmp_path):
     """strategy='fsdp' on 2 CPU workers is torch's FSDP2; every worker saves its shards into one
     directory and reports it; after a worker dies the run resumes through load_checkpoint."""
-    kwargs = dict(scaling_config=ScalingConfig(num_workers=2), config={"sharded": True, "strategy": "fsdp"})
-    clean = crash_run(tmp_path, "clean", **kwargs)
-    crashed = crash_run(tmp_path, "crashed", **dict(kwargs, config={**kwargs["config"], "crash": True}))
-    assert_resumed(crashed, clean, tol=0.0)
-    assert read(clean, "final")["model"] == "FSDPSequential", "fully_shard made the user's own module an FSDP module"
+    crashed = crash_run(tmp_path, "crashed", **dict(FSDP2_CPU, config={**FSDP2_CPU["config"], "crash": True}))
+    assert_resumed(crashed, fsdp2_clean, tol=0.0)
+    assert read(fsdp2_clean, "final")["model"] == "FSDPSequential", "fully_shard made the user's own module an FSDP module"
+
+
+def test_sigterm_on_one_worker_saves_on_both_at_one_step_and_ray_resumes_there(fsdp2_clean, tmp_path):
+    """A spot VM's SIGTERM reaches the last of 2 FSDP2 CPU workers mid-epoch 3. Ray runs the loop on a
+    thread, so the backend installs the trainer's handler on each worker's main thread, and it holds
+    Ray's own exit back: both workers see trainer.preempted after the same step, save and report there.
+    The attempt then ends as failed, so Ray restarts it; the restart resumes at that step through
+    ray.train.get_checkpoint() and ends bitwise where the uninterrupted run ends."""
+    run = crash_run(tmp_path, "preempted", **dict(FSDP2_CPU, config={**FSDP2_CPU["config"], "preempt": True}))
+    stops = sorted(read_lines(run, "preempted"), key=lambda s: s["rank"])
+    assert [s["rank"] for s in stops] == [0, 1] and stops[0]["at"] == stops[1]["at"] == [2, STEPS // 2 + 1], \
+        f"both workers stop after the step that follows the signal: {stops}"
+    starts = read_lines(run, "starts")
+    assert [s["at"] for s in starts] == [[0, 0], [0, 0], [2, STEPS // 2 + 1], [2, STEPS // 2 + 1]], starts
+    assert stops[1]["pid"] in {s["pid"] for s in starts[:2]}, "the signalled worker lived on to save"
+    assert len({s["pid"] for s in starts}) == 4, "Ray restarted the group"
+    assert [r["epochs"][0] for r in read_lines(run, "reports")] == [0, 1, 2, 2, 3, 4], "the preemption's report registered"
+    got, want = read(run, "final")["weights"], read(fsdp2_clean, "final")["weights"]
+    assert got == want, "the resumed run ends bitwise where the uninterrupted one ends"
 
 
 @needs_xla

@@ -208,6 +208,7 @@ def test_sigterm_twice_during_a_save_lets_it_commit_then_saves_at_the_next_step(
 def test_a_tpu_slice_agrees_through_torch_xlas_preemption_sync_manager(monkeypatch, fresh, sigterm_restored):
     """Multi-host TPU without a torch.distributed group: torch_xla's preemption sync manager (activated once)
     is asked at each step; the step it names is where every host's trainer.preempted turns True."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # no handler of the user's: the trainer delays the default exit
     monkeypatch.setenv("PJRT_DEVICE", "TPU")  # the user's, set before torch_xla loads
     st._user_pjrt_device()
     fx = FakeXLA(num_devices=8, process_count=2, pjrt_device="TPU").install(monkeypatch)
@@ -216,9 +217,68 @@ def test_a_tpu_slice_agrees_through_torch_xlas_preemption_sync_manager(monkeypat
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = st.SeamlessTPUTrainer(model, device="tpu")
     seen = []
-    for _ in range(4):
+    for _ in range(3):
         one_step(model, optimizer)
         seen.append(trainer.preempted)
-    assert seen == [False, False, True, True]
+    assert seen == [False, False, True]
     asked = [e for e in fx.events if e[0] in ("preemption_sync_manager", "sync_point")]
     assert asked == [("preemption_sync_manager",), ("sync_point", 1), ("sync_point", 2), ("sync_point", 3)], asked
+    with pytest.raises(RuntimeError, match=r"trainer.preempted turned True at optimizer step 3, but the loop stepped again"):
+        one_step(model, optimizer)  # this host got no SIGTERM, but the slice is going: it stops with the others
+
+
+def test_sigterm_delays_the_default_exit_only_until_the_loop_saves(no_xla, fresh, sigterm_restored):
+    """No handler of the user's: SIGTERM's default exit waits for the loop, and a loop that steps on past
+    trainer.preempted is stopped there with the rule, never left running as if no signal had come."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    model = scenarios.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    os.kill(os.getpid(), signal.SIGTERM)  # the process lives on
+    one_step(model, optimizer)
+    assert trainer.preempted
+    with pytest.raises(RuntimeError) as info:
+        one_step(model, optimizer)
+    assert str(info.value) == (
+        "seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step 1, but the loop "
+        "stepped again. The trainer delays SIGTERM's exit only until the loop saves: after optimizer.step(), "
+        "`if trainer.preempted: trainer.save_checkpoint(...); break` (under Ray, also ray.train.report(..., "
+        "checkpoint=...)). To train on through a SIGTERM, install your own SIGTERM handler before creating the "
+        "trainer; it is chained, and nothing is stopped")
+
+
+def test_ray_workers_exit_is_held_while_a_trainer_can_save_and_the_attempt_then_fails(no_xla, fresh, sigterm_restored):
+    """A Ray worker's own SIGTERM handler raises SystemExit at once. The backend catches SIGTERM on the
+    worker's main thread before the loop starts: with no trainer yet, Ray's exit runs as before; with one,
+    it waits for the loop, and a loop that saved and returned ends its attempt as failed, so that Ray
+    restarts the run from the reported checkpoint instead of finishing it."""
+    exits = []
+
+    def ray_exit(signum, frame):
+        exits.append(signum)
+
+    ray_exit.__module__ = "ray._private.worker"  # Worker.main_loop's handler
+    signal.signal(signal.SIGTERM, ray_exit)
+    st._catch_sigterm()  # what _XlaSpmdBackend/_RayTorchBackend.on_start run on each worker
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert exits == [signal.SIGTERM], "before a trainer exists, Ray's exit is not held"
+    st._reset_caches()  # a new worker: that one has exited
+
+    def loop(config):
+        model = scenarios.mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = st.SeamlessTPUTrainer(model, device="cpu")
+        for step in range(5):
+            one_step(model, optimizer)
+            if trainer.preempted:
+                return step
+            if config["signal"]:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return config
+
+    with pytest.raises(RuntimeError, match=r"preempted \(SIGTERM\) at optimizer step 2; the loop returned after it, so this "
+                                           r"attempt ends as failed .*FailureConfig\(max_failures=N\)"):
+        st._RayTrainLoop(loop)({"signal": True})
+    assert exits == [signal.SIGTERM], "held while the trainer could save"
+    st._reset_caches()
+    assert st._RayTrainLoop(loop)({"signal": False}) == {"signal": False}, "a run not preempted returns the loop's value"
