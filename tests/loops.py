@@ -8,6 +8,7 @@ reads them once at the end, so any device->host transfer per step is the shim's.
 compile count after each iteration (always 0 on the CPU); "compile_s" the seconds XLA spent compiling.
 
     accumulate K   # an 8-layer MLP, AdamW, K micro-batches (K backwards) per optimizer.step()
+    accumulate_lm K  # the same with a tiny transformers Qwen3 LM and its own loss
     manual_rnn     # pytorch/examples word_language_model: an LSTM LM, SGD by hand (p.data.add_), the
                    # hidden state carried across batches, then a no-grad evaluation that carries it too
     lbfgs          # pytorch/examples time_sequence_prediction: LSTM cells, LBFGS with a closure
@@ -38,17 +39,26 @@ def mlp(seed=0, width=64, depth=8):
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
-def accumulate(k):
-    model = mlp()
+def accumulate(k, lm=False):
+    """lm: a tiny transformers Qwen3 (tests/workloads.py) on token batches, its own loss, instead of the MLP."""
+    g = torch.Generator().manual_seed(1)
+    if lm:
+        import workloads
+
+        model = workloads.tiny_lm()
+        data = [torch.randint(0, workloads.LM_VOCAB, (workloads.LM_BATCH, workloads.LM_SEQ), generator=g) for _ in range(k)]
+        data = [(ids, ids) for ids in data]
+    else:
+        model = mlp()
+        data = [(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g)) for _ in range(k)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     trainer = st.SeamlessTPUTrainer(model)
-    g = torch.Generator().manual_seed(1)
-    batches = [trainer.to_device(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g)) for _ in range(k)]
+    batches = [trainer.to_device(x, y) for x, y in data]
     losses, compiles, transfers = [], [], []
     for _ in range(STEPS):
         optimizer.zero_grad()
         for x, y in batches:
-            loss = F.mse_loss(model(x), y) / k
+            loss = (model(input_ids=x, labels=y).loss if lm else F.mse_loss(model(x), y)) / k
             loss.backward()
             losses.append(loss.detach())
         optimizer.step()
@@ -107,6 +117,8 @@ def manual_rnn(sliced=False, bptt=5, lr=0.5):
         losses.append(loss.detach())
         compiles.append(stats(trainer)["compiles"])
         transfers.append(stats(trainer)["device_to_host_transfers"])
+    if sliced:  # its training half already shows the recompiles; an evaluation would only add more
+        return losses, compiles, transfers
     with torch.no_grad():  # evaluate(): the hidden state carried, no optimizer, no backward
         hidden = model.init_hidden(4)
         for x, y in batches():
@@ -173,7 +185,8 @@ def inference():
 
 def main(name, *args):
     st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
-    run = {"accumulate": lambda: accumulate(int(args[0])), "manual_rnn": manual_rnn, "lbfgs": lbfgs,
+    run = {"accumulate": lambda: accumulate(int(args[0])), "accumulate_lm": lambda: accumulate(int(args[0]), lm=True),
+           "manual_rnn": manual_rnn, "lbfgs": lbfgs,
            "inference": inference, "sliced": lambda: manual_rnn(sliced=True)}[name]
     losses, compiles, transfers = run()
     compile_s = 0.0
