@@ -2061,7 +2061,7 @@ def _load_checkpoint(directory, state):
     _wait_for_saves()
     path = _committed_attempt(directory)
     dcp = importlib.import_module("torch.distributed.checkpoint")
-    reader = dcp.FileSystemReader(path)
+    reader = _load_reader(path)
     saved = _saved_entries(reader.read_metadata())
     objects = _read_objects(directory)
     for name in state:
@@ -2123,6 +2123,36 @@ def _load_planner(release):
             release(tensor)
 
     return Planner()
+
+
+def _load_reader(path):
+    """DCP's file reader, reading a stored chunk once however many of this process's shards overlap it.
+    torch's reads it once per shard: a replicated save loaded into 4 XLA shards read 4.04x the checkpoint.
+    The requests are ordered by chunk, and a chunk's bytes are kept only until its last request is served."""
+
+    class Reader(importlib.import_module("torch.distributed.checkpoint").FileSystemReader):
+        def read_data(self, plan, planner):
+            items = sorted(plan.items, key=self._chunk)
+            self._left, self._kept = collections.Counter(map(self._chunk, items)), None
+            return super().read_data(dataclasses.replace(plan, items=items), planner)
+
+        def _chunk(self, item):
+            info = self.storage_data[item.storage_index]
+            return info.relative_path, info.offset
+
+        def _slice_file(self, file, info):
+            chunk = info.relative_path, info.offset
+            self._left[chunk] -= 1
+            if self._kept is None or self._kept[0] != chunk:
+                if not self._left[chunk]:
+                    return super()._slice_file(file, info)  # its only request: streamed, as torch does
+                self._kept = chunk, super()._slice_file(file, info).read()
+            data = self._kept[1]
+            if not self._left[chunk]:
+                self._kept = None
+            return io.BytesIO(data)
+
+    return Reader(path)
 
 
 def _saved_entries(metadata):

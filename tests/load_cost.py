@@ -4,8 +4,9 @@
     python tests/load_cost.py LAYOUT warm DIR    # load into a trainer whose optimizer already has state
     python tests/load_cost.py LAYOUT fresh DIR   # load into a new model and an optimizer without state
 
-LAYOUT is fsdp4 (real torch_xla SPMD on 4 virtual CPU devices) or gloo2 (one of 2 gloo ranks running
-FSDP2: the caller starts both). A load prints one JSON line: the checkpoint's bytes on disk, this
+LAYOUT is fsdp4 (real torch_xla SPMD on 4 virtual CPU devices), ddp4 (the same, saved replicated by
+strategy="ddp" and loaded into fsdp shards: 4 shards overlap each stored tensor) or gloo2 (one of 2 gloo
+ranks running FSDP2: the caller starts both). A load prints one JSON line: the checkpoint's bytes on disk, this
 process's bytes read and written (/proc/self/io), its resident memory before, at its peak during and
 after the load (VmHWM, reset just before), and whether the weights equal the saved ones bitwise.
 """
@@ -47,7 +48,8 @@ def main():
         torch.distributed.init_process_group("gloo")
     net = model(0 if PHASE == "save" else 1)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    trainer = st.SeamlessTPUTrainer(net, device="xla" if LAYOUT == "fsdp4" else "cpu", strategy="fsdp")
+    strategy = "ddp" if LAYOUT == "ddp4" and PHASE == "save" else "fsdp"
+    trainer = st.SeamlessTPUTrainer(net, device="cpu" if LAYOUT == "gloo2" else "xla", strategy=strategy)
     if PHASE != "fresh":
         step(net, optimizer, trainer)
     if PHASE == "save":
@@ -55,7 +57,7 @@ def main():
         print("REPORT" + json.dumps({}), flush=True)
         return
     importlib_warm = ["torch.distributed.checkpoint", "torch.distributed.checkpoint._traverse"]
-    if LAYOUT == "fsdp4":  # the module files a first load imports are not the checkpoint's bytes
+    if LAYOUT != "gloo2":  # the module files a first load imports are not the checkpoint's bytes
         importlib_warm.append("torch_xla.experimental.distributed_checkpoint")
     for name in importlib_warm:
         __import__(name)
