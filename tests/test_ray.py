@@ -198,13 +198,6 @@ def assert_resumed(crashed, clean, tol):
     return starts
 
 
-def test_crash_and_resume_cpu(cluster, tmp_path):
-    scaling = ScalingConfig(num_workers=2)
-    clean = crash_run(tmp_path, "clean", scaling_config=scaling)
-    crashed = crash_run(tmp_path, "crashed", scaling_config=scaling, config={"crash": True})
-    assert_resumed(crashed, clean, tol=0.0)
-
-
 def test_topology_contradiction_fails_before_workers_start():
     with pytest.raises(ValueError, match=r"num_workers=2 x TPU per worker=4 = 8 chips, but topology '2x2' has 4 chips"):
         st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E"))
