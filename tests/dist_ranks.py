@@ -418,6 +418,47 @@ def fsdp2_idioms(out_dir):
     return seen
 
 
+def meta_fsdp2(out_dir):
+    """A 151 MB model built under torch.device("meta") with strategy='fsdp' on 2 gloo ranks (FSDP2): each
+    module is initialised on the CPU in turn and each rank keeps only its shards. The weights are a CPU
+    build's (sha1 of each gathered tensor); the optimizer made on meta trains them."""
+    import hashlib
+    import re
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(4096, 1024), torch.nn.LayerNorm(1024),
+                                   *[torch.nn.Linear(1024, 4096) if i % 2 == 0 else torch.nn.Linear(4096, 1024) for i in range(8)])
+
+    def kib(field):
+        return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+    def digests(state):
+        return {k: hashlib.sha1(v.numpy().tobytes()).hexdigest() for k, v in state.items()}
+
+    seen = {"cpu": digests(build().state_dict())}
+    gc.collect()
+    with torch.device("meta"):
+        model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS")
+    st.SeamlessTPUTrainer(model, device="cpu", strategy="fsdp")
+    seen["growth"] = kib("VmHWM") - before
+    params = dict(model.named_parameters())
+    seen["bytes"] = sum(p.numel() * p.element_size() for p in params.values())
+    seen["local_bytes"] = sum(p.to_local().numel() * p.element_size() for p in params.values())
+    seen["largest_module"] = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    seen["all_dtensor"] = all(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params.values())
+    seen["meta"] = digests({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()})
+    before = model[-1].weight.full_tensor()
+    model(torch.arange(4).reshape(2, 2)).sum().backward()
+    optimizer.step()
+    seen["trained"] = not torch.equal(before, model[-1].weight.full_tensor())
+    return seen
+
+
 if __name__ == "__main__":
     case, rank, world, store, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))

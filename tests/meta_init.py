@@ -2,7 +2,7 @@
 
     python tests/meta_init.py cpu DIR     # build on the CPU (seed 0), save a checkpoint; print each tensor's digest
     python tests/meta_init.py meta DIR    # build on meta (seed 0), trainer, one forward; digests and memory
-    python tests/meta_init.py load DIR    # build on meta, trainer, load DIR's checkpoint; never initialised
+    python tests/meta_init.py load DIR    # build on meta, trainer, load DIR's checkpoint (no compile); never initialised
 
 The model: an embedding, 6 pre-norm blocks (LayerNorm, MultiheadAttention, a 4x MLP) at width 1024 and
 a head: 309 MB of float32, 50 MB in each block. Run 'cpu' with SEAMLESS_TPU_DEVICE=cpu and the others on
@@ -67,7 +67,11 @@ def main(phase, directory):
         if phase == "meta":  # the head alone first: any module's first forward initialises the whole model
             model[-1](trainer.to_device(torch.zeros(4, WIDTH)))
         else:
+            import torch_xla.debug.metrics as met
+
+            compiles = met.counter_value("UncachedCompile") or 0
             report["epoch"] = trainer.load_checkpoint(directory, model=model)["epoch"]
+            report["load_compiles"], report["rss_load_peak"] = (met.counter_value("UncachedCompile") or 0) - compiles, kib("VmHWM")
             model(trainer.to_device(torch.zeros(4, 8, dtype=torch.long)))
         st._sync_if_xla()
         report.update(rss_peak=kib("VmHWM"), rss_after=kib("VmRSS"), resets=len(resets))

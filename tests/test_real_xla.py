@@ -296,7 +296,8 @@ def test_meta_model_is_made_one_module_at_a_time_with_a_cpu_builds_weights(tmp_p
     CPU build's with the same seed bitwise, every parameter is split, and the process grows by the
     model's shards (device memory, on XLA:CPU) plus at most 2 modules and 64 MB (the forward's compile
     included); a CPU build then the trainer grows by 1.6x the model. With load_checkpoint before the first
-    forward nothing is initialised (no reset_parameters call) and the weights are the checkpoint's."""
+    forward nothing is initialised (no reset_parameters call), nothing is compiled (the lazy layout is
+    not computed before it is overwritten) and the weights are the checkpoint's."""
     cpu = json.loads(python(["tests/meta_init.py", "cpu", str(tmp_path)], {"SEAMLESS_TPU_DEVICE": "cpu"}).split("REPORT", 1)[1])
     for phase in ("meta", "load"):
         got = json.loads(python(["tests/meta_init.py", phase, str(tmp_path)], XLA_ENV).split("REPORT", 1)[1])
@@ -307,5 +308,6 @@ def test_meta_model_is_made_one_module_at_a_time_with_a_cpu_builds_weights(tmp_p
         if phase == "meta":
             assert got["resets"] == 26, "one reset_parameters per Embedding, LayerNorm and Linear"
             assert extra <= 2 * got["largest_module"] + 64 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's shards"
-        else:
-            assert got["resets"] == 0 and got["epoch"] == 1, got
+        else:  # a load's transient is per stored chunk: a few copies of the largest tensor, and the release window
+            assert got["resets"] == 0 and got["epoch"] == 1 and got["load_compiles"] == 0, got
+            assert extra <= 6 * got["largest_module"] + 64 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's shards"
