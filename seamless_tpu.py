@@ -1785,13 +1785,14 @@ class SeamlessTPUTrainer:
         if _is_xla(self.device):
             _bound_iterations(model)
         self.model = model
-        if not _is_xla(self.device) and not fsdp2:
-            _initialize_pending(model)  # a meta-built model: whole on each process, as DDP and TP want it
+        if meta and not _is_xla(self.device) and not fsdp2:
+            _initialize_pending(model)  # whole on each process, as DDP and TP want it
         if styles:
             _tensor_parallel(model, styles, self.device, ranks)
         elif fsdp2:
             _fully_shard(model, self.device)
-            _initialize_pending(model, self.device)  # each module on the CPU in turn, each rank keeping its shards
+            if meta:
+                _initialize_pending(model, self.device)  # each module on the CPU in turn, each rank keeping its shards
         elif distributed:
             self.model = _replicate(model, self.device)
         if optimizer is not None:
@@ -2206,11 +2207,6 @@ def _module_targets(module, saved, reads, what, release):
     """Point `reads` at the module's own parameters and buffers (the checkpoint is read into them in
     place), under the saved keys: a compiled submodule's '_orig_mod.' is left out. Returns {own key:
     saved key} of its non-tensor entries (extra state), which the module's load_state_dict sets after."""
-    for submodule in _unwrap(module).modules():  # a meta model laid out and not yet initialised
-        if submodule in _STATE.uninitialized:
-            for name, t in _own_tensors(submodule):
-                if _is_xla(t.device) and _is_split(t):
-                    _set_own_tensor(submodule, name, release(_blank_like(t)))
     current = {key.replace("_orig_mod.", ""): (key, value) for key, value in _unwrap(module).state_dict(keep_vars=True).items()}
     shapes = {path[0]: getattr(entry, "size", None) for path, _, entry in saved}
     missing, unexpected = sorted(set(current) - set(shapes)), sorted(set(shapes) - set(current))
@@ -2220,6 +2216,11 @@ def _module_targets(module, saved, reads, what, release):
         if isinstance(value, torch.Tensor) and shapes[saved_key] is not None and tuple(shapes[saved_key]) != tuple(value.shape):
             raise ValueError(f"{what} does not fit the model: {saved_key!r} has shape {tuple(shapes[saved_key])} in the "
                              f"checkpoint and {tuple(value.shape)} in the model")
+    for submodule in _unwrap(module).modules():  # a meta model laid out and not yet initialised: once it fits
+        if submodule in _STATE.uninitialized:
+            for name, t in _own_tensors(submodule):  # split ones are parameters, swapped in place: `current` holds them
+                if _is_xla(t.device) and _is_split(t):
+                    _set_own_tensor(submodule, name, release(_blank_like(t)))
     for path, key, _ in saved:
         value = current[path[0]][1]
         reads[key] = value if isinstance(value, torch.Tensor) and len(path) == 1 else None
