@@ -817,7 +817,8 @@ def test_resharding_waits_for_data_a_running_step_still_computes(fake, monkeypat
 def test_the_graph_is_cut_where_an_iteration_of_any_loop_ends(fake):
     """tests/test_real_xla.py proves the graph counts and losses on torch_xla; here, where each cut
     falls. A forward cuts the graph when a backward or a no-grad forward came since the last cut; an
-    optimizer step after accumulation cuts before it runs; the plain loop keeps one cut per step."""
+    optimizer step after accumulation cuts before it runs; a closure is cut before and after it runs;
+    the plain loop keeps one cut per step."""
     model = scenarios.mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = st.SeamlessTPUTrainer(model)
@@ -854,6 +855,22 @@ def test_the_graph_is_cut_where_an_iteration_of_any_loop_ends(fake):
         model(x)  # training again
 
     assert cuts(evaluate) == 1 + 2 + 1, "the last update by hand, each later no-grad forward, and the switch back"
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        fake.events.append(("closure ran",))
+        return loss
+
+    lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=3, history_size=1)
+    fake.events.clear()
+    lbfgs.step(closure)
+    optimizer.step(closure=closure)
+    order = "".join({("sync",): "|", ("closure ran",): "C"}.get(e, "") for e in fake.events)
+    # LBFGS: a cut before it (the loops above cut iterations since the last step, as accumulation does), one around each of its 3
+    # closures (its reads then find the gradients computed), and the step's own; SGD: around its closure, then its own
+    assert order == "|" + "|C|" * 3 + "|" + "|C|" + "|", order
 
 def test_fsdp_shards_every_parameter_on_one_dimension(fake):
     model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
