@@ -299,7 +299,9 @@ def test_meta_model_is_made_one_module_at_a_time_with_a_cpu_builds_weights(tmp_p
     model's shards (device memory, on XLA:CPU) plus at most 2 modules and 64 MB (the forward's compile
     included); a CPU build then the trainer grows by 1.6x the model. With load_checkpoint before the first
     forward nothing is initialised (no reset_parameters call), nothing is compiled (the lazy layout is
-    not computed before it is overwritten) and the weights are the checkpoint's."""
+    not computed before it is overwritten), the weights are the checkpoint's, and the load grows the
+    process by at most 0.3x the checkpoint beyond the shards (measured 0.23-0.25x; 0.41-0.44x when each
+    stored tensor was deserialised once per shard and memory released every 32 MB)."""
     cpu = json.loads(python(["tests/meta_init.py", "cpu", str(tmp_path)], {"SEAMLESS_TPU_DEVICE": "cpu"}).split("REPORT", 1)[1])
     for phase in ("meta", "load"):
         got = json.loads(python(["tests/meta_init.py", phase, str(tmp_path)], XLA_ENV).split("REPORT", 1)[1])
@@ -310,6 +312,8 @@ def test_meta_model_is_made_one_module_at_a_time_with_a_cpu_builds_weights(tmp_p
         if phase == "meta":
             assert got["resets"] == 26, "one reset_parameters per Embedding, LayerNorm and Linear"
             assert extra <= 2 * got["largest_module"] + 64 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's shards"
-        else:  # a load's transient is per stored chunk: a few copies of the largest tensor, and the release window
+        else:  # the load alone, saved whole and read into 4 shards: each stored tensor is deserialised once
             assert got["resets"] == 0 and got["epoch"] == 1 and got["load_compiles"] == 0, got
-            assert extra <= 6 * got["largest_module"] + 64 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's shards"
+            load = got["rss_load_peak"] - got["rss_before"] - got["bytes"]
+            print(f"the load alone: {load / got['bytes']:.2f}x the checkpoint beyond the shards")
+            assert load <= 0.3 * got["bytes"], f"the load grew by {load / got['bytes']:.2f}x the checkpoint beyond the model's shards"
