@@ -863,7 +863,10 @@ class _CompileWatchdog:
         step = 1 if seen_layout != layout else step + 1
         self.steps[optimizer] = (layout, step)
         self.in_step, self._at_cut = False, met.counter_value("UncachedCompile") or 0
-        self._count(self._at_cut - self._before, step, "step")
+        history = optimizer.defaults.get("history_size") if isinstance(optimizer, torch.optim.LBFGS) else None
+        self._count(self._at_cut - self._before, step, "step", history and (
+            f"LBFGS compiles new graphs until its history is full (history_size={history}), since it reads every "
+            "history term in each inner iteration; a smaller history_size (e.g. 10) bounds them. "))
 
     def after_forward_cut(self, key, met):
         if self.in_step:  # LBFGS: its step counts them
@@ -873,11 +876,13 @@ class _CompileWatchdog:
         compiled, self._at_cut = now - self._at_cut, now
         self._count(compiled, self.iterations[key], "iteration")
 
-    def _count(self, compiled, index, what):
+    def _count(self, compiled, index, what, known_cause=None):
         self.late_compiles += bool(compiled and index > WARMUP_STEPS)
         if self.late_compiles < LATE_COMPILES_TO_WARN or not _once("recompiles"):
             return
-        if self.sliced_input:
+        if known_cause:
+            cause = known_cause + "Other causes: "
+        elif self.sliced_input:
             cause = ("A model input is a slice of a device tensor (e.g. source[i:i + seq_len] on XLA): each new offset "
                      "is a new graph. Keep the source on the host and move each batch with trainer.to_device, or "
                      "select with index_select and an index tensor. Other causes: ")

@@ -601,6 +601,15 @@ def test_watchdog_restarts_warm_up_for_a_new_parameter_group(fresh, caplog, unfr
     assert len(warned) == (0 if unfreeze else 1), warned
 
 
+def test_watchdog_names_lbfgs_history_as_the_recompile_cause(fresh, caplog):
+    """LBFGS compiles new graphs each step until its history is full; the warning says so."""
+    optimizer = torch.optim.LBFGS(torch.nn.Linear(2, 2).parameters(), history_size=100)
+    with caplog.at_level(logging.WARNING, logger="seamless_tpu"):
+        watched_steps(st._CompileWatchdog(), CompileCounter(), optimizer, set(range(10)), 10)
+    warned = [r.getMessage() for r in caplog.records if "after warm-up" in r.getMessage()]
+    assert len(warned) == 1 and "until its history is full (history_size=100)" in warned[0], warned
+
+
 def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")
