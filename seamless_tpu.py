@@ -919,8 +919,8 @@ def _cut_around(closure):
     """A closure is one iteration: its forward and backward are one graph, the optimizer's work
     between closures another. Without the cut at its end, each value LBFGS reads (the loss, its
     convergence tests on the gradient) compiled a graph of its own that recomputed the whole forward
-    and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op graph for 3 minutes
-    per read. Costs: a step with a closure is two graphs instead of one."""
+    and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op graph for 3 to 4
+    minutes per read. Costs: a step with a closure is two graphs instead of one."""
 
     @functools.wraps(closure)
     def cut():
@@ -951,8 +951,8 @@ def _bound_iterations(model):
     closure optimizers (LBFGS runs k forwards and backwards inside one step; _cut_around cuts each
     call), updates by hand, and evaluation or inference. A forward of the trainer's model starts a
     new iteration, and cuts the graph, when a backward reached the model's parameters, or the model
-    ran under no_grad, since the last cut. So a graph is one iteration whatever the loop, and the plain loop (forward, backward,
-    step) keeps its one graph per step: its step already cut it. Several forwards within one training
+    ran under no_grad, since the last cut. So a graph is one iteration whatever the loop, and the
+    plain loop (forward, backward, step) keeps its one graph per step: its step already cut it. Several forwards within one training
     iteration (a GAN's discriminator on real and fake, two views of a batch) stay in one graph.
     Costs: a flag set per parameter per backward, and one check per forward."""
     if model in _STATE.bounded:
@@ -2201,10 +2201,14 @@ def _load_reader(path, release):
                 plain = item.type == tensor_item and not stored[item.storage_index].transform_descriptors
                 (mine if plain else others).append(item)
             done = super().read_data(dataclasses.replace(plan, items=others), planner)
-            mine.sort(key=lambda item: (stored[item.storage_index].relative_path, stored[item.storage_index].offset))
-            for relative_path, in_file in itertools.groupby(mine, key=lambda item: stored[item.storage_index].relative_path):
+
+            def chunk_of(item):  # (file, offset): the stored chunk a request reads from
+                return stored[item.storage_index].relative_path, stored[item.storage_index].offset
+
+            mine.sort(key=chunk_of)
+            for relative_path, in_file in itertools.groupby(mine, key=lambda item: chunk_of(item)[0]):
                 with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                    for _, requests in itertools.groupby(in_file, key=lambda item: stored[item.storage_index].offset):
+                    for _, requests in itertools.groupby(in_file, key=chunk_of):
                         requests = list(requests)
                         chunk = stored[requests[0].storage_index]
                         whole = torch.load(self._slice_file(stream, chunk), map_location="cpu", weights_only=True)
