@@ -952,8 +952,9 @@ def _bound_iterations(model):
     call), updates by hand, and evaluation or inference. A forward of the trainer's model starts a
     new iteration, and cuts the graph, when a backward reached the model's parameters, or the model
     ran under no_grad, since the last cut. So a graph is one iteration whatever the loop, and the
-    plain loop (forward, backward, step) keeps its one graph per step: its step already cut it. Several forwards within one training
-    iteration (a GAN's discriminator on real and fake, two views of a batch) stay in one graph.
+    plain loop (forward, backward, step) keeps its one graph per step: its step already cut it.
+    Several forwards within one training iteration (a GAN's discriminator on real and fake, two
+    views of a batch) stay in one graph.
     Costs: a flag set per parameter per backward, and one check per forward."""
     if model in _STATE.bounded:
         return
@@ -2154,7 +2155,8 @@ class _HostMemoryRelease:
     frees one or more per tensor: measured on a 255 MB checkpoint on 4 XLA devices, the process grew by
     1.17x the checkpoint without the release and by 0.13x with it every 32 MB. A meta model's load (16 MB
     tensors, each in 4 shards) grew by 0.28-0.32x its checkpoint with a release every 32 MB, 0.23-0.25x
-    every 4 MB, with no measurable cost in time (9.5 s either way). Off Linux (no malloc_trim) it does nothing."""
+    every 4 MB, with no measurable cost in time (9.5 s either way). Off Linux (no malloc_trim) it
+    does nothing."""
 
     def __init__(self, every=RELEASE_EVERY):
         self.release = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None

@@ -877,8 +877,9 @@ def test_the_graph_is_cut_where_an_iteration_of_any_loop_ends(fake):
     lbfgs.step(closure)
     optimizer.step(closure=closure)
     order = "".join({("sync",): "|", ("closure ran",): "C"}.get(e, "") for e in fake.events)
-    # LBFGS: a cut before it (the loops above cut iterations since the last step, as accumulation does), one around each of its 3
-    # closures (its reads then find the gradients computed), and the step's own; SGD: around its closure, then its own
+    # LBFGS: a cut before it (the loops above cut iterations since the last step, as accumulation
+    # does), one around each of its 3 closures (its reads then find the gradients computed), and the
+    # step's own; SGD: around its closure, then its own
     assert order == "|" + "|C|" * 3 + "|" + "|C|" + "|", order
 
 def test_fsdp_shards_every_parameter_on_one_dimension(fake):
