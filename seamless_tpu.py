@@ -43,6 +43,7 @@ __all__ = [
     "mesh_shape_for", "create_xla_mesh", "get_xla_mesh", "consolidate_checkpoint", "TorchConfig", "TorchTrainer",
 ]
 
+import atexit
 import collections
 import contextlib
 import concurrent.futures
@@ -109,6 +110,10 @@ OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (sched
 RELEASE_EVERY = 4 << 20  # bytes a checkpoint load handles between handing freed host memory back to the OS
 WARMUP_STEPS = 2  # step 1 compiles the step graph, step 2 the one with optimizer state; then stable
 INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
+SIGTERM_GRACE_S = 15.0  # how long SIGTERM's exit waits for the loop (a save in progress holds it): a spot VM or
+                        # a Kubernetes pod gets 30 s before SIGKILL. SEAMLESS_TPU_SIGTERM_GRACE overrides it
+AGREEMENT_PORT = 8548  # a multi-host XLA slice with no process group agrees on SIGTERM over a gloo group whose
+                       # store listens here on process 0 (beside the XLA coordinator's 8547); SEAMLESS_TPU_PORT overrides
 LATE_COMPILES_TO_WARN = 2  # one late compile is a one-off (an eval pass folded into the next step, an
                            # epoch's short last batch), cached from then on; a second means shapes keep changing
 _INSTALL = {
@@ -141,11 +146,7 @@ class _ProcessState:
     rebound: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ optimizer -> parameter count when _place_optimizer_state last ran for it (FSDP2 rebinding)
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
-    sigterm_caught: bool = False  # our SIGTERM handler is installed (from the main thread)
-    sigterm_delays_exit: bool = False  # it delays an exit (the default's, Ray's) until the loop has saved
-    sigterm: bool = False  # SIGTERM arrived; the next optimizer step turns it into `preempted`
-    preempted: bool = False  # every process agreed, at the same optimizer step: save and stop
-    steps: int = 0  # optimizer steps ended in this process (the sync point torch_xla's preemption manager counts)
+    preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # SIGTERM -> trainer.preempted
     backward_since_cut: bool = False  # a backward reached a trainer's parameters since the graph was last cut
     no_grad_forward_since_cut: bool = False  # a trainer's model ran under no_grad since the graph was last cut
     accumulating: bool = False  # a forward cut a backward off since the last optimizer step
@@ -156,8 +157,7 @@ class _ProcessState:
     save_group: object = None  # its own gloo process group under torch.distributed: collectives off the main thread
     save_in_flight: object = None  # the Future of the asynchronous save not yet waited for
 
-
-_STATE = _ProcessState()
+# _STATE, the one instance, is made at the end of this file, once the classes of the rooms below exist.
 
 
 def _once(key):
@@ -263,8 +263,6 @@ def _user_pjrt_device():
     return None
 
 
-_note_user_pjrt()  # a value set before this import is the user's, whatever loads torch_xla later
-
 
 def _torch_dist_ranks():
     """(world size, rank) of torch.distributed, or (1, 0) when it is not running."""
@@ -290,6 +288,7 @@ _CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
 def _reset_caches():
     """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
     global _STATE
+    _STATE.preemption.close()
     if _STATE.save_in_flight is not None:
         concurrent.futures.wait([_STATE.save_in_flight])
     for probe in _CACHED_PROBES:
@@ -1709,71 +1708,185 @@ def _placed_like(value, param, key=None):
 
 
 def _catch_sigterm():
-    """Once per process, from the main thread (the only one that may set a handler): SIGTERM (a spot or
-    preemptible VM going away) sets a flag, which the next optimizer step turns into trainer.preempted on
-    every process at once. A handler of the user's is chained, never replaced; SIG_IGN is left alone.
-    An exit is delayed, never cancelled: the default action's and Ray's worker handler's (SystemExit at
-    once) wait while a trainer can act on the flag, and a loop that steps on past it is stopped there."""
-    if _STATE.sigterm_caught or threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN:
-        return
-    delays_exit = previous in (signal.SIG_DFL, None) or getattr(previous, "__module__", None) == "ray._private.worker"
-
-    def on_sigterm(signum, frame):
-        _STATE.sigterm = True
-        if callable(previous) and not (delays_exit and "preemption" in _STATE.optimizer_hooks):
-            previous(signum, frame)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    _STATE.sigterm_caught, _STATE.sigterm_delays_exit = True, delays_exit
-    _STATE.torch_patches.append(lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL))
+    """SIGTERM's handler, installed once per process from its main thread: by the first trainer, or on each Ray
+    worker by the backends' on_start (Ray runs the loop on another thread, which may not set handlers)."""
+    _STATE.preemption.catch()
 
 
-def _watch_sigterm():
-    """From the first trainer: catch SIGTERM and agree on it after each optimizer step. A trainer built
-    on another thread (Ray Train runs the loop on one) relies on a handler its Ray backend installed."""
-    if "preemption" in _STATE.optimizer_hooks:
-        return
-    _catch_sigterm()
-    if not _STATE.sigterm_caught:
-        return
-    if _preemption_sync_manager():
-        _import("torch_xla")._XLAC._activate_preemption_sync_manager()
-    _add_step_hook("preemption", "post", _agree_on_preemption)
+@dataclasses.dataclass
+class _Preemption:
+    """SIGTERM (a spot VM, a preempted slice or pod going away) becomes trainer.preempted at the same optimizer
+    step on every process, and the exit it would have caused (the default's, Ray's) is delayed, never cancelled:
+    it happens SIGTERM_GRACE_S after the signal, or after the last save to end, whichever is later. A handler of
+    the user's is chained and decides for itself; SIG_IGN is left alone.
 
+    Only steps of a trainer's optimizers count (those stepping a trainer's parameters), so an optimizer stepped
+    on some processes only (a probe, a helper model) never desynchronises them. With several processes each such
+    step reads the MAX all-reduce of the flag that the step before started (gloo, on the CPU), then starts its
+    own: every process reads the same values at the same count. Costs per step: one 4-byte all-reduce on gloo's
+    thread, no device sync, and no wait unless a peer is a whole step behind; the flag turns into `preempted` one
+    step after a blocking all-reduce would have."""
 
-def _preemption_sync_manager():
-    """torch_xla's own agreement for multi-host TPU slices that run without a torch.distributed group."""
-    return (_STATE.xla_kind == "tpu" and _torch_dist_ranks()[0] == 1
-            and _import("torch_xla.runtime").process_count() > 1)
+    previous: object = None  # the SIGTERM handler chained; None until ours is installed
+    delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
+    sigterm: bool = False  # SIGTERM reached this process
+    preempted: bool = False  # SIGTERM reached some process: True on every process from the same step on
+    steps: int = 0  # steps of trainers' optimizers ended in this process
+    params: object = dataclasses.field(default_factory=lambda: importlib.import_module("torch.utils.weak").WeakIdKeyDictionary())
+    owned: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    # ^ optimizer -> (its parameter layout, whether it steps a trainer's parameters)
+    stepped_after: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # optimizers since `preempted`
+    group: object = None  # a CPU gloo group of every process, for the agreement; None in one process
+    pending: tuple = None  # (work, flag) of the all-reduce the last step started
+    deadline: float = None  # time.monotonic() at which the held exit happens; None before SIGTERM
+    saves: int = 0  # saves in progress: they hold the exit
+    expired: bool = False  # the grace ran out: the handler now acts as the previous one would
+    closed: bool = False  # _reset_caches: the held exit no longer applies
 
+    def catch(self):
+        if self.previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_IGN:
+            return
+        _sigterm_grace()  # a bad SEAMLESS_TPU_SIGTERM_GRACE is refused now, not when the signal comes
+        self.previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
+        self.delays_exit = self.previous is signal.SIG_DFL or getattr(previous, "__module__", None) == "ray._private.worker"
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        _STATE.torch_patches.append(lambda: signal.signal(signal.SIGTERM, self.previous))
 
-def _agree_on_preemption(optimizer, args, kwargs):
-    """After each optimizer step: has any process seen SIGTERM? One host-side all-reduce of one int per
-    step under torch.distributed (no device sync); torch_xla's sync point on a TPU slice; a flag alone
-    in one process."""
-    _STATE.steps += 1
-    if _STATE.preempted:
-        if _STATE.sigterm_delays_exit:
-            raise RuntimeError(
-                f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
-                f"{_STATE.steps - 1}, but the loop stepped again. The trainer delays SIGTERM's exit only until the "
-                "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
-                "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
-                "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
-        return
-    if _preemption_sync_manager():
-        _STATE.preempted = bool(_import("torch_xla")._XLAC._sync_point_reached(_STATE.steps))
-        return
-    seen = _STATE.sigterm
-    if _torch_dist_ranks()[0] > 1:
+    def watch(self, model):
+        """From each trainer: its parameters count; the first one also sets up the agreement (a collective)."""
+        self.params.update(dict.fromkeys(model.parameters(), True))
+        if "preemption" in _STATE.optimizer_hooks:
+            return
+        self.catch()
+        if self.previous is None:  # SIG_IGN, or a thread other than the main one with no Ray backend
+            return
+        self.group = _agreement_group()
+        _add_step_hook("preemption", "post", self._after_step)
+
+    def _on_sigterm(self, signum, frame):
+        if self.expired or (self.delays_exit and "preemption" not in _STATE.optimizer_hooks):
+            return self._act_as_before(signum, frame)  # the grace is over, or no trainer could save yet
+        self.sigterm = True
+        if not self.delays_exit:
+            self.previous(signum, frame)  # the user's handler decides
+        elif self.deadline is None:  # a second SIGTERM does not postpone the exit
+            self.deadline = time.monotonic() + _sigterm_grace()
+            threading.Thread(target=self._exit_when_due, name="seamless_tpu-sigterm", daemon=True).start()
+
+    def _act_as_before(self, signum, frame):
+        if callable(self.previous):
+            return self.previous(signum, frame)  # Ray's: SystemExit
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the default action: the process ends by SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _exit_when_due(self):
+        while not self.closed and (self.saves or time.monotonic() < self.deadline):
+            time.sleep(0.1)
+        if self.closed:
+            return
+        self.expired = True
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # Python runs handlers there
+        if callable(self.previous):
+            return  # Ray's handler ends the worker its own way
+        time.sleep(5)  # a main thread held in C code (a compile) runs no Python handler: the default action here
+        if not self.closed:
+            os._exit(128 + signal.SIGTERM)
+
+    def saving(self):
+        """A save starts; call the result when it ends. The held exit waits for it, then the grace again."""
+        self.saves += 1
+
+        def done():
+            self.saves -= 1
+            if self.deadline is not None:
+                self.deadline = max(self.deadline, time.monotonic() + _sigterm_grace())
+        return done
+
+    def _owns(self, optimizer):
+        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
+        seen = self.owned.get(optimizer)
+        if seen is None or seen[0] != layout:
+            owns = any(p in self.params for group in optimizer.param_groups for p in group["params"])
+            seen = self.owned[optimizer] = (layout, owns)
+        return seen[1]
+
+    def _after_step(self, optimizer, args, kwargs):
+        if not self._owns(optimizer):
+            return
+        self.steps += 1
+        if self.preempted:
+            if optimizer in self.stepped_after and self.delays_exit:
+                raise RuntimeError(
+                    f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
+                    f"{self.preempted}, but the loop stepped again. The trainer delays SIGTERM's exit only until the "
+                    "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
+                    "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
+                    "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
+            self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
+            return
+        seen = self.sigterm if self.group is None else self._exchange(self.sigterm)
+        if seen:
+            self.preempted = self.steps  # truthy: the step count it turned True at, for the message above
+            self.stepped_after.add(optimizer)
+
+    def _exchange(self, seen):
+        """The flag all-reduced by the previous step's exchange (False at the first), and this step's started."""
+        agreed = False
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()  # started a step ago: already done unless a peer is a whole step behind
+            agreed = bool(flag[0])
         dist = torch.distributed
-        flag = torch.tensor([int(seen)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        seen = bool(flag.item())
-    _STATE.preempted = seen
+        options, flag = dist.AllreduceOptions(), torch.tensor([int(seen)], dtype=torch.int32)
+        options.reduceOp = dist.ReduceOp.MAX
+        self.pending = self.group.allreduce([flag], options), flag
+        return agreed
+
+    def close(self):
+        self.closed = True
+
+
+def _sigterm_grace():
+    value = os.environ.get("SEAMLESS_TPU_SIGTERM_GRACE") or SIGTERM_GRACE_S
+    try:
+        grace = float(value)
+    except ValueError:
+        grace = -1.0
+    if not 0 <= grace < math.inf:
+        raise ValueError(f"SEAMLESS_TPU_SIGTERM_GRACE is how many seconds SIGTERM's exit waits for the loop to save, a "
+                         f"number >= 0; got {value!r}. Unset it for the default, {SIGTERM_GRACE_S:g}")
+    return grace
+
+
+def _agreement_group():
+    """A CPU gloo group of every process, for the preemption agreement, or None in one process. A collective:
+    every process builds its first trainer. A multi-host XLA slice launched without torch.distributed gets a
+    group of its own, over a store that process 0 serves; torch_xla's preemption sync manager would need the XLA
+    coordinator, which replaces the SIGTERM handler in C and aborts every host whose leader exits first."""
+    dist = torch.distributed
+    if _torch_dist_ranks()[0] > 1:
+        return dist.new_group(backend="gloo")
+    count, index, address = _xla_processes()
+    if count == 1:
+        return None
+    port = int(os.environ.get("SEAMLESS_TPU_PORT") or AGREEMENT_PORT)
+    timeout = datetime.timedelta(minutes=30)  # torch.distributed's default: hosts start minutes apart
+    store = dist.TCPStore(address, port, count, index == 0, timeout=timeout, wait_for_workers=False)
+    _log("seamless_tpu: SIGTERM agreement among %d XLA processes over %s:%d", count, address, port)
+    return dist.ProcessGroupGloo(dist.PrefixStore("seamless_tpu/preemption", store), index, count, timeout)
+
+
+def _xla_processes():
+    """(count, index, address of process 0) of this XLA run's processes: one per host of a TPU slice."""
+    if _STATE.xla_device is None:
+        return 1, 0, None
+    xr = _import("torch_xla.runtime")
+    if xr.process_count() == 1:
+        return 1, 0, None
+    return xr.process_count(), xr.process_index(), os.environ.get("MASTER_ADDR") or xr.get_master_ip()
 
 
 class SeamlessTPUTrainer:
@@ -1827,13 +1940,13 @@ class SeamlessTPUTrainer:
             self.model = _replicate(model, self.device)
         if optimizer is not None:
             _place_optimizer_state(optimizer)
-        _watch_sigterm()
+        _STATE.preemption.watch(self.model)
 
     @property
     def preempted(self):
         """True from the first optimizer step that ends after SIGTERM reached any process: the same step
         on every process. The loop then saves and stops: `if trainer.preempted: trainer.save_checkpoint(...); break`."""
-        return _STATE.preempted
+        return bool(_STATE.preemption.preempted)
 
     def to_device(self, *objs):
         """Like to_device(); on XLA every tensor's dim 0 is sharded over this trainer's mesh."""
@@ -1905,15 +2018,19 @@ class SeamlessTPUTrainer:
 
 def _save_file(obj, path):
     """trainer.save: one torch.save file written by process 0, every rank returning together."""
-    _sync_if_xla()
-    cpu = _map_tensors(_state_dicts(obj), lambda t: _full_tensor(t).detach().to("cpu"))
-    error = None
-    if _is_main_process():
-        try:
-            _atomic_write(cpu, path)
-        except Exception as e:  # shared with every rank below, then raised here too
-            error = e
-    _agree(f"trainer.save(..., {path!r})", error=error)
+    saved = _STATE.preemption.saving()  # a held SIGTERM exit waits for this save to end
+    try:
+        _sync_if_xla()
+        cpu = _map_tensors(_state_dicts(obj), lambda t: _full_tensor(t).detach().to("cpu"))
+        error = None
+        if _is_main_process():
+            try:
+                _atomic_write(cpu, path)
+            except Exception as e:  # shared with every rank below, then raised here too
+                error = e
+        _agree(f"trainer.save(..., {path!r})", error=error)
+    finally:
+        saved()
     return path
 
 
@@ -1931,6 +2048,19 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
     for name, value in plain.items():
         _refuse_nested_state(value, name)
     _wait_for_saves()  # one save at a time: the next attempt's commit may remove the one in flight
+    saved = _STATE.preemption.saving()  # a held SIGTERM exit waits for this save to end
+    try:
+        result = _start_checkpoint(directory, state, plain, blocking, keep_last, saved)
+    except BaseException:
+        saved()
+        raise
+    if blocking:
+        saved()
+    return result
+
+
+def _start_checkpoint(directory, state, plain, blocking, keep_last, saved):
+    """_save_checkpoint once the arguments are checked: the state read now, the writes now or in the background."""
     rng = _rng_states()  # before the save's own syncs, each of which moves the XLA RNG on
     _sync_if_xla()
     for value in state.values():  # a meta-built model not used yet is initialised before it is saved
@@ -1963,14 +2093,18 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
             _set_rng_states(rng)
     if _torch_dist_ranks()[0] > 1 and _STATE.save_group is None:
         _STATE.save_group = torch.distributed.new_group(backend="gloo")  # collective: every rank is here
-    future = _STATE.save_in_flight = _SaveFuture()
+    future = _STATE.save_in_flight = _SaveFuture(os.path.join(directory, attempt))
+    if _once("report_unasked_saves"):
+        atexit.register(_report_unasked_save)
 
     def run():
         future.set_running_or_notify_cancel()
         try:
             future.set_result(write(tensors, files))
-        except BaseException as e:  # the Future raises it, or the next save or load if nobody asked
+        except BaseException as e:  # the Future raises it, or the next save or load, or the exit reports it
             future.set_exception(e)
+        finally:
+            saved()
 
     # Not a daemon: the interpreter waits for it at exit, so the last save of a run is never cut off.
     threading.Thread(target=run, name="seamless_tpu-save").start()
@@ -1979,9 +2113,13 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
 
 class _SaveFuture(concurrent.futures.Future):
     """An asynchronous save's Future, which remembers whether its outcome was asked for: a failure
-    nobody asked about is raised by the next save or load instead of being lost."""
+    nobody asked about is raised by the next save or load, or reported at exit, instead of being lost."""
 
     asked = False
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
 
     def result(self, timeout=None):
         self.asked = True
@@ -2012,8 +2150,24 @@ def _write_checkpoint(directory, attempt, tensors, files, *, keep_last, blocking
             _commit_checkpoint(directory, attempt, keep_last)
     except Exception as e:
         error = e
-    _agree(f"save_checkpoint({directory!r})", error=error, group=group)
+    try:
+        _agree(f"save_checkpoint({directory!r})", error=error, group=group)
+    except Exception:  # every rank has stopped writing: a checkpoint is complete or absent
+        if _is_main_process() and _pointer(directory) != attempt:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     return directory
+
+
+def _report_unasked_save():
+    """At exit (atexit: after the interpreter joined the save's thread): a failed save nobody asked about."""
+    future = _STATE.save_in_flight
+    if future is not None and future.done() and not future.asked:
+        error = concurrent.futures.Future.exception(future)
+        if error is not None:
+            logger.error("seamless_tpu: save_checkpoint(..., blocking=False) to %r failed, and nothing asked its Future: "
+                         "%s: %s. That attempt was removed; the checkpoint before it is still the one LATEST names",
+                         future.path, type(error).__name__, error)
 
 
 def _wait_for_saves():
@@ -2113,12 +2267,12 @@ def _load_checkpoint(directory, state):
             raise TypeError(f"load_checkpoint loads modules, optimizers and objects with state_dict()/load_state_dict() "
                             f"in place; {name!r} is a {type(obj).__name__}. Plain values come back from the call instead")
     _wait_for_saves()
-    path = _committed_attempt(directory)
+    path = _committed_attempt(directory)  # once: tensors, objects and values all come from this attempt
     dcp = importlib.import_module("torch.distributed.checkpoint")
     release = _HostMemoryRelease()
     reader = _load_reader(path, release)
     saved = _saved_entries(reader.read_metadata())
-    objects = _read_objects(directory)
+    objects = _read_objects(path)
     for name in state:
         if name not in saved and name not in objects.get("objects", {}):
             raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds {sorted({*saved, *objects.get('objects', {})})}")
@@ -2286,8 +2440,8 @@ def _optimizer_targets(optimizer, saved, reads, release):
                 reads[key] = release(_placed_like(reads[key], param))
 
 
-def _read_objects(directory):
-    path = os.path.join(_committed_attempt(directory), OBJECT_STATES)
+def _read_objects(attempt):
+    path = os.path.join(attempt, OBJECT_STATES)
     return torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else {}
 
 
@@ -2410,17 +2564,23 @@ def _history(directory):
     return [n for n in names if SAVE_ATTEMPT.fullmatch(n) and os.path.isdir(os.path.join(directory, n))]
 
 
+def _pointer(directory):
+    """The attempt LATEST names, or None where there is no LATEST."""
+    try:
+        with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
+            return f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 def _committed_attempt(directory):
     """The folder to load: the one LATEST names, or `directory` itself when it is an older checkpoint
     that save_checkpoint(..., keep_last=K) kept (one of the names in its parent's HISTORY)."""
     parent, name = os.path.split(os.path.normpath(directory))
     if SAVE_ATTEMPT.fullmatch(name) and name in _history(parent):
         return directory
-    pointer = os.path.join(directory, CHECKPOINT_POINTER)
-    try:
-        with open(pointer) as f:
-            attempt = f.read().strip()
-    except (FileNotFoundError, NotADirectoryError):
+    attempt = _pointer(directory)
+    if attempt is None:
         raise FileNotFoundError(
             f"{directory!r} is not a seamless_tpu checkpoint: it has no {CHECKPOINT_POINTER} file, which "
             "save_checkpoint writes last (a save that was killed leaves none). Pass the directory given to save_checkpoint"
@@ -2431,9 +2591,8 @@ def _committed_attempt(directory):
     return path
 
 
-def _read_checkpoint(directory):
-    """(state_dicts by name, plain values) of the committed checkpoint, on the CPU."""
-    path = _committed_attempt(directory)
+def _read_checkpoint(path):
+    """(state_dicts by name, plain values) of one committed attempt, on the CPU."""
     format_utils = importlib.import_module("torch.distributed.checkpoint.format_utils")
     with tempfile.TemporaryDirectory() as tmp:
         # The public way to read a DCP checkpoint whole, without a process group or torch_xla.
@@ -2450,8 +2609,10 @@ def consolidate_checkpoint(directory, path=None):
     """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's
     own keys), plus the plain values, in one dict. Runs on the CPU and needs no torch_xla: the
     bridge to from_pretrained and to a laptop. With `path`, also written there (atomically)."""
-    tensors, plain = _read_checkpoint(os.fspath(directory))
-    merged = {**tensors, **_read_objects(os.fspath(directory)).get("objects", {}), **plain}
+    _wait_for_saves()  # a save in flight in this process may be about to commit the checkpoint asked for
+    attempt = _committed_attempt(os.fspath(directory))  # once: tensors, objects and values from one attempt
+    tensors, plain = _read_checkpoint(attempt)
+    merged = {**tensors, **_read_objects(attempt).get("objects", {}), **plain}
     if path is not None:
         _atomic_write(merged, path)
     return merged
@@ -2558,9 +2719,9 @@ class _RayTrainLoop:
 
     def __call__(self, *args):
         result = self.train_fn(*args)
-        if _STATE.preempted and _STATE.sigterm_delays_exit:
+        if _STATE.preemption.preempted and _STATE.preemption.delays_exit:
             raise RuntimeError(
-                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.steps}; the loop returned after it, so "
+                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted}; the loop returned after it, so "
                 "this attempt ends as failed for Ray to restart it from the last reported checkpoint "
                 "(ray.train.get_checkpoint()). Allow the restart with RunConfig(failure_config=FailureConfig(max_failures=N))")
         return result
@@ -2645,3 +2806,7 @@ def __getattr__(name):
     if name in ("TorchConfig", "TorchTrainer", "_XlaSpmdBackend", "_RayTorchBackend"):
         return _ray_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_STATE = _ProcessState()
+_note_user_pjrt()  # a value set before this import is the user's, whatever loads torch_xla later

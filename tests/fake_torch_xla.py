@@ -19,7 +19,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 FAKE_API = {
     "torch_xla": ("device", "devices", "device_count", "sync"),
-    "torch_xla.runtime": ("use_spmd", "is_spmd", "global_runtime_device_count", "process_count", "process_index", "device_type"),
+    "torch_xla.runtime": ("use_spmd", "is_spmd", "global_runtime_device_count", "process_count", "process_index", "device_type",
+                          "get_master_ip"),
     "torch_xla.core.xla_model": ("send_cpu_data_to_device", "wait_device_ops"),
     "torch_xla.distributed.spmd": ("Mesh", "ShardingSpec", "mark_sharding", "set_global_mesh", "get_global_mesh"),
     "torch_xla.distributed.parallel_loader": ("MpDeviceLoader",),
@@ -32,7 +33,6 @@ class FakeXLA:
 
     def __init__(self, num_devices=4, process_count=1, pjrt_device="CPU"):
         self.num_devices, self.nprocs, self.pjrt_device = num_devices, process_count, pjrt_device
-        self.preempt_at_step = None
         self.events = []
         self.spmd = False
         self.locked = False  # torch_xla locks the SPMD config on the first device request
@@ -126,10 +126,6 @@ class FakeXLA:
             # torch_xla returns an OpSharding object (None without one); its text stands in for it here
             _get_xla_op_sharding=lambda t: fx.shardings.get(t),
             _xla_mark_sharding=lambda t, op_sharding: fx._settled(t) and fx.shardings.__setitem__(t, op_sharding),
-            # torch_xla's preemption sync manager (TPU slices): the coordination service says, at a step
-            # every host reaches, whether any host got SIGTERM; preempt_at_step stands in for that signal
-            _activate_preemption_sync_manager=lambda: fx.events.append(("preemption_sync_manager",)),
-            _sync_point_reached=lambda step: fx.events.append(("sync_point", step)) or step == fx.preempt_at_step,
         )
         torch_xla.device, torch_xla.devices, torch_xla.device_count, torch_xla.sync = device, devices, device_count, sync
         torch_xla._XLAC = xlac
@@ -145,6 +141,7 @@ class FakeXLA:
         runtime.global_runtime_device_count = lambda: fx.num_devices
         runtime.process_count = lambda: fx.nprocs
         runtime.process_index = lambda: 0
+        runtime.get_master_ip = lambda: "10.0.0.2"  # torch_xla reads worker 0's address from the TPU env; CPU: raises
         runtime.device_type = lambda: fx.pjrt_device
 
         class Mesh:

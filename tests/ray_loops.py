@@ -126,7 +126,7 @@ def crash_resume(config):
                         os._exit(1)
                     os.kill(os.getpid(), signal.SIGTERM)
                     deadline = time.monotonic() + 60  # Ray's main thread runs the handler when it next runs Python
-                    while not st._STATE.sigterm and time.monotonic() < deadline:
+                    while not st._STATE.preemption.sigterm and time.monotonic() < deadline:
                         time.sleep(0.01)
             optimizer.zero_grad()
             loss = F.mse_loss(model(x)[:, 0], y)

@@ -6,6 +6,7 @@ A crash (segfault: exit 139 / -11) fails like any other error.
 
 import json
 import re
+import signal
 import textwrap
 
 import pytest
@@ -185,6 +186,21 @@ def test_fsdp2_on_two_gloo_ranks_matches_eager(saved_in):
     fsdp2 = saved_in("gloo2")[1]
     diff = max(abs(a - b) for a, b in zip(eager["before"] + eager["losses"], fsdp2["before"] + fsdp2["losses"]))
     assert len(fsdp2["before"] + fsdp2["losses"]) == 20 and diff <= 1e-5, diff
+
+
+def test_a_slice_without_torch_distributed_agrees_on_sigterm_over_real_processes(tmp_path):
+    """The multi-host launch with no process group (the same script on every host): 2 real XLA processes, each
+    its own SPMD world here (XLA:CPU has no cross-process collectives), told by the runtime that they are the 2
+    hosts of one slice. SIGTERM to rank 1: its user handler runs (chained, not replaced), trainer.preempted turns
+    True at the same step on both through the trainer's gloo group, and both exit 0 though rank 0, which serves
+    the group's store, exits 2 s before rank 1."""
+    import sigterm
+
+    outs = sigterm.run("slice", str(tmp_path), world=2, env=dict(XLA_ENV, CPU_NUM_DEVICES="2"), timeout=240)
+    assert [code for code, *_ in outs] == [0, 0], [err[-3000:] for *_, err in outs]
+    (_, _, first, _), (_, _, last, _) = outs
+    assert first["stopped_at"] == last["stopped_at"] and 4 <= first["stopped_at"] <= 6, outs
+    assert first["handled"] == [] and last["handled"] == [signal.SIGTERM], "the user's handler ran where the signal came"
 
 
 def test_sigterm_on_xla_saves_at_the_next_step_and_resumes_like_an_uninterrupted_run(tmp_path):

@@ -32,6 +32,7 @@ def sharding(t):
 def four_hosts(monkeypatch, fresh):
     """The fake torch_xla as one of 4 SPMD processes of a 16-device slice."""
     FakeXLA(num_devices=16, process_count=4).install(monkeypatch)
+    monkeypatch.setattr(st, "_agreement_group", lambda: None)  # its 3 peers do not exist (real: test_real_xla.py)
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     return st
 
@@ -194,37 +195,31 @@ def test_sigterm_saves_at_the_next_step_and_the_resumed_run_is_bitwise_uninterru
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigterm_twice_during_a_save_lets_it_commit_then_saves_at_the_next_step(tmp_path, world):
     """Two SIGTERMs while the step-5 save is committing (on 2 ranks, to rank 1, which waits in the save's
-    agreement): the save completes, the loop stops at step 6 with a second save, exits 0, and resuming
-    from it continues the uninterrupted run bitwise."""
+    agreement): the save completes, the loop stops at step 6 with a second save (on 2 ranks at step 7: each
+    step reads the all-reduce the step before started), exits 0, and resuming from it continues the
+    uninterrupted run bitwise."""
     want = preempt.run("uninterrupted", tmp_path / "whole", world)
     (tmp_path / "run").mkdir()
     stopped = preempt.run("saving", tmp_path / "run", world, signal_rank=world - 1, signals=2)
-    assert [r["stopped_at"] for r in stopped] == [6] * world, stopped
+    at = 6 if world == 1 else 7
+    assert [r["stopped_at"] for r in stopped] == [at] * world, stopped
     resumed = preempt.run("resume", tmp_path / "run", world)
     for rank in range(world):
-        assert resumed[rank]["start"] == 7 and stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
+        assert resumed[rank]["start"] == at + 1 and stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
 
 
-def test_a_tpu_slice_agrees_through_torch_xlas_preemption_sync_manager(monkeypatch, fresh, sigterm_restored):
-    """Multi-host TPU without a torch.distributed group: torch_xla's preemption sync manager (activated once)
-    is asked at each step; the step it names is where every host's trainer.preempted turns True."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # no handler of the user's: the trainer delays the default exit
-    monkeypatch.setenv("PJRT_DEVICE", "TPU")  # the user's, set before torch_xla loads
-    st._user_pjrt_device()
-    fx = FakeXLA(num_devices=8, process_count=2, pjrt_device="TPU").install(monkeypatch)
-    fx.preempt_at_step = 3
-    model = scenarios.mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = st.SeamlessTPUTrainer(model, device="tpu")
-    seen = []
-    for _ in range(3):
-        one_step(model, optimizer)
-        seen.append(trainer.preempted)
-    assert seen == [False, False, True]
-    asked = [e for e in fx.events if e[0] in ("preemption_sync_manager", "sync_point")]
-    assert asked == [("preemption_sync_manager",), ("sync_point", 1), ("sync_point", 2), ("sync_point", 3)], asked
-    with pytest.raises(RuntimeError, match=r"trainer.preempted turned True at optimizer step 3, but the loop stepped again"):
-        one_step(model, optimizer)  # this host got no SIGTERM, but the slice is going: it stops with the others
+def test_a_slice_without_a_process_group_agrees_over_its_hosts_addresses(monkeypatch, fresh):
+    """Multi-host XLA with no torch.distributed group: the agreement's store is served by process 0 at the address
+    the runtime names (MASTER_ADDR where the user set one), so each host needs nothing but the slice's own env.
+    tests/test_real_xla.py runs the agreement itself on 2 real processes."""
+    FakeXLA(num_devices=8, process_count=2).install(monkeypatch)
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert st._xla_processes() == (1, 0, None), "before XLA is in use, one process"
+    st.get_device("xla")
+    assert st._xla_processes() == (2, 0, "10.0.0.2")
+    monkeypatch.setenv("MASTER_ADDR", "10.9.9.9")
+    assert st._xla_processes() == (2, 0, "10.9.9.9")
 
 
 def test_sigterm_delays_the_default_exit_only_until_the_loop_saves(no_xla, fresh, sigterm_restored):
@@ -282,3 +277,43 @@ def test_ray_workers_exit_is_held_while_a_trainer_can_save_and_the_attempt_then_
     assert exits == [signal.SIGTERM], "held while the trainer could save"
     st._reset_caches()
     assert st._RayTrainLoop(loop)({"signal": False}) == {"signal": False}, "a run not preempted returns the loop's value"
+
+
+# --- SIGTERM at every phase of a run: delayed by at most the grace, never cancelled ------------------------------
+
+
+@pytest.mark.parametrize("phase, at", [("step", 3), ("between", 4)])
+def test_sigterm_in_or_between_steps_saves_at_the_next_step_end_and_exits_0(tmp_path, phase, at):
+    """The signal lands inside step 3 (its forward is running), or between steps 3 and 4: trainer.preempted turns
+    True at the end of that step, the loop saves and breaks, and the process exits 0 well within the grace."""
+    import sigterm
+
+    [(code, seconds, result, err)] = sigterm.run(phase, str(tmp_path))
+    assert code == 0, err[-3000:]
+    assert result["stopped_at"] == at and os.path.exists(tmp_path / "ckpt" / "LATEST"), result
+    assert seconds < sigterm.GRACE, f"the loop saved and ended {seconds:.1f} s after the signal"
+
+
+@pytest.mark.parametrize("phase", ["after", "loading", "eval"])
+def test_sigterm_where_no_step_follows_exits_as_by_default_after_the_grace(tmp_path, phase):
+    """After the loop, in a stalled data-loading call, in an evaluation-only loop: no optimizer step comes to turn
+    the signal into trainer.preempted, so SIGTERM's default action (the process ends by the signal) comes once the
+    grace (SEAMLESS_TPU_SIGTERM_GRACE=2 here; 15 s by default) has passed, instead of never."""
+    import sigterm
+
+    [(code, seconds, result, err)] = sigterm.run(phase, str(tmp_path))
+    assert code == -signal.SIGTERM and result is None, (code, err[-3000:])
+    assert sigterm.GRACE <= seconds < sigterm.GRACE + 3, f"ended {seconds:.1f} s after the signal"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_optimizer_only_rank_0_steps_neither_hangs_nor_splits_the_agreement(tmp_path, world):
+    """Rank 0 also trains a probe every iteration; only steps of the trainer's optimizers take part in the
+    agreement, so the ranks never wait on each other's probe, and all stop at one step after the last rank's
+    SIGTERM."""
+    import sigterm
+
+    outs = sigterm.run("probe", str(tmp_path), world=world)
+    assert [code for code, *_ in outs] == [0] * world, [err[-2000:] for *_, err in outs]
+    stops = {result["stopped_at"] for _, _, result, _ in outs}
+    assert len(stops) == 1 and 4 <= stops.pop() <= 6, outs
