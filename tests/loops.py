@@ -14,9 +14,16 @@ compile count after each iteration (always 0 on the CPU); "compile_s" the second
     lbfgs          # pytorch/examples time_sequence_prediction: LSTM cells, LBFGS with a closure
     inference      # forwards only, under no_grad, outputs summed on the device
     sliced         # manual_rnn fed by slicing a device tensor at a moving offset: recompiles, and says why
+    gan_eval [two] # DCGAN's order (D on real and fake, then G), two optimizers, a no-grad eval each epoch;
+                   # "two": the discriminator gets a trainer of its own too
+    ema_eval       # AdamW steps, an EMA copy updated by hand under no_grad after each, both evaluated each epoch
+    distill_eval   # a frozen teacher's no-grad forward + the student's step, the student evaluated each epoch
+The epoch loops add "epochs" (the compile count after each epoch) and "warnings" (the watchdog's).
 """
 
+import copy
 import json
+import logging
 import sys
 
 import torch
@@ -25,6 +32,7 @@ import torch.nn.functional as F
 import seamless_tpu as st
 
 STEPS = 6  # warm-up (2 graphs) and 4 iterations that must compile nothing
+EPOCHS, EPOCH_STEPS = 5, 3  # the epoch loops: with 3 steps an epoch, the issue's "step 7" opens epoch 3
 
 
 def stats(trainer):
@@ -183,19 +191,146 @@ def inference():
     return losses, compiles, transfers
 
 
+class Epochs:
+    """The epoch loops' record: losses on the device, compiles after each step and each epoch."""
+
+    def __init__(self, trainer):
+        self.trainer, self.losses, self.compiles, self.transfers, self.epochs = trainer, [], [], [], []
+
+    def step(self, *losses):
+        self.losses += [loss.detach() for loss in losses]
+        self.compiles.append(stats(self.trainer)["compiles"])
+        self.transfers.append(stats(self.trainer)["device_to_host_transfers"])
+
+    def epoch(self, *evals):
+        self.losses += list(evals)
+        self.epochs.append(stats(self.trainer)["compiles"])
+        return self.losses, self.compiles, self.transfers
+
+
+def gan_eval(two=False):
+    """pytorch/examples dcgan's step order on MLPs: D on real and on G's detached fake (one backward
+    each), D's step, then G through D, G's step; each epoch a no-grad evaluation of G's samples."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    disc = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.LeakyReLU(0.2), torch.nn.Linear(32, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    trainer = st.SeamlessTPUTrainer(gen)
+    if two:
+        st.SeamlessTPUTrainer(disc)
+    else:
+        disc.to(trainer.device)
+    g = torch.Generator().manual_seed(1)
+    batches = [trainer.to_device(torch.tensor([2.0, -1.0]) + 0.3 * torch.randn(8, 2, generator=g), torch.randn(8, 8, generator=g))
+               for _ in range(EPOCH_STEPS)]
+    ones, zeros, eval_z = trainer.to_device(torch.ones(8, 1), torch.zeros(8, 1), torch.randn(16, 8, generator=g))
+    record = Epochs(trainer)
+    for _ in range(EPOCHS):
+        for real, z in batches:
+            opt_d.zero_grad()
+            d_real = F.binary_cross_entropy_with_logits(disc(real), ones)
+            d_real.backward()
+            fake = gen(z)
+            d_fake = F.binary_cross_entropy_with_logits(disc(fake.detach()), zeros)
+            d_fake.backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            g_loss = F.binary_cross_entropy_with_logits(disc(fake), ones)
+            g_loss.backward()
+            opt_g.step()
+            record.step(d_real + d_fake, g_loss)
+        gen.eval()
+        with torch.no_grad():
+            samples = gen(eval_z)
+            score = torch.sigmoid(disc(samples)).mean()
+        gen.train()
+        losses, compiles, transfers = record.epoch(samples.mean(), score)
+    return losses, compiles, transfers, record.epochs
+
+
+def ema_eval(decay=0.9):
+    """A model and its exponential moving average (timm's ModelEmaV2, by hand): each step ends with
+    p_ema.mul_(d).add_(p, alpha=1 - d) under no_grad; each epoch both are evaluated, no grad."""
+    model = mlp()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = st.SeamlessTPUTrainer(model)
+    ema.to(trainer.device)
+    g = torch.Generator().manual_seed(1)
+    batches = [trainer.to_device(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g)) for _ in range(EPOCH_STEPS)]
+    x_val, y_val = trainer.to_device(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g))
+    record = Epochs(trainer)
+    for _ in range(EPOCHS):
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                for p_ema, p in zip(ema.parameters(), model.parameters()):
+                    p_ema.mul_(decay).add_(p, alpha=1 - decay)
+            record.step(loss)
+        with torch.no_grad():
+            losses, compiles, transfers = record.epoch(F.mse_loss(model(x_val), y_val), F.mse_loss(ema(x_val), y_val))
+    return losses, compiles, transfers, record.epochs
+
+
+def distill_eval():
+    """Knowledge distillation: a frozen teacher's forward under no_grad, then the student's step on
+    the teacher's soft targets and the labels; each epoch the student is evaluated, no grad."""
+    teacher = mlp(seed=3).eval().requires_grad_(False)
+    student = mlp(depth=3)
+    optimizer = torch.optim.SGD(student.parameters(), lr=1e-2, momentum=0.9)
+    trainer = st.SeamlessTPUTrainer(student)
+    teacher.to(trainer.device)
+    g = torch.Generator().manual_seed(1)
+    batches = [trainer.to_device(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g)) for _ in range(EPOCH_STEPS)]
+    x_val, y_val = trainer.to_device(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g))
+    record = Epochs(trainer)
+    for _ in range(EPOCHS):
+        for x, y in batches:
+            with torch.no_grad():
+                soft = teacher(x)
+            optimizer.zero_grad()
+            out = student(x)
+            loss = F.mse_loss(out, soft) + 0.5 * F.mse_loss(out, y)
+            loss.backward()
+            optimizer.step()
+            record.step(loss)
+        with torch.no_grad():
+            losses, compiles, transfers = record.epoch(F.mse_loss(student(x_val), y_val))
+    return losses, compiles, transfers, record.epochs
+
+
+class Caught(logging.Handler):
+    """seamless_tpu's warnings during the run."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def main(name, *args):
     st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
     run = {"accumulate": lambda: accumulate(int(args[0])), "accumulate_lm": lambda: accumulate(int(args[0]), lm=True),
            "manual_rnn": manual_rnn, "lbfgs": lbfgs,
-           "inference": inference, "sliced": lambda: manual_rnn(sliced=True)}[name]
-    losses, compiles, transfers = run()
+           "inference": inference, "sliced": lambda: manual_rnn(sliced=True),
+           "gan_eval": lambda: gan_eval(two="two" in args), "ema_eval": ema_eval, "distill_eval": distill_eval}[name]
+    caught = Caught()
+    logging.getLogger(st.__name__).addHandler(caught)
+    losses, compiles, transfers, *epochs = run()
     compile_s = 0.0
     if st.is_xla_backend():
         import torch_xla.debug.metrics as met
 
         compile_s = (met.metric_data("CompileTime") or (0, 0))[1] / 1e9
     print("RESULT " + json.dumps({"losses": torch.stack([l.float() for l in losses]).cpu().tolist(),
-                                  "compiles": compiles, "transfers": transfers, "compile_s": compile_s}))
+                                  "compiles": compiles, "transfers": transfers, "compile_s": compile_s,
+                                  "epochs": epochs[0] if epochs else None, "warnings": caught.messages}))
 
 
 if __name__ == "__main__":
