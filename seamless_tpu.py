@@ -109,8 +109,8 @@ OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (sched
 RELEASE_EVERY = 4 << 20  # bytes a checkpoint load handles between handing freed host memory back to the OS
 WARMUP_STEPS = 2  # runs of a graph (cut to cut) that may compile: the first, the one with optimizer state
 INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
-LATE_COMPILES_TO_WARN = 2  # one late compile is a one-off (an epoch's short last batch), cached from then
-                           # on; a second means shapes keep changing
+LATE_COMPILES_TO_WARN = 2  # late compiles in a row by one pair of cuts: one is a one-off (an epoch's short
+                           # last batch, an eval pass joining a step), cached from then on; two mean shapes change
 _INSTALL = {
     "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: pip install torch==2.9.0 torch_xla==2.9.0)",
     "ray": "pip install 'ray[train]'",
@@ -842,17 +842,18 @@ class _CompileWatchdog:
     """Counts XLA compilations per iteration of the loop, and warns once per process when, after its
     warm-up, iterations keep compiling. An iteration ends where the graph is cut: an optimizer step
     (counted from its start, closure included) or a trainer forward that starts the next iteration
-    (counted since the previous cut). Warm-up is counted per pair of consecutive cuts, not per
-    optimizer: a graph is the work between two cuts, so each pair is its own graph. A loop whose
-    cycle is longer than a step (an eval pass each epoch, a GAN's two optimizers, an EMA update that
-    the eval cut takes) meets a new pair, and compiles a new graph once, long after step 2: counted
-    per optimizer, the first step after the first eval pass was late, and with one more one-off the
-    watchdog warned about a healthy loop (issue 25). Per pair, changing graphs still compile at every
-    occurrence of some pair, and warn. A new parameter group is a new cut, so its graphs warm up anew."""
+    (counted since the previous cut). A graph is the work between two cuts, so warm-up is counted per
+    pair of consecutive cuts, and it warns when one pair, past warm-up, compiles on consecutive runs:
+    a graph met once is cached on its next run. Counted per optimizer, a loop whose cycle is longer
+    than a step warned about graphs it meets once, well after step 2 (issue 25): the first step after
+    an eval pass (it lacks the work the eval's cut took, or holds an eval no forward cut: an EMA
+    model's), an EMA copy's third step (its inputs are replicated after its first update), an eval
+    metric summed over epochs. Changing graphs compile on every run of some pair, and warn. A new
+    parameter group is a new cut, so its graphs warm up anew. Reads two counters per cut; no sync."""
 
     def __init__(self):
         self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
-        self.pairs = collections.Counter()  # (previous cut, this cut) -> times seen; a cut: (id, layout or kind)
+        self.pairs = {}  # (previous cut, this cut) -> (runs, late compiles in a row); a cut: (id, layout or kind)
         self.cut, self.cuts = None, 0  # the last cut, and how many there were
         self.late_compiles = 0  # iterations after warm-up that compiled
         self.sliced_input = False  # a forward's input was a view of a larger XLA tensor
@@ -881,9 +882,11 @@ class _CompileWatchdog:
 
     def _count(self, compiled, cut, index, what, known_cause=None):
         pair, self.cut, self.cuts = (self.cut, cut), cut, self.cuts + 1
-        self.pairs[pair] += 1
-        self.late_compiles += bool(compiled and self.pairs[pair] > WARMUP_STEPS)
-        if self.late_compiles < LATE_COMPILES_TO_WARN or not _once("recompiles"):
+        runs, in_a_row = self.pairs.get(pair, (0, 0))
+        late = bool(compiled and runs >= WARMUP_STEPS)
+        in_a_row = in_a_row + 1 if late else 0
+        self.pairs[pair], self.late_compiles = (runs + 1, in_a_row), self.late_compiles + late
+        if in_a_row < LATE_COMPILES_TO_WARN or not _once("recompiles"):
             return
         if known_cause:
             cause = known_cause + "Other causes: "
