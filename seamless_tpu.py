@@ -108,14 +108,14 @@ SAVE_ATTEMPT = re.compile(r"(save|step)-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one 
 ATTEMPT_MARKER = ".seamless_tpu_attempt"  # in every attempt a save creates: the only folders a later save removes
 OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (schedulers, scalers, ...) and RNG states
 RELEASE_EVERY = 4 << 20  # bytes a checkpoint load handles between handing freed host memory back to the OS
-WARMUP_STEPS = 2  # step 1 compiles the step graph, step 2 the one with optimizer state; then stable
+WARMUP_STEPS = 2  # runs of a graph (cut to cut) that may compile: the first, the one with optimizer state
 INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
 SIGTERM_GRACE_S = 15.0  # how long SIGTERM's exit waits for the loop (a save in progress holds it): a spot VM or
                         # a Kubernetes pod gets 30 s before SIGKILL. SEAMLESS_TPU_SIGTERM_GRACE overrides it
 AGREEMENT_PORT = 8548  # a multi-host XLA slice with no process group agrees on SIGTERM over a gloo group whose
                        # store listens here on process 0 (beside the XLA coordinator's 8547); SEAMLESS_TPU_PORT overrides
-LATE_COMPILES_TO_WARN = 2  # one late compile is a one-off (an eval pass folded into the next step, an
-                           # epoch's short last batch), cached from then on; a second means shapes keep changing
+LATE_COMPILES_TO_WARN = 2  # late compiles in a row by one pair of cuts: one is a one-off (an epoch's short
+                           # last batch, an eval pass joining a step), cached from then on; two mean shapes change
 _INSTALL = {
     "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: pip install torch==2.9.0 torch_xla==2.9.0)",
     "ray": "pip install 'ray[train]'",
@@ -839,14 +839,21 @@ def _patch_torch_for_xla():
 
 class _CompileWatchdog:
     """Counts XLA compilations per iteration of the loop, and warns once per process when, after its
-    warm-up, an iteration keeps compiling. An iteration ends where the graph is cut: an optimizer step
-    (counted from its start, closure included, so an eval pass between steps is not) or a trainer
-    forward that starts the next iteration (counted since the previous cut). A new parameter group
-    (progressive unfreezing) is a new graph by design: that optimizer's warm-up restarts."""
+    warm-up, iterations keep compiling. An iteration ends where the graph is cut: an optimizer step
+    (counted from its start, closure included) or a trainer forward that starts the next iteration
+    (counted since the previous cut). A graph is the work between two cuts, so warm-up is counted per
+    pair of consecutive cuts, and it warns when one pair, past warm-up, compiles on consecutive runs:
+    a graph met once is cached on its next run. Counted per optimizer, a loop whose cycle is longer
+    than a step warned about graphs it meets once, well after step 2: the first step after
+    an eval pass (it lacks the work the eval's cut took, or holds an eval no forward cut: an EMA
+    model's), an EMA copy's third step (its inputs are replicated after its first update), an eval
+    metric summed over epochs. Changing graphs compile on every run of some pair, and warn. A new
+    parameter group is a new cut, so its graphs warm up anew. Reads two counters per cut; no sync."""
 
     def __init__(self):
-        self.steps = weakref.WeakKeyDictionary()  # optimizer -> (its parameter layout, steps taken with it)
-        self.iterations = collections.Counter()  # (id of the model, "train" or "eval") -> forward-cut iterations
+        self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
+        self.pairs = {}  # (previous cut, this cut) -> (runs, late compiles in a row); a cut: (id, layout or kind)
+        self.cut, self.cuts = None, 0  # the last cut, and how many there were
         self.late_compiles = 0  # iterations after warm-up that compiled
         self.sliced_input = False  # a forward's input was a view of a larger XLA tensor
         self.in_step = False  # inside optimizer.step(): a closure's forwards belong to the step
@@ -858,26 +865,27 @@ class _CompileWatchdog:
 
     def after_step(self, optimizer, met):
         layout = tuple(len(group["params"]) for group in optimizer.param_groups)
-        seen_layout, step = self.steps.get(optimizer, (layout, 0))
-        step = 1 if seen_layout != layout else step + 1
-        self.steps[optimizer] = (layout, step)
+        step = self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
         self.in_step, self._at_cut = False, met.counter_value("UncachedCompile") or 0
         history = optimizer.defaults.get("history_size") if isinstance(optimizer, torch.optim.LBFGS) else None
-        self._count(self._at_cut - self._before, step, "step", history and (
+        self._count(self._at_cut - self._before, (id(optimizer), layout), step, "step", history and (
             f"LBFGS compiles new graphs until its history is full (history_size={history}), since it reads every "
             "history term in each inner iteration; a smaller history_size (e.g. 10) bounds them. "))
 
     def after_forward_cut(self, key, met):
         if self.in_step:  # LBFGS: its step counts them
             return
-        self.iterations[key] += 1
         now = met.counter_value("UncachedCompile") or 0
         compiled, self._at_cut = now - self._at_cut, now
-        self._count(compiled, self.iterations[key], "iteration")
+        self._count(compiled, key, self.cuts + 1, "iteration")
 
-    def _count(self, compiled, index, what, known_cause=None):
-        self.late_compiles += bool(compiled and index > WARMUP_STEPS)
-        if self.late_compiles < LATE_COMPILES_TO_WARN or not _once("recompiles"):
+    def _count(self, compiled, cut, index, what, known_cause=None):
+        pair, self.cut, self.cuts = (self.cut, cut), cut, self.cuts + 1
+        runs, in_a_row = self.pairs.get(pair, (0, 0))
+        late = bool(compiled and runs >= WARMUP_STEPS)
+        in_a_row = in_a_row + 1 if late else 0
+        self.pairs[pair], self.late_compiles = (runs + 1, in_a_row), self.late_compiles + late
+        if in_a_row < LATE_COMPILES_TO_WARN or not _once("recompiles"):
             return
         if known_cause:
             cause = known_cause + "Other causes: "

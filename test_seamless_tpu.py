@@ -610,6 +610,50 @@ def test_watchdog_names_lbfgs_history_as_the_recompile_cause(fresh, caplog):
     assert len(warned) == 1 and "until its history is full (history_size=100)" in warned[0], warned
 
 
+# The cuts of tests/loops.py's epoch loops (3 steps an epoch, an eval pass after each) as real XLA
+# measured them: "d1" is a step of optimizer d that compiled one graph, "E0" a forward cut after a
+# no-grad pass that compiled none ("T": after a backward). tests/test_real_xla.py runs the loops.
+MEASURED_CUTS = {
+    "gan_eval": "d1 g1 d1 g1 d0 g0 E1 d1 g0 d0 g0 d0 g0 E0 d0 g0 d0 g0 d0 g0 E0 d0 g0 d0 g0 d0 g0 E0 d0 g0 d0 g0",
+    # G's EMA evaluated (no forward cuts it: it joins D's next step), its score summed over epochs: D's
+    # steps 3 (EMA inputs replicated), 4 (the eval joins) and 7 (the sum) compile once each
+    "gan_eval ema": "d1 g1 d1 g1 d1 g0 d1 g0 d0 g0 d0 g0 d1 g0 d0 g0 d0 g0 d0 g0 d0 g0 d0 g0 d0 g0 d0 g0",
+    "gan_eval two": "T1 d1 g1 T1 d1 g1 T0 d0 g0 E1 E1 T0 d0 g0 T0 d0 g0 T0 d0 g0 E0 E0 T0 d0 g0 T0 d0 g0 T0 d0 g0 "
+                    "E0 E0 T0 d0 g0 T0 d0 g0 T0 d0 g0 E0 E0 T0 d0 g0",
+    # the EMA copy's inputs are replicated only after its first update: step 3 is a graph of its own
+    "ema_eval": "s1 s1 s1 E1 s1 s0 s0 E0 s0 s0 s0 E0 s0 s0 s0 E0 s0 s0 s0",
+    "distill_eval": "s1 s1 s0 E1 s1 s0 s0 E0 s0 s0 s0 E0 s0 s0 s0 E0 s0 s0 s0",
+    "distill_eval grow": "s1 s1 s1 E1 s1 s1 s1 E1 s1 s1 s1 E1 s1 s1 s1 E1 s1 s1 s1",  # a new batch size each step
+}
+
+
+def replay_cuts(watchdog, met, cuts):
+    """Drive the watchdog through MEASURED_CUTS-style cuts: the steps of optimizers d, g and s, and the
+    forward cuts of one model."""
+    model = torch.nn.Linear(2, 2)
+    optimizers = {name: torch.optim.Adam(model.parameters()) for name in "dgs"}
+    for cut in cuts.split():
+        name, compiled = cut[0], int(cut[1:])
+        if name in optimizers:
+            watchdog.before_step(met)
+            met.compiles += compiled
+            watchdog.after_step(optimizers[name], met)
+        else:
+            met.compiles += compiled
+            watchdog.after_forward_cut((id(model), "eval" if name == "E" else "train"), met)
+
+
+@pytest.mark.parametrize("loop", list(MEASURED_CUTS))
+def test_watchdog_warns_only_when_graphs_keep_changing_over_epochs(fresh, caplog, loop):
+    """A loop with an eval pass each epoch (a GAN's two optimizers, an EMA, distillation) meets new
+    graphs once, after its first eval pass, long after step 2: no warning. Counted per optimizer, the
+    EMA loops warned at step 4 (issue 25). A new batch size every step still warns, once."""
+    with caplog.at_level(logging.WARNING, logger="seamless_tpu"):
+        replay_cuts(st._CompileWatchdog(), CompileCounter(), MEASURED_CUTS[loop])
+    warned = [r.getMessage() for r in caplog.records if "after warm-up" in r.getMessage()]
+    assert len(warned) == ("grow" in loop), warned
+
+
 def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")

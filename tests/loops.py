@@ -14,9 +14,18 @@ compile count after each iteration (always 0 on the CPU); "compile_s" the second
     lbfgs          # pytorch/examples time_sequence_prediction: LSTM cells, LBFGS with a closure
     inference      # forwards only, under no_grad, outputs summed on the device
     sliced         # manual_rnn fed by slicing a device tensor at a moving offset: recompiles, and says why
+    gan_eval [two|ema]  # DCGAN's order (D on real and fake, then G), two optimizers, a no-grad eval each
+                   # epoch; "two": the discriminator gets a trainer of its own too; "ema": an EMA of G (as
+                   # StyleGAN keeps) is what the eval samples, so no forward cuts the eval: it joins the next step
+    ema_eval       # AdamW steps, an EMA copy updated by hand under no_grad after each, both evaluated each epoch
+    distill_eval   # a frozen teacher's no-grad forward + the student's step, the student evaluated each epoch
+    distill_eval grow  # the same with a new batch size every step: recompiles, and the watchdog must say so
+The epoch loops add "epochs" (the compile count after each epoch) and "warnings" (the watchdog's).
 """
 
+import copy
 import json
+import logging
 import sys
 
 import torch
@@ -25,6 +34,7 @@ import torch.nn.functional as F
 import seamless_tpu as st
 
 STEPS = 6  # warm-up (2 graphs) and 4 iterations that must compile nothing
+EPOCHS, EPOCH_STEPS = 5, 3  # the epoch loops: with 3 steps an epoch, the issue's "step 7" opens epoch 3
 
 
 def stats(trainer):
@@ -183,19 +193,164 @@ def inference():
     return losses, compiles, transfers
 
 
+class Epochs:
+    """The epoch loops' record: losses on the device, compiles after each step and each epoch."""
+
+    def __init__(self, trainer):
+        self.trainer, self.losses, self.compiles, self.transfers, self.epochs = trainer, [], [], [], []
+
+    def step(self, *losses):
+        self.losses += [loss.detach() for loss in losses]
+        self.compiles.append(stats(self.trainer)["compiles"])
+        self.transfers.append(stats(self.trainer)["device_to_host_transfers"])
+
+    def epoch(self, *evals):
+        self.losses += list(evals)
+        self.epochs.append(stats(self.trainer)["compiles"])
+        return self.losses, self.compiles, self.transfers
+
+
+def gan_eval(two=False, ema=False):
+    """pytorch/examples dcgan's step order on MLPs: D on real and on G's detached fake (one backward
+    each), D's step, then G through D, G's step; each epoch a no-grad evaluation of G's samples scored
+    by D. With `ema`: of G's EMA, and the score summed over the epochs on the device (epoch 2's sum,
+    of two device values, is a graph of its own: the issue's one-off at step 7)."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    gen_ema = copy.deepcopy(gen).requires_grad_(False)
+    disc = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.LeakyReLU(0.2), torch.nn.Linear(32, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    trainer = st.SeamlessTPUTrainer(gen)
+    if two:
+        st.SeamlessTPUTrainer(disc)
+    else:
+        disc.to(trainer.device)
+    gen_ema.to(trainer.device)
+    total = 0
+    g = torch.Generator().manual_seed(1)
+    centre = torch.tensor([2.0, -1.0])
+    batches = [trainer.to_device(centre + 0.3 * torch.randn(8, 2, generator=g), torch.randn(8, 8, generator=g))
+               for _ in range(EPOCH_STEPS)]
+    ones, zeros, eval_z = trainer.to_device(torch.ones(8, 1), torch.zeros(8, 1), torch.randn(16, 8, generator=g))
+    record = Epochs(trainer)
+    for _ in range(EPOCHS):
+        for real, z in batches:
+            opt_d.zero_grad()
+            d_real = F.binary_cross_entropy_with_logits(disc(real), ones)
+            d_real.backward()
+            fake = gen(z)
+            d_fake = F.binary_cross_entropy_with_logits(disc(fake.detach()), zeros)
+            d_fake.backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            g_loss = F.binary_cross_entropy_with_logits(disc(fake), ones)
+            g_loss.backward()
+            opt_g.step()
+            if ema:
+                with torch.no_grad():
+                    for p_ema, p in zip(gen_ema.parameters(), gen.parameters()):
+                        p_ema.mul_(0.9).add_(p, alpha=0.1)
+            record.step(d_real + d_fake, g_loss)
+        gen.eval()
+        with torch.no_grad():
+            samples = (gen_ema if ema else gen)(eval_z)
+            score = torch.sigmoid(disc(samples)).mean()
+            total = total + score if ema else score
+        gen.train()
+        losses, compiles, transfers = record.epoch(samples.mean(), total)
+    return losses, compiles, transfers, record.epochs
+
+
+def ema_eval(decay=0.9):
+    """A model and its exponential moving average (timm's ModelEmaV2, by hand): each step ends with
+    p_ema.mul_(d).add_(p, alpha=1 - d) under no_grad; each epoch both are evaluated, no grad."""
+    model = mlp()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = st.SeamlessTPUTrainer(model)
+    ema.to(trainer.device)
+    g = torch.Generator().manual_seed(1)
+    batches = [trainer.to_device(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g))
+               for _ in range(EPOCH_STEPS)]
+    x_val, y_val = trainer.to_device(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g))
+    record = Epochs(trainer)
+    for _ in range(EPOCHS):
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                for p_ema, p in zip(ema.parameters(), model.parameters()):
+                    p_ema.mul_(decay).add_(p, alpha=1 - decay)
+            record.step(loss)
+        with torch.no_grad():
+            losses, compiles, transfers = record.epoch(F.mse_loss(model(x_val), y_val), F.mse_loss(ema(x_val), y_val))
+    return losses, compiles, transfers, record.epochs
+
+
+def distill_eval(grow=False):
+    """Knowledge distillation: a frozen teacher's forward under no_grad, then the student's step on
+    the teacher's soft targets and the labels; each epoch the student is evaluated, no grad.
+    grow: batch n of the run has 4 + n rows, a new shape (a new graph) every step."""
+    teacher = mlp(seed=3).eval().requires_grad_(False)
+    student = mlp(depth=3)
+    optimizer = torch.optim.SGD(student.parameters(), lr=1e-2, momentum=0.9)
+    trainer = st.SeamlessTPUTrainer(student)
+    teacher.to(trainer.device)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g)) for _ in range(EPOCH_STEPS)]
+    batches = [trainer.to_device(x, y) for x, y in data]
+    x_val, y_val = trainer.to_device(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g))
+    record = Epochs(trainer)
+    for epoch in range(EPOCHS):
+        for i, (x, y) in enumerate(batches):
+            if grow:
+                n = 4 + epoch * EPOCH_STEPS + i
+                x, y = trainer.to_device(torch.cat([data[i][0]] * 2)[:n], torch.cat([data[i][1]] * 2)[:n])
+            with torch.no_grad():
+                soft = teacher(x)
+            optimizer.zero_grad()
+            out = student(x)
+            loss = F.mse_loss(out, soft) + 0.5 * F.mse_loss(out, y)
+            loss.backward()
+            optimizer.step()
+            record.step(loss)
+        with torch.no_grad():
+            losses, compiles, transfers = record.epoch(F.mse_loss(student(x_val), y_val))
+    return losses, compiles, transfers, record.epochs
+
+
+class Caught(logging.Handler):
+    """seamless_tpu's warnings during the run."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def main(name, *args):
     st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
     run = {"accumulate": lambda: accumulate(int(args[0])), "accumulate_lm": lambda: accumulate(int(args[0]), lm=True),
            "manual_rnn": manual_rnn, "lbfgs": lbfgs,
-           "inference": inference, "sliced": lambda: manual_rnn(sliced=True)}[name]
-    losses, compiles, transfers = run()
+           "inference": inference, "sliced": lambda: manual_rnn(sliced=True),
+           "gan_eval": lambda: gan_eval(two="two" in args, ema="ema" in args), "ema_eval": ema_eval,
+           "distill_eval": lambda: distill_eval(grow="grow" in args)}[name]
+    caught = Caught()
+    logging.getLogger(st.__name__).addHandler(caught)
+    losses, compiles, transfers, *epochs = run()
     compile_s = 0.0
     if st.is_xla_backend():
         import torch_xla.debug.metrics as met
 
         compile_s = (met.metric_data("CompileTime") or (0, 0))[1] / 1e9
     print("RESULT " + json.dumps({"losses": torch.stack([l.float() for l in losses]).cpu().tolist(),
-                                  "compiles": compiles, "transfers": transfers, "compile_s": compile_s}))
+                                  "compiles": compiles, "transfers": transfers, "compile_s": compile_s,
+                                  "epochs": epochs[0] if epochs else None, "warnings": caught.messages}))
 
 
 if __name__ == "__main__":

@@ -275,6 +275,32 @@ def test_slicing_a_device_tensor_at_a_moving_offset_is_named_as_the_recompile_ca
     assert len(warnings) == 1 and "slice of a device tensor" in warnings[0] and "index_select" in warnings[0], warnings
 
 
+# tests/loops.py's epoch loops; test_seamless_tpu.py replays the cuts they made (MEASURED_CUTS) on fake counters
+EPOCH_LOOPS = ["gan_eval", "gan_eval two", "gan_eval ema", "ema_eval", "distill_eval"]
+
+
+@pytest.mark.parametrize("loop", EPOCH_LOOPS)
+def test_epoch_loops_with_an_eval_pass_compile_flat_and_do_not_warn(loop):
+    """A GAN (two optimizers), an EMA and a distillation loop, each with a no-grad eval pass every
+    epoch: the graphs the first eval pass brings (in epoch 2) are cached from then on, so no epoch
+    after the second compiles (after the third with an eval metric summed over epochs: epoch 2 sums
+    two device values for the first time), no transfer is added, the losses are eager's, and the
+    watchdog does not warn (it did: issue 25)."""
+    xla, eager = _loops(("xla", loop.split()), ("cpu", loop.split()))
+    settled = 3 if "ema" in loop.split()[1:] else 2
+    assert xla["epochs"][settled - 1] == xla["epochs"][-1] > xla["epochs"][0], xla["epochs"]
+    assert xla["warnings"] == [] and xla["transfers"][-1] == 0, (xla["warnings"], xla["transfers"])
+    _assert_close(xla["losses"], eager["losses"], 1e-5, f"{loop} vs eager")
+
+
+def test_an_epoch_loop_with_a_new_batch_size_every_step_still_warns():
+    out = child.run(["tests/loops.py", "distill_eval", "grow"], env=child.env(**XLA_ENV), timeout=300)
+    result = json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert len(set(result["epochs"])) == len(result["epochs"]), f"each epoch compiles anew: {result['epochs']}"
+    warned = [w for w in result["warnings"] if "after warm-up" in w]
+    assert len(warned) == 1 and "input shapes that change" in warned[0], result["warnings"]
+
+
 def _load_cost(layout, phase, directory, tmp):
     """tests/load_cost.py on 4 XLA devices or 2 gloo ranks, with TMPDIR=`tmp`; each process's report."""
     if layout != "gloo2":
