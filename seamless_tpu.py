@@ -670,6 +670,9 @@ def _model_tp_plan(model):
     """The tensor-parallel plan a transformers model carries, with full module names: the instance's
     merged _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix plus
     the class's _tp_plan for the head. {} for any other model."""
+    inner = _peft_inner(model)
+    if inner:  # before the attributes below, which a PeftModel forwards inward (its names lack the wrapper's path)
+        return {f"{inner[0]}.{k}": v for k, v in _model_tp_plan(inner[1]).items()}
     plan = vars(model).get("_tp_plan")  # the instance's: the class attribute holds the head's entries only
     if isinstance(plan, Mapping) and plan:
         return dict(plan)
@@ -679,14 +682,31 @@ def _model_tp_plan(model):
     return {**{prefix + k: v for k, v in base.items()}, **(getattr(type(model), "_tp_plan", None) or {})}
 
 
-def _tp_specs(model, plan, axis_sizes):
+def _peft_inner(model):
+    """(path, module) of the model a peft PeftModel wraps (its get_base_model()), else None."""
+    get = getattr(type(model), "get_base_model", None)  # the class's: a PeftModel forwards unknown attributes inward
+    inner = get(model) if callable(get) else None
+    if not isinstance(inner, torch.nn.Module) or inner is model:
+        return None
+    return next(((name, inner) for name, m in model.named_modules() if m is inner), None)
+
+
+def _class_path(obj):
+    """The full name of obj's class: peft's LoRA layer is a `Linear` too, and is no torch.nn.Linear."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _tp_specs(model, plan, axis_sizes, xla=True):
     """{parameter: partition spec} for the weights `plan` splits over MODEL_AXIS; with an fsdp axis, the
     other dimension splits over it (2-D). Pure: checks every entry against the module tree and every
-    split against the weight's shape, before anything moves."""
+    split against the weight's shape, before anything moves. A planned peft tuner layer splits its
+    base_layer (XLA only: off it, torch's parallelize_module cannot split the adapters beside it)."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"tp_plan must be a dict of module-name pattern -> style (e.g. {{'layers.*.mlp.up_proj': 'colwise'}}), "
                         f"got {_shown(plan)} ({type(plan).__name__})")
     modules = dict(model.named_modules())
+    names = {m: n for n, m in modules.items()}
+    inner = _peft_inner(model)
     model_size, fsdp_size = axis_sizes.get(MODEL_AXIS, 1), axis_sizes.get(FSDP_AXIS, 1)
     specs = {}
     for pattern, style in plan.items():
@@ -696,29 +716,62 @@ def _tp_specs(model, plan, axis_sizes):
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
         matched = [m for m in modules if regex.fullmatch(m)]
         if not matched:
+            prefix = f"{inner[0]}." if inner else "\0"  # "\0" starts no module name
+            inside = any(regex.fullmatch(m[len(prefix):]) for m in modules if m.startswith(prefix))
             raise ValueError(f"tp_plan entry {pattern!r} matches no module of {type(model).__name__} (names look like "
-                             f"{[m for m in modules if m][:4]}; '*' stands for one name part, e.g. a layer index)")
+                             f"{[m for m in modules if m][:4]}; '*' stands for one name part, e.g. a layer index)"
+                             + (f"; it names a module of the model the peft wrapper holds: write '{prefix}{pattern}'"
+                                if inside else ""))
         split = TP_STYLES[name]
         for module_name in matched if split else ():
-            module = modules[module_name]
-            if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                raise ValueError(f"tp_plan splits {module_name!r} ({name}), a {type(module).__name__}; colwise and rowwise "
-                                 "split the weights of Linear and Embedding modules only")
-            embedding = isinstance(module, torch.nn.Embedding)
-            for param_name, param in module.named_parameters(recurse=False):
-                dim = {"weight": {"out": 1 if embedding else 0, "in": 0 if embedding else 1}[split],
-                       "bias": 0 if split == "out" else None}.get(param_name)
-                if dim is None:
-                    continue
-                if param.shape[dim] % model_size:
-                    raise ValueError(f"tp_plan splits {module_name}.{param_name} (shape {tuple(param.shape)}) along dim {dim} over the "
-                                     f"'{MODEL_AXIS}' axis of size {model_size}, which does not divide {param.shape[dim]}; "
-                                     "pick a model_parallel_size that divides it, or leave this module out of the plan")
-                spec = [None] * param.dim()
-                spec[dim] = MODEL_AXIS
-                if fsdp_size > 1 and param.dim() > 1:
-                    spec[1 - dim] = FSDP_AXIS  # XLA pads a dimension the fsdp axis does not divide
-                specs[param] = tuple(spec)
+            module = base = modules[module_name]
+            while isinstance(getattr(base, "base_layer", None), torch.nn.Module):  # peft tuner layers, nested or not
+                base = base.base_layer
+            if not isinstance(base, (torch.nn.Linear, torch.nn.Embedding)):
+                what = _class_path(base) if base is module else f"{_class_path(module)} around a {_class_path(base)}"
+                raise ValueError(f"tp_plan splits {module_name!r} ({name}), a {what}; colwise and rowwise split the "
+                                 "weights of torch.nn.Linear and torch.nn.Embedding modules (or a peft tuner layer's "
+                                 "base_layer) only: leave this module out of the plan")
+            parent = modules.get(module_name.rpartition(".")[0])
+            if not xla and (base is not module or getattr(parent, "base_layer", None) is module):
+                role = "a peft tuner layer" if base is not module else "the base_layer of a peft tuner layer"
+                raise NotImplementedError(
+                    f"tp_plan[{pattern!r}] = {name!r} plans {module_name!r}, {role} "
+                    f"({_class_path(module if base is not module else parent)}); off XLA, torch's parallelize_module "
+                    "splits torch.nn.Linear and torch.nn.Embedding modules only, and a split base_layer would add its "
+                    "split output to the adapters' whole one. Run on XLA (tensor parallelism works through peft "
+                    "there), merge the adapters first (model.merge_and_unload()), or leave the adapted modules out "
+                    "of tp_plan (e.g. plan only the MLP when LoRA targets attention)")
+            # LoRA's B beside a split output and its A beside a split input split as the base does: B's output
+            # adds to the base's split output and A reads its split input, so neither gathers the whole.
+            # Exact either way on XLA (sharding annotations), and A, B are r-thin: this saves reshards, not memory.
+            lora = getattr(module, "lora_B" if split == "out" else "lora_A", None) if base is not module else None
+            lora = lora.values() if isinstance(lora, torch.nn.ModuleDict) else ()
+            adapters = [m for m in lora if isinstance(m, torch.nn.Linear)]
+            for layer in (base, *adapters):
+                specs.update(_split_specs(names[layer], layer, split, model_size, fsdp_size))
+    return specs
+
+
+def _split_specs(module_name, module, split, model_size, fsdp_size):
+    """{parameter: spec} of one Linear or Embedding whose features `split` ("out" or "in") split over MODEL_AXIS."""
+    specs = {}
+    embedding = isinstance(module, torch.nn.Embedding)
+    for param_name, param in module.named_parameters(recurse=False):
+        dim = {"weight": {"out": 1 if embedding else 0, "in": 0 if embedding else 1}[split],
+               "bias": 0 if split == "out" else None}.get(param_name)
+        if dim is None:
+            continue
+        if param.shape[dim] % model_size:
+            raise ValueError(f"tp_plan splits {module_name}.{param_name} (shape {tuple(param.shape)}) along dim {dim} "
+                             f"over the '{MODEL_AXIS}' axis of size {model_size}, which does not divide "
+                             f"{param.shape[dim]}; pick a model_parallel_size that divides it, or leave this module "
+                             "out of the plan")
+        spec = [None] * param.dim()
+        spec[dim] = MODEL_AXIS
+        if fsdp_size > 1 and param.dim() > 1:
+            spec[1 - dim] = FSDP_AXIS  # XLA pads a dimension the fsdp axis does not divide
+        specs[param] = tuple(spec)
     return specs
 
 # --- 7. XLA activation and the torch patches -----------------------------------------------------
@@ -1033,7 +1086,7 @@ def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
     tensor parallelism; every plan error is raised here, before anything moves."""
     ranks = _rank_mesh(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) ranks off XLA
     sizes = _axis_sizes(mesh) if mesh is not None else (ranks or {})
-    plan, planned = _checked_plan(model, tp_plan, sizes)
+    plan, planned = _checked_plan(model, tp_plan, sizes, xla=mesh is not None)
     return (planned if mesh is not None else {}), (_torch_tp_styles(plan, ranks) if ranks else None), ranks
 
 
@@ -1046,7 +1099,7 @@ def _data_ranks(ranks):
     return world // ranks[MODEL_AXIS], rank // ranks[MODEL_AXIS]
 
 
-def _checked_plan(model, tp_plan, sizes):
+def _checked_plan(model, tp_plan, sizes, xla=True):
     """(the tensor-parallel plan, {parameter: spec}) for a mesh with these axis sizes: the user's plan,
     else the one a transformers model carries, checked against the model. A 'model' axis with no plan
     would make the devices of each model row compute the same thing: refused."""
@@ -1062,7 +1115,7 @@ def _checked_plan(model, tp_plan, sizes):
                          f"{model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. Pass tp_plan= (e.g. "
                          "{'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}), or drop the axis "
                          "(model_parallel_size=1, or a mesh without it)")
-    return plan, _tp_specs(model, plan, sizes)
+    return plan, _tp_specs(model, plan, sizes, xla)
 
 
 def _trainer_mesh(device, mesh, xla_spmd_config, strategy):

@@ -1097,7 +1097,9 @@ def test_a_model_axis_without_a_plan_is_refused_before_any_work(fake):
 @pytest.mark.parametrize("plan,error,match", [
     ({"layers.*.fc": "colwise"}, ValueError, r"tp_plan entry 'layers.\*.fc' matches no module of Sequential \(names look like \['0', '1', '2'\]"),
     ({"0": "columnwise"}, ValueError, r"tp_plan\['0'\] = 'columnwise' is not a style seamless_tpu knows; use one of"),
-    ({"1": "colwise"}, ValueError, r"tp_plan splits '1' \(colwise\), a ReLU; colwise and rowwise split the weights of Linear and Embedding"),
+    ({"1": "colwise"}, ValueError, r"tp_plan splits '1' \(colwise\), a torch.nn.modules.activation.ReLU; colwise and rowwise split the "
+                                   r"weights of torch.nn.Linear and torch.nn.Embedding modules \(or a peft tuner layer's base_layer\) "
+                                   r"only: leave this module out of the plan"),
     ({"2": "colwise"}, ValueError, r"tp_plan splits 2.weight \(shape \(1, 32\)\) along dim 0 over the 'model' axis of size 2, which does not divide 1"),
     (["0", "colwise"], TypeError, r"tp_plan must be a dict of module-name pattern -> style"),
 ])
@@ -1223,6 +1225,88 @@ def test_a_transformers_model_brings_its_own_plan(fake):
     del model._tp_plan
     st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2})
     assert fake.shardings.get(model.model.layers[0]["up"].weight) and fake.shardings.get(model.lm_head.weight)
+
+
+@pytest.fixture(scope="module")
+def peft():
+    """peft, with the transformers modules it needs, imported while torch_xla is blocked: the real one writes
+    PJRT_DEVICE when imported, and transformers' lazy imports fail under the fake (GenerationMixin)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "torch_xla", None)
+        peft = pytest.importorskip("peft")
+        import workloads
+
+        peft.get_peft_model(workloads.tiny_lm(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    return peft
+
+
+def lora_qwen3(peft, target_modules=("q_proj", "v_proj")):
+    """A tiny transformers Qwen3 with peft LoRA (on q_proj and v_proj: as users fine-tune)."""
+    import workloads
+
+    return peft.get_peft_model(workloads.tiny_lm(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                   target_modules=list(target_modules), task_type="CAUSAL_LM"))
+
+
+def test_a_peft_model_brings_the_plan_of_the_model_it_wraps(peft, fake):
+    """The plan is the inner transformers model's, under the wrapper's path; a planned LoRA layer splits its
+    base_layer as planned, and its B (colwise) or A (rowwise) as the base, so the adapters' work splits too."""
+    model = lora_qwen3(peft)
+    assert st._model_tp_plan(model) == {f"base_model.model.{k}": v for k, v in st._model_tp_plan(model.get_base_model()).items()}
+    trainer = st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2})
+    out, inward = (fake._sharding_text(trainer.mesh, spec) for spec in (("model", None), (None, "model")))
+    attn = model.base_model.model.model.layers[0].self_attn
+    for lora, spec in ((attn.q_proj, out), (attn.v_proj, out)):
+        assert fake.shardings.get(lora.base_layer.weight) == spec and fake.shardings.get(lora.lora_B["default"].weight) == spec
+        assert not fake.shardings.get(lora.lora_A["default"].weight), "A of a colwise layer reads the whole input: replicated"
+    assert fake.shardings.get(attn.k_proj.weight) == out and fake.shardings.get(attn.o_proj.weight) == inward
+
+
+def test_a_rowwise_lora_layer_splits_its_a_as_the_base(peft, fake):
+    model = lora_qwen3(peft, ["o_proj"])
+    trainer = st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2})
+    o_proj, inward = model.base_model.model.model.layers[1].self_attn.o_proj, fake._sharding_text(trainer.mesh, (None, "model"))
+    assert fake.shardings.get(o_proj.base_layer.weight) == inward and fake.shardings.get(o_proj.lora_A["default"].weight) == inward
+    assert not fake.shardings.get(o_proj.lora_B["default"].weight)
+
+
+class Linear(torch.nn.Module):
+    """Not a torch.nn.Linear, though its class has the name."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 4))
+
+
+def test_a_peft_plan_error_names_the_full_class_and_the_wrappers_path(peft, fake):
+    with pytest.raises(ValueError, match=r"tp_plan entry 'model.layers.\*.self_attn.q_proj' matches no module of PeftModelForCausalLM .*"
+                                         r"; it names a module of the model the peft wrapper holds: write "
+                                         r"'base_model.model.model.layers.\*.self_attn.q_proj'"):
+        st.SeamlessTPUTrainer(lora_qwen3(peft), xla_spmd_config={"model_parallel_size": 2},
+                              tp_plan={"model.layers.*.self_attn.q_proj": "colwise"})
+    with pytest.raises(ValueError, match=rf"tp_plan splits '0' \(colwise\), a {re.escape(__name__)}.Linear; colwise and rowwise split "
+                                         r"the weights of torch.nn.Linear and torch.nn.Embedding modules"):
+        st.SeamlessTPUTrainer(torch.nn.Sequential(Linear()), xla_spmd_config={"model_parallel_size": 2}, tp_plan={"0": "colwise"})
+
+
+def test_a_planned_peft_layer_off_xla_is_refused_with_the_fixes(peft, no_xla, monkeypatch):
+    """torch's parallelize_module splits torch.nn.Linear only: a LoRA layer, or its base_layer alone (whose split output
+    would meet the adapters' whole one), is refused before any work; a plan that leaves them out is built."""
+    monkeypatch.setattr(st, "_torch_dist_ranks", lambda: (4, 0))
+    model, config = lora_qwen3(peft), {"model_parallel_size": 2}
+    fixes = (r"off XLA, torch's parallelize_module splits torch.nn.Linear and torch.nn.Embedding modules only, .* Run on XLA "
+             r"\(tensor parallelism works through peft there\), merge the adapters first \(model.merge_and_unload\(\)\), or leave the "
+             r"adapted modules out of tp_plan")
+    q_proj = "base_model.model.model.layers.*.self_attn.q_proj"
+    with pytest.raises(NotImplementedError, match=rf"tp_plan\['{re.escape(q_proj)}'\] = 'colwise' plans 'base_model.model.model.layers.0."
+                                                  rf"self_attn.q_proj', a peft tuner layer \(peft.tuners.lora.layer.Linear\); {fixes}"):
+        st._tp_layout(model, None, None, config, "fsdp", True)
+    with pytest.raises(NotImplementedError, match=r"plans 'base_model.model.model.layers.0.self_attn.q_proj.base_layer', the base_layer "
+                                                  rf"of a peft tuner layer \(peft.tuners.lora.layer.Linear\); {fixes}"):
+        st._tp_layout(model, {q_proj + ".base_layer": "colwise"}, None, config, "fsdp", True)
+    mlp = {"base_model.model.model.layers.*.mlp.up_proj": "colwise", "base_model.model.model.layers.*.mlp.down_proj": "rowwise"}
+    planned, styles, ranks = st._tp_layout(model, mlp, None, config, "fsdp", True)
+    assert planned == {} and sorted(styles) == sorted(mlp) and ranks == {"fsdp": 2, "model": 2}
 
 
 def test_fake_xla_cpu_backward_first_is_a_clear_error(fake, monkeypatch):

@@ -116,6 +116,7 @@ def quiet():
 # --- a. tiny causal LM + LoRA ----------------------------------------------------------------------
 
 LM_VOCAB, LM_SEQ, LM_BATCH, LM_MICRO = 128, 16, 4, 2
+LORA_RANK = 4
 
 
 def tiny_lm_config(arch="qwen3", attn="eager"):
@@ -162,8 +163,9 @@ def lm_lora_loop(xla, precision=None, steps=8, lora=True, strategy="ddp", **trai
     model = tiny_lm("qwen3")
     if lora:
         model = peft.get_peft_model(model, peft.LoraConfig(
-            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+            r=LORA_RANK, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     model.train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2, weight_decay=0.01)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=steps)
     trainer = trainer_for(model, xla, precision=precision, strategy=strategy, **trainer_kwargs)
@@ -187,8 +189,10 @@ def lm_lora_loop(xla, precision=None, steps=8, lora=True, strategy="ddp", **trai
     assert len(counts) == steps, f"{len(counts)} optimizer steps, expected {steps}"
     specs = {n: torch_xla_spec(p) for n, p in model.named_parameters() if p.dim() == 2} if trainer else {}
     memory = trainer.memory_stats(optimizer) if trainer else None
+    changed = sorted(n for n, p in model.named_parameters() if not torch.equal(p.detach().cpu(), before[n]))
     return {"losses": host(losses), "compiles": counts, "transfers": transfers, "logits_dtypes": sorted(dtypes), "specs": specs,
-            "bytes_per_device": max(memory["per_device"]) / memory["replica"] if memory else None}
+            "bytes_per_device": max(memory["per_device"]) / memory["replica"] if memory else None, "changed": changed,
+            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
 
 
 def lm_lora_eager():
@@ -267,6 +271,47 @@ def lm_tensor_parallel():
         print(f"{what}: params + AdamW state per device = {got['bytes_per_device']:.3f} of a replica")
         if shape == (2, 2):
             assert got["bytes_per_device"] <= 0.30, got["bytes_per_device"]
+
+
+def lm_lora_tensor_parallel():
+    """peft LoRA (q_proj, v_proj) on Qwen3 with the plan of the model inside the PeftModel, on a 2 x 2
+    ("data", "model") mesh: eager's losses, each planned base weight split over "model" as planned (a LoRA
+    layer's through its base_layer), lora_B of those colwise layers split as their base, lora_A whole, and
+    only the adapters stepped."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    want = eager_reference("lm_lora")
+    got = lm_lora_loop(True, xla_spmd_config={"model_parallel_size": 2})
+    what = "Qwen3 + LoRA tensor parallel, ddp (2, 2)"
+    assert_close(got["losses"], want["losses"], 1e-5, what)
+    assert_flat(got["compiles"], 2, what)
+    assert got["trainable"] == got["changed"] == want["changed"], (got["trainable"], got["changed"])
+    assert got["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in got["trainable"]), got["trainable"]
+    mesh, inner = xs.Mesh(np.arange(4), (2, 2), ("data", "model")), tiny_lm()
+    seen = {}
+    for name, spec in got["specs"].items():
+        parts = name.split(".")  # ...q_proj.base_layer.weight, ...q_proj.lora_B.default.weight, ...k_proj.weight
+        adapter = parts[-3] if parts[-3] in ("lora_A", "lora_B") else None
+        layer = parts[-3] if parts[-2] == "base_layer" else parts[-4] if adapter else parts[-2]
+        if layer not in TP_LAYERS:
+            continue
+        colwise = layer in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        partition = [None, None]
+        if adapter != "lora_A":  # lora_A of a colwise layer reads the whole input: left whole
+            partition[0 if colwise else 1] = "model"
+        base = inner.get_parameter(".".join(p for p in parts[2:] if p != "base_layer") if not adapter else
+                                   ".".join(parts[2:-3]) + ".weight")
+        shape = {None: base.shape, "lora_A": (LORA_RANK, base.shape[1]), "lora_B": (base.shape[0], LORA_RANK)}[adapter]
+        oracle = torch.zeros(tuple(shape), device=torch_xla.device())
+        xs.mark_sharding(oracle, mesh, tuple(partition))  # (None, None): '{replicated}', as a trained weight shows
+        assert spec == torch_xla_spec(oracle), f"{what}: {name} is {spec!r}, not split as {tuple(partition)}"
+        seen[name] = spec
+    q_proj = {n.split("q_proj.")[1]: s for n, s in seen.items() if ".0.self_attn.q_proj." in n}
+    print(f"{what}: {len(seen)} weights checked; layer 0's q_proj: {q_proj}")
+    assert sum(".base_layer." in n for n in seen) == 4 and sum(".lora_B." in n for n in seen) == 4, sorted(seen)
+    assert len(seen) == 2 * len(TP_LAYERS) + 8, sorted(seen)  # 7 planned layers x 2, and A and B of 4 LoRA layers
 
 
 def lm_lora_bf16():
@@ -651,6 +696,7 @@ SCENARIOS = {  # name -> (XLA scenario, eager reference or None)
     "hf_attention_transfers_pin": (hf_attention_transfers_pin, None),
     "hf_batches_are_sharded": (hf_batches_are_sharded, None),
     "lm_tensor_parallel": (lm_tensor_parallel, lm_tp_eager),
+    "lm_lora_tensor_parallel": (lm_lora_tensor_parallel, lm_lora_eager),
 }
 
 
