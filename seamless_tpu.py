@@ -153,6 +153,7 @@ class _ProcessState:
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
     uninitialized: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module of a meta-built model -> how to initialise it: laid out on XLA, not yet used or loaded
+    # (loaded but for a non-persistent buffer: the names loaded, which its initialisation keeps)
     unset: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module of a meta-built model -> (its path, the tensors its initialiser left unset, the refusing hook)
     save_group: object = None  # its own gloo process group under torch.distributed: collectives off the main thread
@@ -1203,7 +1204,7 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
             _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
         # A submodule run on its own first (model.encoder(x)) must not see unset values either.
         first_use = module.register_forward_pre_hook(lambda *_: _initialize_pending(root(), refuse=True))
-        pending[module] = (owner, rng, first_use)
+        pending[module] = (owner, rng, first_use, set())
     _STATE.uninitialized.update(pending)
 
 
@@ -1219,10 +1220,10 @@ def _blank_like(t):
 
 
 def _forget_pending(module):
-    """(owner, rng) of a module _materialize laid out, which needs no initialisation hook from now on."""
-    owner, rng, hook = _STATE.uninitialized.pop(module)
+    """(owner, rng, loaded) of a module _materialize laid out, which needs no initialisation hook from now on."""
+    owner, rng, hook, loaded = _STATE.uninitialized.pop(module)
     hook.remove()
-    return owner, rng
+    return owner, rng, loaded
 
 
 def _own_tensors(module):
@@ -1277,7 +1278,15 @@ def _refuse_unset(model):
 
 
 def _loaded(module):
-    """load_checkpoint filled every persistent tensor of `module`: only non-persistent ones may stay unset."""
+    """load_checkpoint filled every persistent tensor of `module`. Laid out and not initialised yet, it
+    needs no initialisation, unless it has a non-persistent buffer (in no checkpoint): its initialiser then
+    still runs, for that buffer alone. Initialised already, only a non-persistent buffer may stay unset."""
+    own = {n for n, _ in _own_tensors(module)}
+    if module in _STATE.uninitialized:
+        if own & module._non_persistent_buffers_set:
+            _STATE.uninitialized[module][3].update(own - module._non_persistent_buffers_set)
+        else:
+            _forget_pending(module)
     if module in _STATE.unset:
         path, names, hook = _STATE.unset.pop(module)
         if names := [n for n in names if n in module._non_persistent_buffers_set]:
@@ -1320,7 +1329,7 @@ def _initialize_pending(model, device=None, refuse=False):
     paths = {m: p for p, m in model.named_modules()}
     release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
     for module in [m for m in list(_STATE.uninitialized) if m in paths]:  # the post-order they were laid out in
-        owner, rng = _forget_pending(module)
+        owner, rng, loaded = _forget_pending(module)
         if device is not None:  # FSDP2 split it on meta: this rank's shards are allocated here, nothing more
             module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
         placed, held = dict(_own_tensors(module)), {}
@@ -1330,7 +1339,8 @@ def _initialize_pending(model, device=None, refuse=False):
                 module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
             else:
                 module._buffers[name] = stand_in
-            held[name] = (getattr(module, name), stand_in._version)
+            if name not in loaded:  # a loaded tensor is kept, whatever the initialiser does
+                held[name] = (getattr(module, name), stand_in._version)
         with torch.random.fork_rng(devices=[]):  # the loop's own CPU RNG goes on untouched
             torch.set_rng_state(rng[0])
             if owner is not None:
@@ -1349,6 +1359,10 @@ def _initialize_pending(model, device=None, refuse=False):
             value = getattr(module, name).detach()
             if name in module._parameters:
                 module._parameters[name] = t
+            if name in loaded:  # load_checkpoint filled it before this first use: the initialiser's value is dropped
+                if name in module._buffers:
+                    module._buffers[name] = t
+                continue
             if hasattr(t, "device_mesh"):  # an FSDP2 shard: this rank's part, in place (FSDP2 gathers from its storage)
                 with torch.no_grad():
                     t.to_local().copy_(_placed_like(value, t).to_local())
@@ -2196,8 +2210,6 @@ def _load_checkpoint(directory, state):
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             for module in _unwrap(obj).modules():  # filled: a meta-built model's module needs no initialisation
-                if module in _STATE.uninitialized and not module._non_persistent_buffers_set & {n for n, _ in _own_tensors(module)}:
-                    _forget_pending(module)
                 _loaded(module)
             if extra[name]:  # the tensors are in place; a non-tensor entry (extra state) goes through the module's own hook
                 values = _unflatten(saved[name], reads)

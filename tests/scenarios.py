@@ -793,7 +793,8 @@ def meta_tensor_left_unset_is_refused_or_loaded():
     """Scaled built on meta, fsdp on 4 XLA devices (the lazy layout): its first forward is refused naming
     the tensor its initialiser left unset, unless load_checkpoint filled it first (a non-persistent
     buffer is in no checkpoint: refused even then). A Scaled whose reset_parameters sets it trains as
-    its CPU build does."""
+    its CPU build does; with a non-persistent `scale` and loaded, its initialiser runs for `scale` alone
+    and the loaded weight and bias are kept."""
     import re
     import tempfile
 
@@ -819,6 +820,15 @@ def meta_tensor_left_unset_is_refused_or_loaded():
             assert load and kind != "non_persistent" and torch.equal(got, want), (kind, load)
             assert torch.equal(model[0].scale.cpu(), torch.arange(1.0, 5)), model[0].scale
             print(f"{kind}, load={load}: the checkpoint's values")
+    cpu = scaled_net("non_persistent", in_reset=True, seed=1)
+    trainer = st.SeamlessTPUTrainer(cpu, strategy="fsdp")
+    want = cpu(trainer.to_device(x)).cpu()
+    trainer.save_checkpoint(os.path.join(tmp, "set"), model=cpu)
+    with torch.device("meta"):
+        model = scaled_net("non_persistent", in_reset=True)
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+    trainer.load_checkpoint(os.path.join(tmp, "set"), model=model)
+    assert torch.equal(model(trainer.to_device(x)).cpu(), want), "the load's weights, the initialiser's buffer"
     losses = []
     for device in ("cpu", "meta"):
         with torch.device(device):
