@@ -154,6 +154,9 @@ class _ProcessState:
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
     uninitialized: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module of a meta-built model -> how to initialise it: laid out on XLA, not yet used or loaded
+    # (loaded but for a non-persistent buffer: the names loaded, which its initialisation keeps)
+    unset: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    # ^ module of a meta-built model -> (its path, the tensors its initialiser left unset, the refusing hook)
     save_group: object = None  # its own gloo process group under torch.distributed: collectives off the main thread
     save_in_flight: object = None  # the Future of the asynchronous save not yet waited for
 
@@ -1032,7 +1035,7 @@ def _saw_backward(param):
 def _before_forward(module, args, kwargs):
     state = _STATE
     if state.uninitialized:  # a meta-built model's first forward: initialise what no checkpoint filled
-        _initialize_pending(module)
+        _initialize_pending(module, refuse=True)
     if state.backward_since_cut or state.no_grad_forward_since_cut:
         kind = "train" if state.backward_since_cut else "eval"
         state.accumulating |= kind == "train"
@@ -1260,7 +1263,8 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
             made = torch.empty(t.shape, dtype=t.dtype, device=device)
             _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
         # A submodule run on its own first (model.encoder(x)) must not see unset values either.
-        pending[module] = (owner, rng, module.register_forward_pre_hook(lambda *_: _initialize_pending(root())))
+        first_use = module.register_forward_pre_hook(lambda *_: _initialize_pending(root(), refuse=True))
+        pending[module] = (owner, rng, first_use, set())
     _STATE.uninitialized.update(pending)
 
 
@@ -1276,10 +1280,10 @@ def _blank_like(t):
 
 
 def _forget_pending(module):
-    """(owner, rng) of a module _materialize laid out, which needs no initialisation hook from now on."""
-    owner, rng, hook = _STATE.uninitialized.pop(module)
+    """(owner, rng, loaded) of a module _materialize laid out, which needs no initialisation hook from now on."""
+    owner, rng, hook, loaded = _STATE.uninitialized.pop(module)
     hook.remove()
-    return owner, rng
+    return owner, rng, loaded
 
 
 def _own_tensors(module):
@@ -1291,6 +1295,64 @@ def _check_initialisable(module, owner, names):
         raise ValueError(
             f"cannot initialise the meta tensors {names} of {type(module).__name__}: it has no reset_parameters(), so "
             "their values are unknown. Give it a reset_parameters() that sets them, or build the model on the CPU")
+
+
+def _stand_in(t):
+    """A CPU tensor shaped like `t` for its module's initialiser to write, holding a mark no initialiser
+    writes on purpose (NaN; an integer dtype's largest value; True), so that one it leaves alone is found
+    by _left_unset. The version counter alone misses writes through .data (as older _init_weights make);
+    the mark costs one fill of each tensor, on the meta path only."""
+    return torch.empty(t.shape, dtype=t.dtype).fill_(_mark(t))
+
+
+def _mark(t):
+    if t.is_floating_point() or t.is_complex():
+        return float("nan")
+    return True if t.dtype == torch.bool else torch.iinfo(t.dtype).max
+
+
+def _left_unset(now, held, version):
+    """Whether the initialiser left the stand-in `held` alone: still in the module, no in-place op on it
+    (the version counter), and every element still the mark (a write through .data)."""
+    if now is not held or held._version != version or not held.numel():
+        return False
+    return bool((held.isnan() if held.is_floating_point() or held.is_complex() else held == _mark(held)).all())
+
+
+def _refuse_unset(model):
+    """A meta-built module holding a tensor that neither its initialiser nor a checkpoint set is refused
+    at its first forward or save: __init__ ran on meta, so a value it computed there (torch.arange(...))
+    was never computed, and nothing can compute it now. Training on it would use the mark (NaN)."""
+    for module in model.modules():
+        if module in _STATE.unset:
+            path, names, _ = _STATE.unset[module]
+            lost = sorted(set(names) & module._non_persistent_buffers_set)
+            raise ValueError(
+                f"{type(module).__name__} at {path or '(the model itself)'!r} was built under torch.device('meta') "
+                f"and its tensors {names} were set neither by its initialiser (reset_parameters(), or _init_weights "
+                "in a transformers model) nor by load_checkpoint, so they have no value: what __init__ computed on "
+                "meta was never computed. Every tensor of a module built on meta must be set by its initialiser or "
+                "loaded. Set them in reset_parameters()/_init_weights, build this module off meta (inside "
+                "`with torch.device('cpu'):`), or load a checkpoint that holds them before the first forward"
+                + (f" (the non-persistent buffers {lost} are in no checkpoint)" if lost else ""))
+
+
+def _loaded(module):
+    """load_checkpoint filled every persistent tensor of `module`. Laid out and not initialised yet, it
+    needs no initialisation, unless it has a non-persistent buffer (in no checkpoint): its initialiser then
+    still runs, for that buffer alone. Initialised already, only a non-persistent buffer may stay unset."""
+    own = {n for n, _ in _own_tensors(module)}
+    if module in _STATE.uninitialized:
+        if own & module._non_persistent_buffers_set:
+            _STATE.uninitialized[module][3].update(own - module._non_persistent_buffers_set)
+        else:
+            _forget_pending(module)
+    if module in _STATE.unset:
+        path, names, hook = _STATE.unset.pop(module)
+        if names := [n for n in names if n in module._non_persistent_buffers_set]:
+            _STATE.unset[module] = (path, names, hook)
+        else:
+            hook.remove()
 
 
 def _split_like_planned(tensor, meta, mesh, fsdp, planned):
@@ -1314,7 +1376,7 @@ def _set_own_tensor(module, name, value):
     param.__dict__.update(kept)
 
 
-def _initialize_pending(model, device=None):
+def _initialize_pending(model, device=None, refuse=False):
     """Initialise the modules of `model` that _materialize laid out and nothing filled yet: each on the
     CPU, by its own initialisation (reset_parameters(), or _reset_parameters() as MultiheadAttention
     has; in a transformers model its _initialize_weights), then sent to its place shard by shard. The
@@ -1322,19 +1384,23 @@ def _initialize_pending(model, device=None):
     trainer was made, and the loop's own RNG is left as it is: if nothing drew from it between the build
     and the trainer, the weights are those of the same model built on the CPU, when its modules are
     built in the order they are registered (a module deep-copied from another, as nn.TransformerEncoder
-    copies its layer, draws its own values instead)."""
-    members, release = set(model.modules()), _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
-    for module in [m for m in list(_STATE.uninitialized) if m in members]:  # the post-order they were laid out in
-        owner, rng = _forget_pending(module)
+    copies its layer, draws its own values instead). A tensor the initialiser leaves unset is refused by
+    _refuse_unset: now if `refuse` (the first forward or save), else at those unless a load fills it."""
+    paths = {m: p for p, m in model.named_modules()}
+    release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
+    for module in [m for m in list(_STATE.uninitialized) if m in paths]:  # the post-order they were laid out in
+        owner, rng, loaded = _forget_pending(module)
         if device is not None:  # FSDP2 split it on meta: this rank's shards are allocated here, nothing more
             module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
-        placed = dict(_own_tensors(module))
+        placed, held = dict(_own_tensors(module)), {}
         for name, t in placed.items():  # a CPU stand-in for each own tensor while the module initialises
-            stand_in = torch.empty(t.shape, dtype=t.dtype)
+            stand_in = _stand_in(t)
             if name in module._parameters:
                 module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
             else:
                 module._buffers[name] = stand_in
+            if name not in loaded:  # a loaded tensor is kept, whatever the initialiser does
+                held[name] = (getattr(module, name), stand_in._version)
         with torch.random.fork_rng(devices=[]):  # the loop's own CPU RNG goes on untouched
             torch.set_rng_state(rng[0])
             if owner is not None:
@@ -1345,10 +1411,18 @@ def _initialize_pending(model, device=None):
             else:
                 module._reset_parameters()
             rng[0] = torch.get_rng_state()
+        if unset := [n for n, (tensor, version) in held.items() if _left_unset(getattr(module, n), tensor, version)]:
+            refusal = module.register_forward_pre_hook(lambda m, _: _refuse_unset(m))
+            _STATE.unset[module] = (paths[module], unset, refusal)
+        del held  # the stand-ins go with the write-back below, tensor by tensor: the host holds one module
         for name, t in placed.items():
             value = getattr(module, name).detach()
             if name in module._parameters:
                 module._parameters[name] = t
+            if name in loaded:  # load_checkpoint filled it before this first use: the initialiser's value is dropped
+                if name in module._buffers:
+                    module._buffers[name] = t
+                continue
             if hasattr(t, "device_mesh"):  # an FSDP2 shard: this rank's part, in place (FSDP2 gathers from its storage)
                 with torch.no_grad():
                     t.to_local().copy_(_placed_like(value, t).to_local())
@@ -1358,6 +1432,8 @@ def _initialize_pending(model, device=None):
             if _is_xla(t.device) and _is_split(t):
                 _mark_sharding(value, _import("torch_xla")._XLAC._get_xla_op_sharding(t))
             _set_own_tensor(module, name, release(value))
+    if refuse and _STATE.unset:
+        _refuse_unset(model)
 
 
 def _xla_shardings(tensors):
@@ -2125,8 +2201,8 @@ def _start_checkpoint(directory, state, plain, blocking, keep_last, saved):
     rng = _rng_states()  # before the save's own syncs, each of which moves the XLA RNG on
     _sync_if_xla()
     for value in state.values():  # a meta-built model not used yet is initialised before it is saved
-        if isinstance(value, torch.nn.Module) and _STATE.uninitialized:
-            _initialize_pending(value)
+        if isinstance(value, torch.nn.Module) and (_STATE.uninitialized or _STATE.unset):
+            _initialize_pending(value, refuse=True)
     attempt, error = None, None
     try:  # all that reads the state happens now, blocking or not; a failure on any rank is shared below
         tensors = {k: _state_dicts(v) for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
@@ -2349,8 +2425,7 @@ def _load_checkpoint(directory, state):
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             for module in _unwrap(obj).modules():  # filled: a meta-built model's module needs no initialisation
-                if module in _STATE.uninitialized and not module._non_persistent_buffers_set & {n for n, _ in _own_tensors(module)}:
-                    _forget_pending(module)
+                _loaded(module)
             if extra[name]:  # the tensors are in place; a non-tensor entry (extra state) goes through the module's own hook
                 values = _unflatten(saved[name], reads)
                 _unwrap(obj).load_state_dict({key: values[saved_key] for key, saved_key in extra[name].items()}, strict=False)

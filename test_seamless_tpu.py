@@ -1181,6 +1181,71 @@ def test_a_meta_module_without_reset_parameters_is_refused_with_the_fix(no_xla, 
         st.SeamlessTPUTrainer(model, device="cpu")
 
 
+@pytest.mark.parametrize("kind", scenarios.SCALED_KINDS)
+def test_a_meta_tensor_its_initialiser_leaves_unset_is_refused_at_first_use(no_xla, monkeypatch, tmp_path, kind):
+    """A Linear subclass that computes `scale` in __init__ (torch.arange) and leaves it out of
+    reset_parameters, built on meta: the trainer is made (a load may still fill it), then the model's
+    forward, the module's own forward and a save are refused, naming the module's path and the tensor;
+    the value left in place is NaN, never garbage. The real tier's twin: meta_tensor_left_unset_is_refused_or_loaded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with torch.device("meta"):
+        model = scenarios.scaled_net(kind)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    assert model[0].scale.isnan().all() and not model[0].weight.isnan().any()
+    refusal = scenarios.UNSET_REFUSAL + (r" \(the non-persistent buffers \['scale'\] are in no checkpoint\)" if
+                                         kind == "non_persistent" else "$")
+    for use in (lambda: model(torch.ones(2, 10)), lambda: model[0](torch.ones(2, 10)),
+                lambda: trainer.save_checkpoint(tmp_path / "ckpt", model=model)):
+        with pytest.raises(ValueError, match=refusal):
+            use()
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("kind", scenarios.SCALED_KINDS)
+def test_a_checkpoint_fills_what_a_meta_modules_initialiser_left_unset(no_xla, monkeypatch, tmp_path, kind):
+    """The same model loaded from a CPU build's checkpoint after the trainer is made: every persistent
+    tensor holds the checkpoint's value and the model runs as the CPU build; a non-persistent buffer is
+    in no checkpoint, so it is still refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = scenarios.scaled_net(kind, seed=1)
+    st.SeamlessTPUTrainer(cpu, device="cpu").save_checkpoint(tmp_path, model=cpu)
+    with torch.device("meta"):
+        model = scenarios.scaled_net(kind)
+    st.SeamlessTPUTrainer(model, device="cpu").load_checkpoint(tmp_path, model=model)
+    x = torch.randn(3, 10)
+    if kind == "non_persistent":
+        with pytest.raises(ValueError, match=scenarios.UNSET_REFUSAL + ".*non-persistent buffers"):
+            model(x)
+        return
+    assert all(torch.equal(v, cpu.state_dict()[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model(x), cpu(x))
+
+
+def test_a_meta_tensor_left_unset_under_fsdp2_is_refused_on_every_rank_until_loaded(tmp_path):
+    """The same under strategy='fsdp' on 2 gloo ranks, where FSDP2 splits the model on meta and each rank
+    initialises its shards: the refusal comes on both ranks (a save refuses before its collective: no
+    hang), and the load fills the buffer."""
+    for seen in run_ranks("meta_unset_fsdp2", tmp_path):
+        assert seen["sharded"] and seen["loaded_equal"], seen
+        assert all(re.search(scenarios.UNSET_REFUSAL, seen[use] or "") for use in ("forward", "save")), seen
+
+
+def test_a_meta_model_whose_initialisers_set_every_tensor_trains_as_its_cpu_build(no_xla, monkeypatch):
+    """Scaled's reset_parameters sets `scale` too (through .data, which no version counter sees): nothing is
+    refused, and 5 Adam steps give the CPU build's losses bitwise."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    x, y = scenarios.data()
+    losses = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = scenarios.scaled_net("buffer", in_reset=True)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        st.SeamlessTPUTrainer(model, device="cpu")
+        losses.append(scenarios.run_steps(model, optimizer, x, y, 5))
+    assert torch.equal(model[0].scale, torch.arange(1.0, 5))
+    assert torch.equal(losses[0], losses[1]), losses
+
+
 def test_a_meta_transformers_model_follows_its_own_initialisation(no_xla, monkeypatch):
     """A transformers model initialises by its _initialize_weights (normal(0, initializer_range) for
     Linear and Embedding, ones for RMSNorm, the rotary inv_freq computed), never by torch's defaults."""

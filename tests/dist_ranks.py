@@ -459,6 +459,33 @@ def meta_fsdp2(out_dir):
     return seen
 
 
+def meta_unset_fsdp2(out_dir):
+    """scenarios.Scaled built on meta, strategy='fsdp' on 2 gloo ranks (FSDP2, each module initialised into
+    this rank's shards): the forward and a save are refused on every rank, naming '0' and 'scale', until
+    load_checkpoint fills it from a CPU build's checkpoint; then the outputs are the CPU build's."""
+    import scenarios
+
+    cpu = scenarios.scaled_net(seed=1)
+    x = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    want = cpu(x)
+    directory = os.path.join(out_dir, "ckpt")
+    st.SeamlessTPUTrainer(cpu, device="cpu", strategy="fsdp").save_checkpoint(directory, model=cpu)
+    with torch.device("meta"):
+        model = scenarios.scaled_net()
+    trainer = st.SeamlessTPUTrainer(model, device="cpu", strategy="fsdp")
+    seen = {"sharded": type(model[0].weight).__name__ == "DTensor"}
+    for use, call in (("forward", lambda: model(x)),
+                      ("save", lambda: trainer.save_checkpoint(os.path.join(out_dir, "refused"), model=model))):
+        try:
+            call()
+            seen[use] = None
+        except ValueError as e:
+            seen[use] = str(e)
+    trainer.load_checkpoint(directory, model=model)
+    seen["loaded_equal"] = bool(torch.equal(model(x), want))
+    return seen
+
+
 if __name__ == "__main__":
     case, rank, world, store, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))

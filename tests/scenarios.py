@@ -755,6 +755,90 @@ def bf16_close_to_fp32():
     print(f"bf16 vs fp32: max relative diff {rel:.3g}")
 
 
+class Scaled(torch.nn.Linear):
+    """A Linear whose output is scaled by one more tensor `scale`, 1, 2, ..., out, computed in __init__:
+    a persistent buffer, a non-persistent one or a parameter (`kind`). Built on meta that value is never
+    computed; its reset_parameters sets it only if `in_reset` (through .data, which moves no version
+    counter)."""
+
+    def __init__(self, i, o, kind="buffer", in_reset=False):
+        self.kind, self.in_reset = kind, in_reset  # Linear's __init__ calls reset_parameters
+        super().__init__(i, o)
+        scale = torch.arange(1.0, o + 1)
+        if kind == "parameter":
+            self.scale = torch.nn.Parameter(scale)
+        else:
+            self.register_buffer("scale", scale, persistent=kind == "buffer")
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if self.in_reset and hasattr(self, "scale"):  # not yet there when Linear's __init__ calls it
+            self.scale.data.copy_(torch.arange(1.0, self.out_features + 1))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def scaled_net(kind="buffer", in_reset=False, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(Scaled(10, 4, kind, in_reset), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+
+SCALED_KINDS = ("buffer", "non_persistent", "parameter")
+UNSET_REFUSAL = (r"Scaled at '0' was built under torch.device\('meta'\) and its tensors \['scale'\] were set neither "
+                 r"by its initialiser .* load a checkpoint that holds them before the first forward")
+
+
+def meta_tensor_left_unset_is_refused_or_loaded():
+    """Scaled built on meta, fsdp on 4 XLA devices (the lazy layout): its first forward is refused naming
+    the tensor its initialiser left unset, unless load_checkpoint filled it first (a non-persistent
+    buffer is in no checkpoint: refused even then). A Scaled whose reset_parameters sets it trains as
+    its CPU build does; with a non-persistent `scale` and loaded, its initialiser runs for `scale` alone
+    and the loaded weight and bias are kept."""
+    import re
+    import tempfile
+
+    st.get_device()
+    tmp, (x, y) = tempfile.mkdtemp(), data()
+    for kind in SCALED_KINDS:
+        cpu = scaled_net(kind, seed=1)
+        trainer = st.SeamlessTPUTrainer(cpu, strategy="fsdp")
+        want = cpu(trainer.to_device(x)).cpu()
+        trainer.save_checkpoint(os.path.join(tmp, kind), model=cpu)
+        for load in (False, True):
+            with torch.device("meta"):
+                model = scaled_net(kind)
+            trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+            if load:
+                trainer.load_checkpoint(os.path.join(tmp, kind), model=model)
+            try:
+                got = model(trainer.to_device(x)).cpu()
+            except ValueError as e:
+                assert re.search(UNSET_REFUSAL, str(e)) and (not load or kind == "non_persistent"), (kind, load, e)
+                print(f"{kind}, load={load}: refused")
+                continue
+            assert load and kind != "non_persistent" and torch.equal(got, want), (kind, load)
+            assert torch.equal(model[0].scale.cpu(), torch.arange(1.0, 5)), model[0].scale
+            print(f"{kind}, load={load}: the checkpoint's values")
+    cpu = scaled_net("non_persistent", in_reset=True, seed=1)
+    trainer = st.SeamlessTPUTrainer(cpu, strategy="fsdp")
+    want = cpu(trainer.to_device(x)).cpu()
+    trainer.save_checkpoint(os.path.join(tmp, "set"), model=cpu)
+    with torch.device("meta"):
+        model = scaled_net("non_persistent", in_reset=True)
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+    trainer.load_checkpoint(os.path.join(tmp, "set"), model=model)
+    assert torch.equal(model(trainer.to_device(x)).cpu(), want), "the load's weights, the initialiser's buffer"
+    losses = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = scaled_net("buffer", in_reset=True)
+        optimizer = OPTIMIZERS["adam"](model.parameters())  # made on meta for the meta build
+        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+        losses.append(run_steps(model, optimizer, *trainer.to_device(x, y), 5))
+    assert_close(losses[1], losses[0], 0, "meta build with every tensor initialised vs CPU build")
+
+
 def run(name):
     logging.basicConfig(level=logging.INFO)
     globals()[name]()
