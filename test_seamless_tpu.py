@@ -1692,3 +1692,10 @@ def test_vendored_copy_imports_without_torch_xla_or_ray(tmp_path):
     """)
     out = child.run(["-c", code], env=child.env(drop=child.DEVICE_VARS, path=str(tmp_path)), cwd=tmp_path, timeout=120)
     assert "vendored OK" in out.stdout, out.stderr[-2000:]
+
+
+
+def test_async_saves_readers_wait_failures_leave_nothing_and_the_exit_reports_the_unasked_one(tmp_path, no_xla):
+    import async_saves
+
+    async_saves.check(tmp_path, *async_saves.run(tmp_path, {"SEAMLESS_TPU_DEVICE": "cpu"}))

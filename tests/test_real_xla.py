@@ -361,3 +361,10 @@ def test_meta_model_is_made_one_module_at_a_time_with_a_cpu_builds_weights(tmp_p
             load = got["rss_load_peak"] - got["rss_before"] - got["bytes"]
             print(f"the load alone: {load / got['bytes']:.2f}x the checkpoint beyond the shards")
             assert load <= 0.3 * got["bytes"], f"the load grew by {load / got['bytes']:.2f}x the checkpoint beyond the model's shards"
+
+
+def test_async_saves_on_xla_readers_wait_failures_leave_nothing_and_the_exit_reports(tmp_path):
+    """tests/async_saves.py on 4 XLA devices with fsdp: the fast tier's CPU cases, with torch_xla's planners."""
+    import async_saves
+
+    async_saves.check(tmp_path, *async_saves.run(tmp_path, XLA_ENV))
