@@ -2,42 +2,31 @@
 
     trainer = SeamlessTPUTrainer(model)          # TPU, then GPU, then CPU; the optimizer may predate it
     x, y = trainer.to_device(x, y)               # on XLA: dim 0 split over the mesh's batch axes
-    loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step ends in torch_xla.sync()
+    loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step (and loop iteration) is one graph
 
-On XLA a loop that no step ends (gradient accumulation, updates by hand, LBFGS, evaluation, inference) is cut
-into one graph per iteration too: a forward of the trainer's model cuts the graph when a backward, or a no_grad
-forward, came since the last cut (a forward pre-hook on the model, a post-accumulate-grad hook per parameter),
-and a closure given to optimizer.step (LBFGS) is cut before and after each call.
-
-strategy="fsdp" shards every parameter (XLA: over the mesh's "fsdp" axis; torch.distributed: FSDP2).
-xla_spmd_config={"model_parallel_size": N} adds a "model" axis, over which a tensor-parallel plan (tp_plan=,
-Hugging Face's format; a transformers model brings its own) splits weights, alone or 2-D with "fsdp".
-trainer.save_checkpoint / load_checkpoint write atomic sharded checkpoints (in the background with
-blocking=False; the last K with keep_last=K) that load shard by shard onto any device, mesh and strategy;
-consolidate_checkpoint(dir) gives plain CPU state_dicts. TorchConfig / TorchTrainer
-run the loop under Ray Train. Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another
-PJRT device, e.g. PJRT_DEVICE=CPU CPU_NUM_DEVICES=4), "gpu", "cpu". torch_xla and ray load only when used.
-
-Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu or a torch.device string); PJRT_DEVICE (only a value
-the user set: torch_xla's import writes a guess); TPU_ACCELERATOR_TYPE (named in errors); RANK (without a
-process group or XLA: which process logs at info and writes trainer.save); LOCAL_RANK (the CUDA device);
-TPU_VISIBLE_CHIPS (warned about on Ray workers). Env set, only where unset: PJRT_DEVICE on first XLA use;
-on Ray "xla_tpu" workers also MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-NODE_RANK, TPU_WORKER_ID, TPU_WORKER_HOSTNAMES. (torch_xla itself sets XLA_USE_SPMD=1.)
-
-Process-wide changes, made on first XLA use (get_device, a trainer, or to_device on XLA): SPMD on (one-way);
-torch.__future__.set_swap_module_params_on_conversion(True), so model.to keeps Parameter objects and an
-optimizer built earlier still trains; a torch.xla device module (torch's checkpoint needs its RNG state);
-torch.utils.checkpoint.CheckpointFunction and _CheckpointFrame.__init__ routed so that XLA recomputation
-sits behind an optimization barrier; global optimizer-step hooks (the sync, the recompile watchdog). With
-FSDP2 or tensor parallelism off XLA: one pre-step hook that rebinds optimizers built before the trainer.
-From the first trainer on any device (main thread), or from the Ray backends' start on each worker: a SIGTERM
-handler that chains the user's, leaves SIG_IGN alone and delays (never cancels) the default's or Ray's exit,
-and a post-step hook that turns it into trainer.preempted. From the first
-save_checkpoint(..., blocking=False): one non-daemon thread per save (the interpreter waits for it at exit) and,
-under torch.distributed, one extra gloo process group for its collectives. Nothing at import.
+Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another PJRT device, e.g. PJRT_DEVICE=CPU
+CPU_NUM_DEVICES=4), "gpu", "cpu"; strategy="ddp"|"fsdp", tensor parallelism over a "model" axis, sharded atomic
+checkpoints, TorchConfig/TorchTrainer for Ray Train. torch_xla and ray load only when used (README.md: the manual).
+Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a torch.device); PJRT_DEVICE (only as the user set it: torch_xla's
+import writes a guess); TPU_ACCELERATOR_TYPE (errors); RANK, LOCAL_RANK; TPU_VISIBLE_CHIPS (Ray warning);
+SEAMLESS_TPU_SIGTERM_GRACE (s, default 15); on a multi-host slice without torch.distributed MASTER_ADDR (else the
+runtime's worker 0) and SEAMLESS_TPU_PORT (default 8548). Env written only where unset (and logged): PJRT_DEVICE; on
+Ray "xla_tpu" workers MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, TPU_WORKER_*.
+Process-wide changes (nothing at import), each undone by _reset_caches for the tests:
+- first XLA use (get_device, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; swap_module_params_on_
+  conversion on, so .to()/.half() of EVERY module swaps tensors in place, CPU ones too (one whose parameter a weakref
+  holds then raises "Couldn't swap"); a torch.xla device module; torch.utils.checkpoint routed through an optimization barrier for XLA
+  inputs; global optimizer-step hooks (the graph cut, the recompile watchdog).
+- FSDP2 or tensor parallelism off XLA: a global pre-step hook that rebinds optimizers built before the trainer.
+- first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler that chains
+  the user's and leaves SIG_IGN alone; a default or Ray exit is held until trainer.preempted's save, for the grace at
+  most, by a daemon thread started at the signal; a global post-step hook. With several processes the first trainer
+  also builds a gloo group (a collective; over a TCPStore that process 0 serves on a slice without torch.distributed).
+- first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits for it), an atexit report of a
+  failure nobody asked about, and under torch.distributed one more gloo group.
+- Ray: the xla_tpu backend starts a gloo default process group on each worker (ended at shutdown); TorchTrainer.fit
+  with use_tpu=True calls ray.init() in the driver when Ray is not initialised, to check the cluster's TPUs.
 """
-
 __all__ = [
     "get_device", "device_type", "is_xla_backend", "to_device", "SeamlessTPUTrainer", "parse_topology",
     "mesh_shape_for", "create_xla_mesh", "get_xla_mesh", "consolidate_checkpoint", "TorchConfig", "TorchTrainer",
@@ -112,6 +101,9 @@ WARMUP_STEPS = 2  # runs of a graph (cut to cut) that may compile: the first, th
 INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
 SIGTERM_GRACE_S = 15.0  # how long SIGTERM's exit waits for the loop (a save in progress holds it): a spot VM or
                         # a Kubernetes pod gets 30 s before SIGKILL. SEAMLESS_TPU_SIGTERM_GRACE overrides it
+AGREE_EVERY_S = 0.25  # processes agree on SIGTERM about this often, and at least every AGREE_MAX_STEPS steps (the
+AGREE_MAX_STEPS = 16  # interval at most doubles each time): on 2 gloo ranks of 2 cores an all-reduce every step cost
+                      # 1 ms, +43% of a 2.5 ms step; every 16 steps it is within the A/A noise (bench: preemption)
 AGREEMENT_PORT = 8548  # a multi-host XLA slice with no process group agrees on SIGTERM over a gloo group whose
                        # store listens here on process 0 (beside the XLA coordinator's 8547); SEAMLESS_TPU_PORT overrides
 LATE_COMPILES_TO_WARN = 2  # late compiles in a row by one pair of cuts: one is a one-off (an epoch's short
@@ -839,9 +831,11 @@ def _check_autograd_ready(device):
 
 
 def _patch_torch_for_xla():
-    """The process-wide changes the header lists, each undone by _reset_caches; CPU/GPU tensors keep
-    torch's own code paths. Why each: model.to(xla) would make new Parameters and strand an optimizer
-    built before the move (the loop runs and never trains). torch.utils.checkpoint needs a torch.xla
+    """The process-wide changes the header lists, each undone by _reset_caches. Why each: model.to(xla)
+    would make new Parameters and strand an optimizer built before the move (the loop runs and never
+    trains); the swap setting is global, so every module's .to()/.half() swaps in place from now on, CPU
+    ones too (torch has no per-device switch). The checkpoint routing leaves CPU/GPU inputs on torch's
+    own path. torch.utils.checkpoint needs a torch.xla
     module for the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a
     recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back into the
     forward, saving nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier
@@ -1858,23 +1852,27 @@ class _Preemption:
     the user's is chained and decides for itself; SIG_IGN is left alone.
 
     Only steps of a trainer's optimizers count (those stepping a trainer's parameters), so an optimizer stepped
-    on some processes only (a probe, a helper model) never desynchronises them. With several processes each such
-    step reads the MAX all-reduce of the flag that the step before started (gloo, on the CPU), then starts its
-    own: every process reads the same values at the same count. Costs per step: one 4-byte all-reduce on gloo's
-    thread, no device sync, and no wait unless a peer is a whole step behind; the flag turns into `preempted` one
-    step after a blocking all-reduce would have."""
+    on some processes only (a probe, a helper model) never desynchronises them. With several processes, at steps
+    that every process computes alike, the processes agree: each reads the all-reduce (gloo, on the CPU) that the
+    last agreement started and starts the next. Its MAX holds the flag, and the fewest steps any process proposes
+    until the next agreement (AGREE_EVERY_S of its own steps, at most AGREE_MAX_STEPS). So every process reads the
+    same values at the same count, with no device sync and no wait (the all-reduce had steps to finish);
+    `preempted` comes about 2 x AGREE_EVERY_S after the signal, 2 x AGREE_MAX_STEPS steps at most."""
 
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
     sigterm: bool = False  # SIGTERM reached this process
     preempted: bool = False  # SIGTERM reached some process: True on every process from the same step on
     steps: int = 0  # steps of trainers' optimizers ended in this process
-    params: object = dataclasses.field(default_factory=lambda: importlib.import_module("torch.utils.weak").WeakIdKeyDictionary())
+    models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model; never a
+    # weakref to a parameter: with the swap setting on, .to() of a module whose parameter has one raises
     owned: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ optimizer -> (its parameter layout, whether it steps a trainer's parameters)
     stepped_after: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # optimizers since `preempted`
     group: object = None  # a CPU gloo group of every process, for the agreement; None in one process
-    pending: tuple = None  # (work, flag) of the all-reduce the last step started
+    pending: tuple = None  # (work, values) of the all-reduce the last agreement started
+    next_agreement: int = 1  # the step count of the next agreement
+    agreed_at: tuple = None  # (time.monotonic(), step count) of the last agreement
     deadline: float = None  # time.monotonic() at which the held exit happens; None before SIGTERM
     saves: int = 0  # saves in progress: they hold the exit
     expired: bool = False  # the grace ran out: the handler now acts as the previous one would
@@ -1894,7 +1892,7 @@ class _Preemption:
 
     def watch(self, model):
         """From each trainer: its parameters count; the first one also sets up the agreement (a collective)."""
-        self.params.update(dict.fromkeys(model.parameters(), True))
+        self.models.add(model)
         if "preemption" in _STATE.optimizer_hooks:
             return
         self.catch()
@@ -1946,7 +1944,8 @@ class _Preemption:
         layout = tuple(len(group["params"]) for group in optimizer.param_groups)
         seen = self.owned.get(optimizer)
         if seen is None or seen[0] != layout:
-            owns = any(p in self.params for group in optimizer.param_groups for p in group["params"])
+            ours = {id(p) for model in self.models for p in model.parameters()}  # once per optimizer and layout
+            owns = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
             seen = self.owned[optimizer] = (layout, owns)
         return seen[1]
 
@@ -1964,22 +1963,26 @@ class _Preemption:
                     "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
             self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
             return
-        seen = self.sigterm if self.group is None else self._exchange(self.sigterm)
+        seen = self.sigterm if self.group is None else self.steps >= self.next_agreement and self._agree()
         if seen:
             self.preempted = self.steps  # truthy: the step count it turned True at, for the message above
             self.stepped_after.add(optimizer)
 
-    def _exchange(self, seen):
-        """The flag all-reduced by the previous step's exchange (False at the first), and this step's started."""
-        agreed = False
+    def _agree(self):
+        """The flag as every process saw it at the last agreement (False at the first), the next one started."""
+        agreed, every = False, 1
         if self.pending is not None:
-            work, flag = self.pending
-            work.wait()  # started a step ago: already done unless a peer is a whole step behind
-            agreed = bool(flag[0])
+            work, values = self.pending
+            work.wait()  # started at the last agreement, steps ago: done unless a peer is that far behind
+            agreed, every = bool(values[0]), int(-values[1])
+        now, (then, step) = time.monotonic(), self.agreed_at or (0.0, 0)
+        step_time = (now - then) / (self.steps - step) if self.agreed_at else math.inf
+        propose = max(1, min(AGREE_MAX_STEPS, 2 * every, int(AGREE_EVERY_S / step_time)))  # slow to grow: steps may slow
         dist = torch.distributed
-        options, flag = dist.AllreduceOptions(), torch.tensor([int(seen)], dtype=torch.int32)
-        options.reduceOp = dist.ReduceOp.MAX
-        self.pending = self.group.allreduce([flag], options), flag
+        options, values = dist.AllreduceOptions(), torch.tensor([int(self.sigterm), -propose], dtype=torch.int64)
+        options.reduceOp = dist.ReduceOp.MAX  # of -steps: the fewest any process proposes
+        self.pending = self.group.allreduce([values], options), values
+        self.next_agreement, self.agreed_at = self.steps + every, (now, self.steps)
         return agreed
 
     def close(self):

@@ -3,7 +3,7 @@
     ./dev.sh bench                      # every section: writes bench/RESULTS.md and bench/step_times.png
     ./dev.sh bench --smoke              # a few steps of every section (CI); writes nothing unless --out is given
     ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd, eager_cpu,
-                                        # compiles, overhead, imports, ray, fsdp, accumulate, tp); writes nothing unless --out is given
+                                        # compiles, overhead, imports, ray, fsdp, accumulate, preemption, tp); writes nothing unless --out is given
 
 RESULTS.md holds one block per section (between <!-- bench:NAME --> and <!-- /bench:NAME -->), whose
 first line names the commit it ran at and the command that runs it alone. A write to --out replaces
@@ -1053,6 +1053,82 @@ def render_checkpoints(result, s):
     return md, [line]
 
 
+def preemption_rank(rounds, steps):
+    """One of 2 gloo ranks: a DDP MLP through the trainer, timed in blocks of `steps` with the real preemption
+    hook on (as shipped: an agreement every AGREE_EVERY_S, at most AGREE_MAX_STEPS apart), on with an agreement
+    at every step, off (its handle removed), and on again as an A/A twin, in an order drawn per round from a seed
+    both ranks share (their collectives must match). Prints, on rank 0, {variant: [s per step, a block per round]}."""
+    import torch
+
+    import seamless_tpu as st
+
+    torch.set_num_threads(THREADS)
+    torch.distributed.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    trainer = st.SeamlessTPUTrainer(model, device="cpu")
+    x, y = torch.randn(32, 64), torch.randn(32, 1)
+    hook = st._STATE.preemption._after_step  # the real post-step hook, as the trainer installed it
+
+    shipped = st.AGREE_MAX_STEPS
+
+    def block(name):
+        on, st.AGREE_MAX_STEPS = name != "off", 1 if name == "every step" else shipped
+        if on != ("preemption" in st._STATE.optimizer_hooks):
+            if on:
+                st._add_step_hook("preemption", "post", hook)
+            else:
+                st._STATE.optimizer_hooks.pop("preemption").remove()
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(trainer.model(x), y).backward()
+            optimizer.step()
+        return (time.perf_counter() - start) / steps
+
+    rng, times = random.Random(0), {"on": [], "every step": [], "off": [], "on" + AA: []}
+    block("on"), block("off")  # warm-up
+    for _ in range(rounds):
+        for name in rng.sample(list(times), len(times)):
+            times[name].append(block(name))
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps(times), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def run_preemption(s):
+    rounds, steps = (3, 20) if s.smoke else (40, 100)
+    port = random.Random().randrange(20000, 40000)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", USE_TORCH_XLA="0")
+    procs = [subprocess.Popen([sys.executable, __file__, "--preemption-rank", f"{rounds},{steps}"], cwd=ROOT,
+                              env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("the preemption ranks failed:\n" + "\n".join(err[-2000:] for _, err in outs))
+    return json.loads(outs[0][0].split("RESULT ", 1)[1].splitlines()[0])
+
+
+def render_preemption(times, s):
+    ratios = {name: [a / b for a, b in zip(times[name], times["off"])] for name in times if name != "off"}
+    floor = [a / b for a, b in zip(times["on" + AA], times["on"])]
+    extra = statistics.median(times["on"]) - statistics.median(times["off"])
+    md = ["2 gloo ranks (CPU), a DDP MLP (64-256-1, batch 32) through the trainer; the preemption hook's real "
+          "post-step work on (as shipped: the ranks agree about every 0.25 s, at most 16 steps apart), on with an "
+          "agreement at every step, or off, in blocks drawn in a random order each round; A/A: on, twice.", "",
+          "| | median s/step | ratio to off [95% interval] |", "|---|---|---|"]
+    md += [f"| hook {name} | {statistics.median(times[name]) * 1e6:.0f} us | "
+           + ("{:.3f} [{:.3f}, {:.3f}] |".format(*interval(ratios[name]))
+              if name in ratios else "1 |") for name in times]
+    md += ["", "- A/A floor (on twice): {:.3f} [{:.3f}, {:.3f}]; ".format(*interval(floor)) +
+           f"the hook costs {extra * 1e6:+.0f} us per step (median on - median off)"]
+    return md, [f"preemption agreement on 2 gloo ranks: {statistics.median(ratios['on']):.3f} of the step without it "
+                f"(A/A {statistics.median(floor):.3f}; every step: {statistics.median(ratios['every step']):.3f}), "
+                f"{extra * 1e6:+.0f} us per step"]
+
+
 def run_tp(s):
     return tensor_parallel(s.warm, *s.block("transformer", True), s.repeats, random.Random(0))
 
@@ -1078,6 +1154,7 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
     "accumulate": Section("Gradient accumulation on XLA: compile time against k (ratio to k=1)", run_accumulate, render_accumulate),
     "checkpoints": Section("Checkpoints on XLA: load cost, step time during an async save, SIGTERM to a saved exit",
                            run_checkpoints, render_checkpoints),
+    "preemption": Section("Preemption agreement per step on 2 gloo ranks (A/A method)", run_preemption, render_preemption),
     "tp": Section("Tensor parallelism on XLA (4 devices, a transformers LM with its own plan): ddp, fsdp, TP, 2-D",
                   run_tp, tp_section, charted=True),
 }
@@ -1134,10 +1211,13 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", choices=list(SECTIONS), metavar="NAME",
                    help=f"run these sections alone, of: {', '.join(SECTIONS)}; with --out, replace just them in that file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--preemption-rank", help=argparse.SUPPRESS)
     p.add_argument("--workload", default="mlp", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.workload)
+    if args.preemption_rank:
+        return preemption_rank(*map(int, args.preemption_rank.split(",")))
     s = Settings(args.smoke)
     quiet = s.smoke or args.only  # a smoke run or sections alone must not overwrite the full results
     out = args.out or (None if quiet else os.path.join(ROOT, "bench", "RESULTS.md"))

@@ -195,14 +195,14 @@ def test_sigterm_saves_at_the_next_step_and_the_resumed_run_is_bitwise_uninterru
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigterm_twice_during_a_save_lets_it_commit_then_saves_at_the_next_step(tmp_path, world):
     """Two SIGTERMs while the step-5 save is committing (on 2 ranks, to rank 1, which waits in the save's
-    agreement): the save completes, the loop stops at step 6 with a second save (on 2 ranks at step 7: each
-    step reads the all-reduce the step before started), exits 0, and resuming from it continues the
+    agreement): the save completes, the loop stops at step 6 with a second save (on 2 ranks at one step on
+    both, from 6 on: they read the flag at their next agreement), exits 0, and resuming from it continues the
     uninterrupted run bitwise."""
     want = preempt.run("uninterrupted", tmp_path / "whole", world)
     (tmp_path / "run").mkdir()
     stopped = preempt.run("saving", tmp_path / "run", world, signal_rank=world - 1, signals=2)
-    at = 6 if world == 1 else 7
-    assert [r["stopped_at"] for r in stopped] == [at] * world, stopped
+    at = stopped[0]["stopped_at"]
+    assert [r["stopped_at"] for r in stopped] == [at] * world and (at == 6 if world == 1 else 6 <= at <= 6 + 32), stopped
     resumed = preempt.run("resume", tmp_path / "run", world)
     for rank in range(world):
         assert resumed[rank]["start"] == at + 1 and stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
@@ -316,4 +316,4 @@ def test_an_optimizer_only_rank_0_steps_neither_hangs_nor_splits_the_agreement(t
     outs = sigterm.run("probe", str(tmp_path), world=world)
     assert [code for code, *_ in outs] == [0] * world, [err[-2000:] for *_, err in outs]
     stops = {result["stopped_at"] for _, _, result, _ in outs}
-    assert len(stops) == 1 and 4 <= stops.pop() <= 6, outs
+    assert len(stops) == 1 and 4 <= stops.pop() <= 4 + 2 * st.AGREE_MAX_STEPS, outs
