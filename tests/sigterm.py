@@ -43,10 +43,10 @@ class Slow(torch.nn.Module):
         return self.net(x)
 
 
-def run(phase, directory, world=1, env=None, timeout=120):
+def run(phase, directory, world=1, env=None, timeout=120, to_all=False):
     """tests/sigterm.py PHASE on `world` processes (gloo ranks, or 2 XLA processes for 'slice'); SIGTERM to the
-    last one once every rank is at the phase. Per process: (exit code, seconds from the signal to its exit,
-    RESULT or None)."""
+    last one (to every one with `to_all`, as when a whole slice goes) once every rank is at the phase. Per
+    process: (exit code, seconds from the signal to its exit, RESULT or None, stderr)."""
     import subprocess
 
     import child
@@ -65,7 +65,8 @@ def run(phase, directory, world=1, env=None, timeout=120):
                 raise AssertionError(f"tests/sigterm.py {phase} never reached its phase: "
                                      + "".join(p.communicate()[1][-2000:] for p in procs if p.poll() is not None))
             time.sleep(0.02)
-        procs[-1].send_signal(signal.SIGTERM)
+        for p in procs if to_all else procs[-1:]:
+            p.send_signal(signal.SIGTERM)
         sent, outs = time.monotonic(), []
         for p in procs:
             out, err = p.communicate(timeout=timeout)

@@ -306,6 +306,17 @@ def test_sigterm_where_no_step_follows_exits_as_by_default_after_the_grace(tmp_p
     assert sigterm.GRACE <= seconds < sigterm.GRACE + 3, f"ended {seconds:.1f} s after the signal"
 
 
+@pytest.mark.parametrize("phase", ["after", "eval"])
+def test_sigterm_to_every_rank_where_no_step_follows_ends_each_after_the_grace(tmp_path, phase):
+    """2 gloo ranks, both signalled (a whole slice or job going away) after their loop or in an eval-only loop:
+    no collective is waited on, and each ends by SIGTERM once the grace has passed."""
+    import sigterm
+
+    outs = sigterm.run(phase, str(tmp_path), world=2, to_all=True)
+    assert [code for code, *_ in outs] == [-signal.SIGTERM] * 2, [err[-2000:] for *_, err in outs]
+    assert all(sigterm.GRACE <= seconds < sigterm.GRACE + 3 for _, seconds, _, _ in outs), outs
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_optimizer_only_rank_0_steps_neither_hangs_nor_splits_the_agreement(tmp_path, world):
     """Rank 0 also trains a probe every iteration; only steps of the trainer's optimizers take part in the
