@@ -1862,7 +1862,7 @@ class _Preemption:
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
     sigterm: bool = False  # SIGTERM reached this process
-    preempted: bool = False  # SIGTERM reached some process: True on every process from the same step on
+    preempted_at: int = 0  # the step count at which every process learnt that SIGTERM reached one; 0: not yet
     steps: int = 0  # steps of trainers' optimizers ended in this process
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model; never a
     # weakref to a parameter: with the swap setting on, .to() of a module whose parameter has one raises
@@ -1953,11 +1953,11 @@ class _Preemption:
         if not self._owns(optimizer):
             return
         self.steps += 1
-        if self.preempted:
+        if self.preempted_at:
             if optimizer in self.stepped_after and self.delays_exit:
                 raise RuntimeError(
                     f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
-                    f"{self.preempted}, but the loop stepped again. The trainer delays SIGTERM's exit only until the "
+                    f"{self.preempted_at}, but the loop stepped again. The trainer delays SIGTERM's exit only until the "
                     "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
                     "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
                     "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
@@ -1965,7 +1965,7 @@ class _Preemption:
             return
         seen = self.sigterm if self.group is None else self.steps >= self.next_agreement and self._agree()
         if seen:
-            self.preempted = self.steps  # truthy: the step count it turned True at, for the message above
+            self.preempted_at = self.steps
             self.stepped_after.add(optimizer)
 
     def _agree(self):
@@ -2014,7 +2014,12 @@ def _agreement_group():
         return None
     port = int(os.environ.get("SEAMLESS_TPU_PORT") or AGREEMENT_PORT)
     timeout = datetime.timedelta(minutes=30)  # torch.distributed's default: hosts start minutes apart
-    store = dist.TCPStore(address, port, count, index == 0, timeout=timeout, wait_for_workers=False)
+    try:
+        store = dist.TCPStore(address, port, count, index == 0, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError are RuntimeErrors
+        raise RuntimeError(f"seamless_tpu: process {index} of {count} could not {'serve' if index == 0 else 'reach'} the "
+                           f"store at {address}:{port} that the hosts agree on SIGTERM through ({e}). Set "
+                           "SEAMLESS_TPU_PORT to a port free on process 0's host, the same on every host") from e
     _log("seamless_tpu: SIGTERM agreement among %d XLA processes over %s:%d", count, address, port)
     return dist.ProcessGroupGloo(dist.PrefixStore("seamless_tpu/preemption", store), index, count, timeout)
 
@@ -2086,7 +2091,7 @@ class SeamlessTPUTrainer:
     def preempted(self):
         """True from the first optimizer step that ends after SIGTERM reached any process: the same step
         on every process. The loop then saves and stops: `if trainer.preempted: trainer.save_checkpoint(...); break`."""
-        return bool(_STATE.preemption.preempted)
+        return _STATE.preemption.preempted_at > 0
 
     def to_device(self, *objs):
         """Like to_device(); on XLA every tensor's dim 0 is sharded over this trainer's mesh."""
@@ -2858,9 +2863,9 @@ class _RayTrainLoop:
 
     def __call__(self, *args):
         result = self.train_fn(*args)
-        if _STATE.preemption.preempted and _STATE.preemption.delays_exit:
+        if _STATE.preemption.preempted_at and _STATE.preemption.delays_exit:
             raise RuntimeError(
-                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted}; the loop returned after it, so "
+                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; the loop returned after it, so "
                 "this attempt ends as failed for Ray to restart it from the last reported checkpoint "
                 "(ray.train.get_checkpoint()). Allow the restart with RunConfig(failure_config=FailureConfig(max_failures=N))")
         return result
