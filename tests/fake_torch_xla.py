@@ -108,7 +108,7 @@ class FakeXLA:
             return [torch.device("cpu")]
 
         def device_count() -> int:
-            return 1 if fx.spmd else fx.num_devices // fx.nprocs
+            return fx.num_devices // fx.nprocs  # this process's devices, SPMD or not (devices() is [xla:0] under SPMD)
 
         def sync(wait: bool = False, reset_scope: bool = True):
             fx.events.append(("sync",))
@@ -120,7 +120,7 @@ class FakeXLA:
             fx.pending_shapes = []
 
         xlac = types.SimpleNamespace(
-            _xla_get_spmd_config_is_locked=lambda: fx.locked and not fx.spmd,
+            _xla_get_spmd_config_is_locked=lambda: fx.locked,  # stays locked once SPMD is on
             _get_xla_sharding_spec=lambda t: fx.shardings.get(t, ""),
             _get_xla_tensor_debug_info=lambda t: "XLATensor {\nIR: None\nXLAData: None\n}\n",  # every tensor is data here
             # torch_xla returns an OpSharding object (None without one); its text stands in for it here
@@ -141,14 +141,32 @@ class FakeXLA:
         runtime.global_runtime_device_count = lambda: fx.num_devices
         runtime.process_count = lambda: fx.nprocs
         runtime.process_index = lambda: 0
-        runtime.get_master_ip = lambda: "10.0.0.2"  # torch_xla reads worker 0's address from the TPU env; CPU: raises
         runtime.device_type = lambda: fx.pjrt_device
+
+        def get_master_ip() -> str:
+            # torch_xla asks the TPU (or Neuron) runtime for worker 0's address, and refuses on any other device
+            if runtime.device_type() == "TPU":
+                return "10.0.0.2"
+            raise RuntimeError(f"IP discovery not supported for device: {runtime.device_type()}")
+
+        runtime.get_master_ip = get_master_ip
 
         class Mesh:
             def __init__(self, device_ids, mesh_shape, axis_names=None):
-                device_ids = np.asarray(device_ids)
-                if len(device_ids) != fx.num_devices or int(np.prod(mesh_shape)) != len(device_ids):
-                    raise AssertionError(f"Number of device IDs ({len(device_ids)}) must match mesh size ({int(np.prod(mesh_shape))})")
+                device_ids = np.asarray(device_ids)  # torch_xla's checks, in its order and words (asserts)
+                if len(device_ids) != fx.num_devices:
+                    raise AssertionError(f"Number of device IDs ({len(device_ids)}) must match the global number "
+                                         f"of devices ({fx.num_devices})")
+                if axis_names is not None and len(mesh_shape) != len(axis_names):
+                    raise AssertionError(f"Number of axis names ({len(axis_names)}) must match mesh dimensions "
+                                         f"({len(mesh_shape)})")
+                if axis_names is not None and len(set(axis_names)) != len(axis_names):
+                    raise AssertionError(f"Axis names must be unique, got: {axis_names}")
+                if int(np.prod(mesh_shape)) != len(device_ids):
+                    raise AssertionError(f"Number of device IDs ({len(device_ids)}) must match mesh size "
+                                         f"({int(np.prod(mesh_shape))})")
+                if len(np.unique(device_ids)) != len(device_ids):
+                    raise AssertionError(f"Device IDs must be unique, got: {device_ids}")
                 self.device_ids, self.mesh_shape, self.axis_names = device_ids, tuple(mesh_shape), axis_names
 
             def shape(self):

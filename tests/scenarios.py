@@ -173,6 +173,72 @@ def hand_moved_batch_warns_once():
     assert guards == [] and len(model._forward_pre_hooks) == 1, "the guard removes itself after its first forwards (the iteration cut stays)"
 
 
+def _refused(call, error, text):
+    """`call()` raises `error` whose text is exactly `text`."""
+    try:
+        call()
+    except error as e:
+        assert str(e) == text, (str(e), text)
+    else:
+        raise AssertionError(f"no {error.__name__}: {text}")
+
+
+def runtime_answers_and_refuses_as_torch_xla_does():
+    """The runtime queries the shim makes, answered as torch_xla 2.9 answers them on 4 CPU devices under
+    SPMD, and its refusals: the SPMD config stays locked once SPMD is on; worker 0's address
+    (get_master_ip) is known only on TPU, so the address of a multi-process XLA run comes from MASTER_ADDR
+    off TPU (a 2-process run stood in for by process_count: XLA:CPU cannot join processes)."""
+    torch_xla, xr, xs = _xla(), sys.modules["torch_xla.runtime"], sys.modules["torch_xla.distributed.spmd"]
+    trainer = st.SeamlessTPUTrainer(mlp())
+    assert xr.is_spmd() and torch_xla._XLAC._xla_get_spmd_config_is_locked()
+    assert (xr.process_count(), xr.process_index(), xr.global_runtime_device_count()) == (1, 0, 4)
+    devices = (torch_xla.device_count(), len(torch_xla.devices()))
+    assert devices == (4, 1), f"SPMD: 4 devices in the process, one (virtual) device to put tensors on; got {devices}"
+    assert xs.get_global_mesh() is trainer.mesh
+    assert st._xla_processes() == (1, 0, None), "one process: no address asked for"
+    refusal = "IP discovery not supported for device: CPU"
+    _refused(xr.get_master_ip, RuntimeError, refusal)
+    count, address = xr.process_count, os.environ.pop("MASTER_ADDR", None)
+    xr.process_count = lambda: 2
+    try:
+        _refused(st._xla_processes, RuntimeError, refusal)
+        os.environ["MASTER_ADDR"] = "10.9.9.9"
+        assert st._xla_processes() == (2, 0, "10.9.9.9")
+    finally:
+        xr.process_count = count
+        os.environ.pop("MASTER_ADDR", None)
+        if address is not None:
+            os.environ["MASTER_ADDR"] = address
+
+
+def mesh_and_sharding_refuse_as_torch_xla_does():
+    """torch_xla's Mesh and mark_sharding check their arguments with asserts (which the shim's own
+    validation runs before); the texts, in torch_xla's order, and a ShardingSpec that fits one rank only."""
+    import numpy as np
+
+    device = st.get_device()
+    xs = sys.modules["torch_xla.distributed.spmd"]
+    for args, text in (
+        ((np.arange(3), (3,)), "Number of device IDs (3) must match the global number of devices (4)"),
+        ((np.arange(4), (2, 2), ("data",)), "Number of axis names (1) must match mesh dimensions (2)"),
+        ((np.arange(4), (2, 2), ("a", "a")), "Axis names must be unique, got: ('a', 'a')"),
+        ((np.arange(4), (2, 3)), "Number of device IDs (4) must match mesh size (6)"),
+        ((np.array([0, 0, 1, 2]), (4,)), "Device IDs must be unique, got: [0 0 1 2]"),
+    ):
+        _refused(lambda: xs.Mesh(*args), AssertionError, text)
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    assert list(mesh.shape().items()) == [("data", 2), ("model", 2)]
+    t = torch.zeros(8, 4, device=device)
+    _refused(lambda: xs.mark_sharding(t, mesh, ("data",)), AssertionError,
+             "Partition spec length (1) should be equal to the input rank (2).")
+    assert sharding(t) == "", "a refused annotation leaves the tensor as it was"
+    spec = xs.ShardingSpec(mesh, ("data", None))
+    assert spec.can_apply(t) and not spec.can_apply(torch.zeros(8))
+    assert spec.xla_spec(torch.zeros(8, device=device)) is None, "another rank: no sharding, and no error"
+    xs.mark_sharding(t, mesh, ("data", None))
+    assert sharding(t) == SPEC_DATA_OF_2X2
+
+
 def train_epoch(model, optimizer, loader, after_step=lambda: None):
     """One epoch of the plain loop over (x, y) batches of _Pairs; returns the last batch."""
     for x, y in loader:
@@ -363,6 +429,8 @@ TWINS = (
     fsdp_places_existing_optimizer_state,
     own_to_mappings_are_sharded,
     hand_moved_batch_warns_once,
+    runtime_answers_and_refuses_as_torch_xla_does,
+    mesh_and_sharding_refuse_as_torch_xla_does,
 )
 
 # --- real torch_xla only -------------------------------------------------------------------------

@@ -211,8 +211,9 @@ def test_sigterm_twice_during_a_save_lets_it_commit_then_saves_at_the_next_step(
 def test_a_slice_without_a_process_group_agrees_over_its_hosts_addresses(monkeypatch, fresh):
     """Multi-host XLA with no torch.distributed group: the agreement's store is served by process 0 at the address
     the runtime names (MASTER_ADDR where the user set one), so each host needs nothing but the slice's own env.
-    tests/test_real_xla.py runs the agreement itself on 2 real processes."""
-    FakeXLA(num_devices=8, process_count=2).install(monkeypatch)
+    tests/test_real_xla.py runs the agreement itself on 2 real processes, and (scenarios.py
+    runtime_answers_and_refuses_as_torch_xla_does) the address off TPU, where only MASTER_ADDR names it."""
+    FakeXLA(num_devices=8, process_count=2, pjrt_device="TPU").install(monkeypatch)  # worker 0's address: TPU only
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     assert st._xla_processes() == (1, 0, None), "before XLA is in use, one process"
