@@ -248,9 +248,7 @@ def gan_eval(two=False, ema=False):
             g_loss.backward()
             opt_g.step()
             if ema:
-                with torch.no_grad():
-                    for p_ema, p in zip(gen_ema.parameters(), gen.parameters()):
-                        p_ema.mul_(0.9).add_(p, alpha=0.1)
+                ema_update(gen_ema, gen, 0.9)
             record.step(d_real + d_fake, g_loss)
         gen.eval()
         with torch.no_grad():
@@ -260,6 +258,13 @@ def gan_eval(two=False, ema=False):
         gen.train()
         losses, compiles, transfers = record.epoch(samples.mean(), total)
     return losses, compiles, transfers, record.epochs
+
+
+def ema_update(ema, model, decay):
+    """timm's ModelEmaV2 update, by hand, as loops write it after optimizer.step()."""
+    with torch.no_grad():
+        for p_ema, p in zip(ema.parameters(), model.parameters()):
+            p_ema.mul_(decay).add_(p, alpha=1 - decay)
 
 
 def ema_eval(decay=0.9):
@@ -281,9 +286,7 @@ def ema_eval(decay=0.9):
             loss = F.mse_loss(model(x), y)
             loss.backward()
             optimizer.step()
-            with torch.no_grad():
-                for p_ema, p in zip(ema.parameters(), model.parameters()):
-                    p_ema.mul_(decay).add_(p, alpha=1 - decay)
+            ema_update(ema, model, decay)
             record.step(loss)
         with torch.no_grad():
             losses, compiles, transfers = record.epoch(F.mse_loss(model(x_val), y_val), F.mse_loss(ema(x_val), y_val))
