@@ -68,7 +68,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 logger = logging.getLogger(__name__)
 
-# --- 1. constants --------------------------------------------------------------------------------
+# --- 1. constants ---------------------------------------------------------------------------------
 
 ENV_DEVICE = "SEAMLESS_TPU_DEVICE"
 DEVICE_KINDS = ("auto", "tpu", "xla", "gpu", "cpu")
@@ -118,7 +118,7 @@ MAX_TOPOLOGY_CHIPS = 65536  # the largest TPU slices hold under 10k chips; more 
 # a string past Python's 4300-digit conversion limit.
 _TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")
 
-# --- 2. process state ----------------------------------------------------------------------------
+# --- 2. process state -----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(eq=False)
@@ -152,6 +152,7 @@ class _ProcessState:
     save_group: object = None  # its own gloo process group under torch.distributed: collectives off the main thread
     save_in_flight: object = None  # the Future of the asynchronous save not yet waited for
 
+
 # _STATE, the one instance, is made at the end of this file, once the classes of the rooms below exist.
 
 
@@ -182,7 +183,22 @@ def _patch(owner, name, value):
     setattr(owner, name, value)
     _STATE.torch_patches.append(lambda: setattr(owner, name, old))
 
-# --- 3. lazy imports and probes ------------------------------------------------------------------
+
+def _reset_caches():
+    """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
+    global _STATE
+    _STATE.preemption.close()
+    if _STATE.save_in_flight is not None:
+        concurrent.futures.wait([_STATE.save_in_flight])
+    for probe in _CACHED_PROBES:
+        probe.cache_clear()
+    for handle in _STATE.optimizer_hooks.values():
+        handle.remove()
+    for undo in reversed(_STATE.torch_patches):
+        undo()
+    _STATE = _ProcessState()
+
+# --- 3. lazy imports and probes -------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,7 +274,6 @@ def _user_pjrt_device():
     return None
 
 
-
 def _torch_dist_ranks():
     """(world size, rank) of torch.distributed, or (1, 0) when it is not running."""
     dist = torch.distributed
@@ -279,22 +294,7 @@ def _is_main_process():
 
 _CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
 
-
-def _reset_caches():
-    """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
-    global _STATE
-    _STATE.preemption.close()
-    if _STATE.save_in_flight is not None:
-        concurrent.futures.wait([_STATE.save_in_flight])
-    for probe in _CACHED_PROBES:
-        probe.cache_clear()
-    for handle in _STATE.optimizer_hooks.values():
-        handle.remove()
-    for undo in reversed(_STATE.torch_patches):
-        undo()
-    _STATE = _ProcessState()
-
-# --- 4. device detection -------------------------------------------------------------------------
+# --- 4. device detection --------------------------------------------------------------------------
 
 
 def _tpu_present():
@@ -394,7 +394,7 @@ def get_device(kind=None):
 def _is_xla(device):
     return _STATE.xla_device is not None and device.type == _STATE.xla_device.type
 
-# --- 5. moving data ------------------------------------------------------------------------------
+# --- 5. moving data -------------------------------------------------------------------------------
 
 
 def _map_tensors(obj, on_tensor, on_other=None):
@@ -494,7 +494,7 @@ def to_device(*objs, device=None):
     sharding = _STATE.batch_sharding if _is_xla(target) else None
     return _move(objs, target, sharding)
 
-# --- 6. mesh validation (pure: no torch_xla, no devices) -----------------------------------------
+# --- 6. pure validation: mesh config, tensor-parallel plans ---------------------------------------
 
 
 def _positive_int(name, value):
@@ -649,18 +649,6 @@ def _spmd_config_devices(config):
     return dp * mp
 
 
-def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
-    """Before any Ray worker starts: the slice must hold exactly num_workers x TPU-per-worker chips."""
-    if topology is None:
-        return
-    chips = math.prod(parse_topology(topology))
-    requested = num_workers * tpu_per_worker
-    if requested != chips:
-        raise ValueError(f"ScalingConfig asks for num_workers={num_workers} x TPU per worker={tpu_per_worker} = "
-                         f"{requested:g} chips, but topology {topology!r} has {chips} chips. The xla_tpu backend runs "
-                         "one SPMD process per TPU host holding all of its chips: set num_workers to the number of "
-                         f"hosts and resources_per_worker={{'TPU': chips per host}} so they multiply to {chips}.")
-
 def _model_tp_plan(model):
     """The tensor-parallel plan a transformers model carries, with full module names: the instance's
     merged _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix plus
@@ -769,7 +757,7 @@ def _split_specs(module_name, module, split, model_size, fsdp_size):
         specs[param] = tuple(spec)
     return specs
 
-# --- 7. XLA activation and the torch patches -----------------------------------------------------
+# --- 7. XLA activation and torch patches ----------------------------------------------------------
 
 
 def _activate_xla(kind):
@@ -885,6 +873,8 @@ def _patch_torch_for_xla():
 
     _patch(ckpt, "CheckpointFunction", RoutedCheckpointFunction)
     _patch(ckpt._CheckpointFrame, "__init__", init_with_barrier)
+
+# --- 8. graph cuts and the recompile watchdog -----------------------------------------------------
 
 
 class _CompileWatchdog:
@@ -1041,7 +1031,78 @@ def _before_forward(module, args, kwargs):
         state.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
                                           for t in (*args, *kwargs.values()))
 
-# --- 8. meshes, batch sharding, FSDPv2 on XLA ----------------------------------------------------
+# --- 9. layouts: meshes, batch sharding, DDP/FSDP/TP placement, optimizer state -------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a trainer puts its model, decided before anything moves (torchtitan's ParallelDims): print it,
+    or build it in a test for any (device, strategy, plan, meta, ranks) case without placing anything."""
+
+    kind: str  # "tpu", "xla", "gpu" or "cpu"
+    device: torch.device
+    strategy: str  # as asked: "ddp" or "fsdp"
+    mesh: object = None  # XLA: the SPMD mesh the trainer keeps for its life
+    batch: object = None  # XLA: the _BatchSharding of its batches (dim 0 over every axis but the model's)
+    planned: dict = dataclasses.field(default_factory=dict)  # XLA: {parameter: spec} of the tensor-parallel plan
+    styles: dict = None  # torch.distributed: {pattern: ParallelStyle} of the tensor-parallel plan
+    rank_axes: dict = None  # torch.distributed with a plan: {data or fsdp axis: size, "model": size} of the ranks
+    data_ranks: tuple = None  # (data-parallel size, index) when tensor-parallel groups of ranks share batches
+    wrap: str = None  # off XLA: "ddp", "fsdp2" or "tp" across ranks; None in one process
+    meta: bool = False  # the model holds tensors on the meta device: made real as they are placed
+
+    def __repr__(self):
+        mesh = self.mesh and dict(_axis_sizes(self.mesh))
+        return (f"_Layout({self.kind} {self.device}, strategy={self.strategy!r}, mesh={mesh}, batch over "
+                f"{self.batch and self.batch.axes}, {len(self.planned)} planned weights, styles="
+                f"{sorted(self.styles or ())}, rank_axes={self.rank_axes}, data_ranks={self.data_ranks}, "
+                f"wrap={self.wrap!r}, meta={self.meta})")
+
+
+def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
+    """The _Layout of a trainer. Every argument and plan error is raised here, before anything moves; on XLA
+    the mesh is built (or taken) here."""
+    kind, device = _resolve_kind(device), get_device(device)
+    mesh, batch = _trainer_mesh(device, mesh, xla_spmd_config, strategy)
+    distributed = mesh is None and _torch_dist_ranks()[0] > 1
+    planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
+    if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
+        _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", device.type)
+    wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
+    return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes,
+                   _data_ranks(rank_axes), wrap, _has_meta_tensors(model))
+
+
+def _place(model, layout):
+    """The model placed as `layout` says, in the one order that works, and returned (wrapped in DDP across
+    ranks). Meta tensors are made real first, each split as it will be trained; FSDP2 splits them itself, so
+    each rank allocates only its shards. On XLA the plan's weights are split, then fsdp splits the rest; the
+    batch split is watched and each loop iteration cut into one graph. Off XLA a meta model is initialised
+    whole before DDP or tensor parallelism wrap it, or into each rank's shards after FSDP2 has split it."""
+    xla, fsdp2 = _is_xla(layout.device), layout.wrap == "fsdp2"
+    if layout.meta:
+        _materialize(model, layout.device, layout.mesh, layout.strategy == "fsdp", layout.planned, lay_out=not fsdp2)
+    if not (layout.meta and fsdp2):
+        model.to(layout.device)
+    for param, spec in layout.planned.items():
+        if not _is_split(param):  # a meta model's planned weights were split as they were made
+            _mark_sharding(param, layout.mesh, spec)
+    if xla and layout.strategy == "fsdp":
+        _shard_parameters(model, layout.mesh)  # all the plan left whole
+    if xla:
+        _watch_inputs(model, layout.batch)
+        _bound_iterations(model)
+    if layout.meta and not xla and not fsdp2:
+        _initialize_pending(model)  # whole on each process, as DDP and TP want it
+    if layout.wrap == "tp":
+        _tensor_parallel(model, layout.styles, layout.device, layout.rank_axes)
+    elif fsdp2:
+        _fully_shard(model, layout.device)
+        if layout.meta:
+            _initialize_pending(model, layout.device)  # each module on the CPU in turn, each rank keeping its shards
+    elif layout.wrap == "ddp":
+        return _replicate(model, layout.device)
+    return model
 
 
 def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
@@ -1224,212 +1285,6 @@ def _shard_parameters(module, mesh):
             _mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
 
 
-def _has_meta_tensors(model):
-    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-
-
-def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
-    """A model built under torch.device("meta") made real on `device` one module at a time, children
-    before their parent (the order their constructors ran in), each tensor split over `mesh` as it will
-    be trained (its `planned` spec, else fsdp's). Off XLA the trainer initialises each module next:
-    before DDP wraps it, or after FSDP2 has split it, into its shards. On XLA the tensors are only laid
-    out (lazily: nothing is computed or sent) and each module is initialised at the model's first forward
-    or save, unless load_checkpoint filled it first: a model loaded from a checkpoint is never
-    initialised. Parameter objects are kept, so an optimizer made earlier trains."""
-    owners = {}  # module -> the transformers model whose _initialize_weights initialises it, or None
-
-    def visit(module, owner):
-        owner = module if callable(getattr(module, "_initialize_weights", None)) else owner
-        for child in module.children():
-            visit(child, owner)
-        owners[module] = owner
-
-    visit(model, None)
-    pending, rng = {}, [torch.get_rng_state()]  # the CPU RNG as the build left it: every module draws from it in turn
-    root = weakref.ref(model)
-    for module, owner in owners.items():  # dicts keep insertion order: post-order
-        own = [name for name, t in _own_tensors(module) if t.is_meta]
-        if not own:
-            continue
-        _check_initialisable(module, owner, own)
-        for name in own if lay_out else ():  # else left on meta, for FSDP2 to split
-            t = getattr(module, name)
-            made = torch.empty(t.shape, dtype=t.dtype, device=device)
-            _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
-        # A submodule run on its own first (model.encoder(x)) must not see unset values either.
-        first_use = module.register_forward_pre_hook(lambda *_: _initialize_pending(root(), refuse=True))
-        pending[module] = (owner, rng, first_use, set())
-    _STATE.uninitialized.update(pending)
-
-
-def _blank_like(t):
-    """An XLA tensor shaped and sharded like the split tensor `t`, its contents unset, for a load to
-    overwrite: made from one uninitialised host shard sent to each device, so nothing is computed and no
-    whole copy exists anywhere. A meta model's lazy placeholder that the load reads as it is gets computed
-    first, for values the load then overwrites: a graph compiled per shape (9 on the 320 MB test model)."""
-    xla = _import("torch_xla")._XLAC
-    tiles = re.search(r"devices=\[([\d,]+)\]", xla._get_xla_sharding_spec(t)).group(1).split(",")[:t.dim()]
-    shard = torch.empty([-(-size // int(n)) for size, n in zip(t.shape, tiles)], dtype=t.dtype)  # XLA pads to equal shards
-    return xla._global_tensor_from_cpu_shards([shard] * len(xla._xla_get_runtime_devices()), xla._get_xla_op_sharding(t), list(t.shape))
-
-
-def _forget_pending(module):
-    """(owner, rng, loaded) of a module _materialize laid out, which needs no initialisation hook from now on."""
-    owner, rng, hook, loaded = _STATE.uninitialized.pop(module)
-    hook.remove()
-    return owner, rng, loaded
-
-
-def _own_tensors(module):
-    return [(n, t) for n, t in itertools.chain(module._parameters.items(), module._buffers.items()) if t is not None]
-
-
-def _check_initialisable(module, owner, names):
-    if owner is None and not any(callable(getattr(module, m, None)) for m in ("reset_parameters", "_reset_parameters")):
-        raise ValueError(
-            f"cannot initialise the meta tensors {names} of {type(module).__name__}: it has no reset_parameters(), so "
-            "their values are unknown. Give it a reset_parameters() that sets them, or build the model on the CPU")
-
-
-def _stand_in(t):
-    """A CPU tensor shaped like `t` for its module's initialiser to write, holding a mark no initialiser
-    writes on purpose (NaN; an integer dtype's largest value; True), so that one it leaves alone is found
-    by _left_unset. The version counter alone misses writes through .data (as older _init_weights make);
-    the mark costs one fill of each tensor, on the meta path only."""
-    return torch.empty(t.shape, dtype=t.dtype).fill_(_mark(t))
-
-
-def _mark(t):
-    if t.is_floating_point() or t.is_complex():
-        return float("nan")
-    return True if t.dtype == torch.bool else torch.iinfo(t.dtype).max
-
-
-def _left_unset(now, held, version):
-    """Whether the initialiser left the stand-in `held` alone: still in the module, no in-place op on it
-    (the version counter), and every element still the mark (a write through .data)."""
-    if now is not held or held._version != version or not held.numel():
-        return False
-    return bool((held.isnan() if held.is_floating_point() or held.is_complex() else held == _mark(held)).all())
-
-
-def _refuse_unset(model):
-    """A meta-built module holding a tensor that neither its initialiser nor a checkpoint set is refused
-    at its first forward or save: __init__ ran on meta, so a value it computed there (torch.arange(...))
-    was never computed, and nothing can compute it now. Training on it would use the mark (NaN)."""
-    for module in model.modules():
-        if module in _STATE.unset:
-            path, names, _ = _STATE.unset[module]
-            lost = sorted(set(names) & module._non_persistent_buffers_set)
-            raise ValueError(
-                f"{type(module).__name__} at {path or '(the model itself)'!r} was built under torch.device('meta') "
-                f"and its tensors {names} were set neither by its initialiser (reset_parameters(), or _init_weights "
-                "in a transformers model) nor by load_checkpoint, so they have no value: what __init__ computed on "
-                "meta was never computed. Every tensor of a module built on meta must be set by its initialiser or "
-                "loaded. Set them in reset_parameters()/_init_weights, build this module off meta (inside "
-                "`with torch.device('cpu'):`), or load a checkpoint that holds them before the first forward"
-                + (f" (the non-persistent buffers {lost} are in no checkpoint)" if lost else ""))
-
-
-def _loaded(module):
-    """load_checkpoint filled every persistent tensor of `module`. Laid out and not initialised yet, it
-    needs no initialisation, unless it has a non-persistent buffer (in no checkpoint): its initialiser then
-    still runs, for that buffer alone. Initialised already, only a non-persistent buffer may stay unset."""
-    own = {n for n, _ in _own_tensors(module)}
-    if module in _STATE.uninitialized:
-        if own & module._non_persistent_buffers_set:
-            _STATE.uninitialized[module][3].update(own - module._non_persistent_buffers_set)
-        else:
-            _forget_pending(module)
-    if module in _STATE.unset:
-        path, names, hook = _STATE.unset.pop(module)
-        if names := [n for n in names if n in module._non_persistent_buffers_set]:
-            _STATE.unset[module] = (path, names, hook)
-        else:
-            hook.remove()
-
-
-def _split_like_planned(tensor, meta, mesh, fsdp, planned):
-    if mesh is not None and tensor.dim() and isinstance(meta, torch.nn.Parameter):
-        if meta in planned:
-            _mark_sharding(tensor, mesh, planned[meta])
-        elif fsdp:
-            _mark_sharding(tensor, mesh, _fsdp_spec(tuple(tensor.shape), _axis_sizes(mesh)[FSDP_AXIS]))
-    return tensor
-
-
-def _set_own_tensor(module, name, value):
-    """Put `value` in place of the module's own tensor `name`. A parameter keeps its object (swapped in
-    place, with the hooks and attributes it carries), so optimizers and the trainer's hooks keep it."""
-    if name not in module._parameters:
-        module._buffers[name] = value
-        return
-    param = module._parameters[name]
-    kept = dict(param.__dict__)
-    torch.utils.swap_tensors(param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
-    param.__dict__.update(kept)
-
-
-def _initialize_pending(model, device=None, refuse=False):
-    """Initialise the modules of `model` that _materialize laid out and nothing filled yet: each on the
-    CPU, by its own initialisation (reset_parameters(), or _reset_parameters() as MultiheadAttention
-    has; in a transformers model its _initialize_weights), then sent to its place shard by shard. The
-    host holds one module at a time. The modules draw, in turn, from the CPU RNG as it was when the
-    trainer was made, and the loop's own RNG is left as it is: if nothing drew from it between the build
-    and the trainer, the weights are those of the same model built on the CPU, when its modules are
-    built in the order they are registered (a module deep-copied from another, as nn.TransformerEncoder
-    copies its layer, draws its own values instead). A tensor the initialiser leaves unset is refused by
-    _refuse_unset: now if `refuse` (the first forward or save), else at those unless a load fills it."""
-    paths = {m: p for p, m in model.named_modules()}
-    release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
-    for module in [m for m in list(_STATE.uninitialized) if m in paths]:  # the post-order they were laid out in
-        owner, rng, loaded = _forget_pending(module)
-        if device is not None:  # FSDP2 split it on meta: this rank's shards are allocated here, nothing more
-            module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
-        placed, held = dict(_own_tensors(module)), {}
-        for name, t in placed.items():  # a CPU stand-in for each own tensor while the module initialises
-            stand_in = _stand_in(t)
-            if name in module._parameters:
-                module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
-            else:
-                module._buffers[name] = stand_in
-            if name not in loaded:  # a loaded tensor is kept, whatever the initialiser does
-                held[name] = (getattr(module, name), stand_in._version)
-        with torch.random.fork_rng(devices=[]):  # the loop's own CPU RNG goes on untouched
-            torch.set_rng_state(rng[0])
-            if owner is not None:
-                module._is_hf_initialized = False  # built under meta, its initialisation ran on nothing
-                owner._initialize_weights(module)
-            elif callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-            else:
-                module._reset_parameters()
-            rng[0] = torch.get_rng_state()
-        if unset := [n for n, (tensor, version) in held.items() if _left_unset(getattr(module, n), tensor, version)]:
-            refusal = module.register_forward_pre_hook(lambda m, _: _refuse_unset(m))
-            _STATE.unset[module] = (paths[module], unset, refusal)
-        del held  # the stand-ins go with the write-back below, tensor by tensor: the host holds one module
-        for name, t in placed.items():
-            value = getattr(module, name).detach()
-            if name in module._parameters:
-                module._parameters[name] = t
-            if name in loaded:  # load_checkpoint filled it before this first use: the initialiser's value is dropped
-                if name in module._buffers:
-                    module._buffers[name] = t
-                continue
-            if hasattr(t, "device_mesh"):  # an FSDP2 shard: this rank's part, in place (FSDP2 gathers from its storage)
-                with torch.no_grad():
-                    t.to_local().copy_(_placed_like(value, t).to_local())
-                release(value)
-                continue
-            value = value.to(t.device)
-            if _is_xla(t.device) and _is_split(t):
-                _mark_sharding(value, _import("torch_xla")._XLAC._get_xla_op_sharding(t))
-            _set_own_tensor(module, name, release(value))
-    if refuse and _STATE.unset:
-        _refuse_unset(model)
-
-
 def _xla_shardings(tensors):
     """(tensor, its sharding) of each sharded XLA tensor: given back after a load_state_dict swaps in
     replicated tensors (a whole copy per device: 4x an fsdp shard on 4 devices)."""
@@ -1501,7 +1356,369 @@ def _device_bytes(tensors):
             per_device[i] += shard.numel() * shard.element_size()
     return per_device
 
-# --- 9. data loading -----------------------------------------------------------------------------
+
+_SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced: the DTensor that replaced it
+
+
+def _replicate(model, device):
+    """DDP applied to `model` itself (torch's composable replicate, as fully_shard is FSDP2 in place):
+    gradients are averaged during backward whichever object the loop calls, trainer.model or the
+    original, so clipping and logging between backward and step see the average. The DDP state lives
+    on the module, as long as it does. find_unused_parameters: ranks may use different parameters
+    in one step (multi-task heads, conditional branches); it costs one autograd-graph walk per
+    forward. A model the user wrapped in DDP is used as is: wrapping twice all-reduces twice."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model
+    replicate = importlib.import_module("torch.distributed._composable.replicate")
+    device_id = device.index if device.type == "cuda" else device
+    replicate.replicate(model, device_id=device_id, find_unused_parameters=True)
+    replicate.replicate.state(model).lazy_init()  # now, not at the first forward: its broadcast is a collective
+    if not hasattr(model, "no_sync"):  # DDP's own spelling for gradient accumulation, on this model's class only
+        type(model).no_sync = _no_sync
+    return model
+
+
+@contextlib.contextmanager
+def _no_sync(model):
+    """Like DistributedDataParallel.no_sync: backward passes inside accumulate local gradients; the
+    first backward after it averages everything accumulated."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _fully_shard(model, device, mesh=None):
+    """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own,
+    gathered just before its forward and freed after; the root holds the rest. fully_shard replaces
+    every parameter with a DTensor, which an optimizer made earlier does not hold: each replaced one
+    names its replacement, and optimizers move over before their first step (_rebind_before_step)."""
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    device_mesh = importlib.import_module("torch.distributed.device_mesh")
+    if mesh is None:
+        mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
+    # Each distinct block once: ModuleList([blk, blk, blk]) repeats one module (weight sharing by
+    # repetition), and fully_shard on a module twice is an AssertionError inside torch.
+    blocks = list({id(b): b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m}.values())
+
+    def shard():
+        for block in reversed(blocks):  # innermost first: a unit must not already hold another's parameters
+            if next(block.parameters(), None) is not None:
+                fsdp.fully_shard(block, mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
+
+    _replacing_parameters(model, shard)
+
+
+def _rank_mesh(config, strategy):
+    """{axis: size} of the torch.distributed ranks laid out as (world / N, N) with N =
+    model_parallel_size, the model axis innermost (neighbouring ranks form a tensor-parallel group);
+    None without a model axis."""
+    if config is None:
+        return None
+    world = _torch_dist_ranks()[0]
+    shape, names = _mesh_from_config(config, world, strategy)
+    sizes = dict(zip(names, shape))
+    return sizes if sizes.get(MODEL_AXIS, 1) > 1 else None
+
+
+def _torch_tp_styles(plan, sizes):
+    """The plan as torch ParallelStyles, refusing what torch.distributed cannot do right (before any work)."""
+    if FSDP_AXIS not in sizes:
+        raise NotImplementedError("tensor parallelism off XLA runs with strategy='fsdp' (FSDP2 over the other mesh "
+                                  "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains "
+                                  "wrong weights (measured on gloo), so use strategy='fsdp'")
+    tp = importlib.import_module("torch.distributed.tensor.parallel")
+    replicate_layout = importlib.import_module("torch.distributed.tensor").Replicate()
+    styles = {}
+    for pattern, style in plan.items():
+        if not isinstance(style, str):
+            styles[pattern] = style  # torch's own ParallelStyle
+        elif TP_STYLES[style] == "out":
+            gather = style in ("colwise_gather_output", "colwise_rep")
+            styles[pattern] = tp.ColwiseParallel(output_layouts=replicate_layout) if gather else tp.ColwiseParallel()
+        elif TP_STYLES[style] == "in":
+            whole_input = style in ("embedding_rowwise", "rowwise_split_input")
+            styles[pattern] = tp.RowwiseParallel(input_layouts=replicate_layout) if whole_input else tp.RowwiseParallel()
+        else:  # a replicated weight inside a split computation needs its gradient all-reduced over the group
+            raise NotImplementedError(f"tp_plan[{pattern!r}] = {style!r} off XLA: only the splitting styles (colwise, "
+                                      "rowwise and their variants) are built for torch.distributed so far; on XLA every style works")
+    return styles
+
+
+def _tensor_parallel(model, styles, device, sizes):
+    """torch.distributed tensor parallelism: the plan through parallelize_module on the model
+    dimension of a 2-D DeviceMesh, then FSDP2 over the other. Optimizers made earlier move to the new
+    parameters before their first step, as with FSDP2 alone."""
+    tp = importlib.import_module("torch.distributed.tensor.parallel")
+    mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
+        device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
+    _fully_shard(model, device, mesh[FSDP_AXIS])  # a second replacement: optimizers follow the chain
+
+
+def _replacing_parameters(model, replace):
+    """Run replace() (fully_shard, parallelize_module), which swaps in new parameters that an optimizer
+    made earlier does not hold: each replaced one names its replacement, and optimizers move over before
+    their first step (_rebind_before_step)."""
+    before = dict(model.named_parameters())
+    replace()
+    for name, param in model.named_parameters():
+        if before[name] is not param:
+            setattr(before[name], _SHARDED_AS, param)
+    _add_step_hook("fsdp2_rebind", "pre", _rebind_before_step)
+
+
+def _rebind_before_step(optimizer, args, kwargs):
+    # Costs one count per step; the walk runs again only when param_groups grew.
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _STATE.rebound.get(optimizer) != count:
+        _place_optimizer_state(optimizer)
+        _STATE.rebound[optimizer] = count
+
+
+def _place_optimizer_state(optimizer):
+    """Point `optimizer` at the FSDP2 parameters that replaced its own, and lay out each state tensor
+    like its parameter (device, FSDP2 placements, XLA sharding). Every path comes here: the trainer's
+    constructor, the FSDP2 pre-step rebinding and load_checkpoint."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, old in enumerate(params):
+            param = old
+            while hasattr(param, _SHARDED_AS):  # tensor parallel, then FSDP2: a chain of replacements
+                param = getattr(param, _SHARDED_AS)
+            params[i] = param
+            state = optimizer.state.pop(old, None)
+            if state:
+                optimizer.state[param] = {k: _placed_like(v, param, k) for k, v in state.items()}
+
+
+def _placed_like(value, param, key=None):
+    """A full tensor (optimizer state, a checkpoint's value) laid out like `param`: split like an FSDP2
+    DTensor (each rank keeps its part, nothing is sent), sharded like an XLA tensor, or on its device."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or key == "step":
+        return value  # Adam keeps a CPU scalar 'step' on purpose unless capturable/fused
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None:
+        if hasattr(value, "device_mesh") or value.shape != param.shape:
+            return value
+        dtensor = importlib.import_module("torch.distributed.tensor")
+        return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
+    value = value.to(param.device)
+    if value.shape == param.shape:
+        _mark_shardings((value, sharding) for _, sharding in _xla_shardings([param]))
+    return value
+
+# --- 10. models built on meta ---------------------------------------------------------------------
+
+
+def _has_meta_tensors(model):
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
+    """A model built under torch.device("meta") made real on `device` one module at a time, children
+    before their parent (the order their constructors ran in), each tensor split over `mesh` as it will
+    be trained (its `planned` spec, else fsdp's). Off XLA the trainer initialises each module next:
+    before DDP wraps it, or after FSDP2 has split it, into its shards. On XLA the tensors are only laid
+    out (lazily: nothing is computed or sent) and each module is initialised at the model's first forward
+    or save, unless load_checkpoint filled it first: a model loaded from a checkpoint is never
+    initialised. Parameter objects are kept, so an optimizer made earlier trains."""
+    owners = {}  # module -> the transformers model whose _initialize_weights initialises it, or None
+
+    def visit(module, owner):
+        owner = module if callable(getattr(module, "_initialize_weights", None)) else owner
+        for child in module.children():
+            visit(child, owner)
+        owners[module] = owner
+
+    visit(model, None)
+    pending, rng = {}, [torch.get_rng_state()]  # the CPU RNG as the build left it: every module draws from it in turn
+    root = weakref.ref(model)
+    for module, owner in owners.items():  # dicts keep insertion order: post-order
+        own = [name for name, t in _own_tensors(module) if t.is_meta]
+        if not own:
+            continue
+        _check_initialisable(module, owner, own)
+        for name in own if lay_out else ():  # else left on meta, for FSDP2 to split
+            t = getattr(module, name)
+            made = torch.empty(t.shape, dtype=t.dtype, device=device)
+            _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
+        # A submodule run on its own first (model.encoder(x)) must not see unset values either.
+        first_use = module.register_forward_pre_hook(lambda *_: _initialize_pending(root(), refuse=True))
+        pending[module] = (owner, rng, first_use, set())
+    _STATE.uninitialized.update(pending)
+
+
+def _split_like_planned(tensor, meta, mesh, fsdp, planned):
+    if mesh is not None and tensor.dim() and isinstance(meta, torch.nn.Parameter):
+        if meta in planned:
+            _mark_sharding(tensor, mesh, planned[meta])
+        elif fsdp:
+            _mark_sharding(tensor, mesh, _fsdp_spec(tuple(tensor.shape), _axis_sizes(mesh)[FSDP_AXIS]))
+    return tensor
+
+
+def _blank_like(t):
+    """An XLA tensor shaped and sharded like the split tensor `t`, its contents unset, for a load to
+    overwrite: made from one uninitialised host shard sent to each device, so nothing is computed and no
+    whole copy exists anywhere. A meta model's lazy placeholder that the load reads as it is gets computed
+    first, for values the load then overwrites: a graph compiled per shape (9 on the 320 MB test model)."""
+    xla = _import("torch_xla")._XLAC
+    tiles = re.search(r"devices=\[([\d,]+)\]", xla._get_xla_sharding_spec(t)).group(1).split(",")[:t.dim()]
+    shard = torch.empty([-(-size // int(n)) for size, n in zip(t.shape, tiles)], dtype=t.dtype)  # XLA pads to equal shards
+    return xla._global_tensor_from_cpu_shards([shard] * len(xla._xla_get_runtime_devices()), xla._get_xla_op_sharding(t), list(t.shape))
+
+
+def _forget_pending(module):
+    """(owner, rng, loaded) of a module _materialize laid out, which needs no initialisation hook from now on."""
+    owner, rng, hook, loaded = _STATE.uninitialized.pop(module)
+    hook.remove()
+    return owner, rng, loaded
+
+
+def _own_tensors(module):
+    return [(n, t) for n, t in itertools.chain(module._parameters.items(), module._buffers.items()) if t is not None]
+
+
+def _set_own_tensor(module, name, value):
+    """Put `value` in place of the module's own tensor `name`. A parameter keeps its object (swapped in
+    place, with the hooks and attributes it carries), so optimizers and the trainer's hooks keep it."""
+    if name not in module._parameters:
+        module._buffers[name] = value
+        return
+    param = module._parameters[name]
+    kept = dict(param.__dict__)
+    torch.utils.swap_tensors(param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
+    param.__dict__.update(kept)
+
+
+def _check_initialisable(module, owner, names):
+    if owner is None and not any(callable(getattr(module, m, None)) for m in ("reset_parameters", "_reset_parameters")):
+        raise ValueError(
+            f"cannot initialise the meta tensors {names} of {type(module).__name__}: it has no reset_parameters(), so "
+            "their values are unknown. Give it a reset_parameters() that sets them, or build the model on the CPU")
+
+
+def _initialize_pending(model, device=None, refuse=False):
+    """Initialise the modules of `model` that _materialize laid out and nothing filled yet: each on the
+    CPU, by its own initialisation (reset_parameters(), or _reset_parameters() as MultiheadAttention
+    has; in a transformers model its _initialize_weights), then sent to its place shard by shard. The
+    host holds one module at a time. The modules draw, in turn, from the CPU RNG as it was when the
+    trainer was made, and the loop's own RNG is left as it is: if nothing drew from it between the build
+    and the trainer, the weights are those of the same model built on the CPU, when its modules are
+    built in the order they are registered (a module deep-copied from another, as nn.TransformerEncoder
+    copies its layer, draws its own values instead). A tensor the initialiser leaves unset is refused by
+    _refuse_unset: now if `refuse` (the first forward or save), else at those unless a load fills it."""
+    paths = {m: p for p, m in model.named_modules()}
+    release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
+    for module in [m for m in list(_STATE.uninitialized) if m in paths]:  # the post-order they were laid out in
+        owner, rng, loaded = _forget_pending(module)
+        if device is not None:  # FSDP2 split it on meta: this rank's shards are allocated here, nothing more
+            module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
+        placed, held = dict(_own_tensors(module)), {}
+        for name, t in placed.items():  # a CPU stand-in for each own tensor while the module initialises
+            stand_in = _stand_in(t)
+            if name in module._parameters:
+                module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
+            else:
+                module._buffers[name] = stand_in
+            if name not in loaded:  # a loaded tensor is kept, whatever the initialiser does
+                held[name] = (getattr(module, name), stand_in._version)
+        with torch.random.fork_rng(devices=[]):  # the loop's own CPU RNG goes on untouched
+            torch.set_rng_state(rng[0])
+            if owner is not None:
+                module._is_hf_initialized = False  # built under meta, its initialisation ran on nothing
+                owner._initialize_weights(module)
+            elif callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            else:
+                module._reset_parameters()
+            rng[0] = torch.get_rng_state()
+        if unset := [n for n, (tensor, version) in held.items() if _left_unset(getattr(module, n), tensor, version)]:
+            refusal = module.register_forward_pre_hook(lambda m, _: _refuse_unset(m))
+            _STATE.unset[module] = (paths[module], unset, refusal)
+        del held  # the stand-ins go with the write-back below, tensor by tensor: the host holds one module
+        for name, t in placed.items():
+            value = getattr(module, name).detach()
+            if name in module._parameters:
+                module._parameters[name] = t
+            if name in loaded:  # load_checkpoint filled it before this first use: the initialiser's value is dropped
+                if name in module._buffers:
+                    module._buffers[name] = t
+                continue
+            if hasattr(t, "device_mesh"):  # an FSDP2 shard: this rank's part, in place (FSDP2 gathers from its storage)
+                with torch.no_grad():
+                    t.to_local().copy_(_placed_like(value, t).to_local())
+                release(value)
+                continue
+            value = value.to(t.device)
+            if _is_xla(t.device) and _is_split(t):
+                _mark_sharding(value, _import("torch_xla")._XLAC._get_xla_op_sharding(t))
+            _set_own_tensor(module, name, release(value))
+    if refuse and _STATE.unset:
+        _refuse_unset(model)
+
+
+def _stand_in(t):
+    """A CPU tensor shaped like `t` for its module's initialiser to write, holding a mark no initialiser
+    writes on purpose (NaN; an integer dtype's largest value; True), so that one it leaves alone is found
+    by _left_unset. The version counter alone misses writes through .data (as older _init_weights make);
+    the mark costs one fill of each tensor, on the meta path only."""
+    return torch.empty(t.shape, dtype=t.dtype).fill_(_mark(t))
+
+
+def _mark(t):
+    if t.is_floating_point() or t.is_complex():
+        return float("nan")
+    return True if t.dtype == torch.bool else torch.iinfo(t.dtype).max
+
+
+def _left_unset(now, held, version):
+    """Whether the initialiser left the stand-in `held` alone: still in the module, no in-place op on it
+    (the version counter), and every element still the mark (a write through .data)."""
+    if now is not held or held._version != version or not held.numel():
+        return False
+    return bool((held.isnan() if held.is_floating_point() or held.is_complex() else held == _mark(held)).all())
+
+
+def _refuse_unset(model):
+    """A meta-built module holding a tensor that neither its initialiser nor a checkpoint set is refused
+    at its first forward or save: __init__ ran on meta, so a value it computed there (torch.arange(...))
+    was never computed, and nothing can compute it now. Training on it would use the mark (NaN)."""
+    for module in model.modules():
+        if module in _STATE.unset:
+            path, names, _ = _STATE.unset[module]
+            lost = sorted(set(names) & module._non_persistent_buffers_set)
+            raise ValueError(
+                f"{type(module).__name__} at {path or '(the model itself)'!r} was built under torch.device('meta') "
+                f"and its tensors {names} were set neither by its initialiser (reset_parameters(), or _init_weights "
+                "in a transformers model) nor by load_checkpoint, so they have no value: what __init__ computed on "
+                "meta was never computed. Every tensor of a module built on meta must be set by its initialiser or "
+                "loaded. Set them in reset_parameters()/_init_weights, build this module off meta (inside "
+                "`with torch.device('cpu'):`), or load a checkpoint that holds them before the first forward"
+                + (f" (the non-persistent buffers {lost} are in no checkpoint)" if lost else ""))
+
+
+def _loaded(module):
+    """load_checkpoint filled every persistent tensor of `module`. Laid out and not initialised yet, it
+    needs no initialisation, unless it has a non-persistent buffer (in no checkpoint): its initialiser then
+    still runs, for that buffer alone. Initialised already, only a non-persistent buffer may stay unset."""
+    own = {n for n, _ in _own_tensors(module)}
+    if module in _STATE.uninitialized:
+        if own & module._non_persistent_buffers_set:
+            _STATE.uninitialized[module][3].update(own - module._non_persistent_buffers_set)
+        else:
+            _forget_pending(module)
+    if module in _STATE.unset:
+        path, names, hook = _STATE.unset.pop(module)
+        if names := [n for n in names if n in module._non_persistent_buffers_set]:
+            _STATE.unset[module] = (path, names, hook)
+        else:
+            hook.remove()
+
+# --- 11. data loading -----------------------------------------------------------------------------
 
 
 def _loader_ranks(device):
@@ -1680,162 +1897,7 @@ class _DeviceLoader:
             arrived.append(moved)
             yield _map_tensors(template, on_tensor, on_other)
 
-# --- 10. strategies off XLA (DDP, FSDP2, tensor parallel) and optimizer state placement ----------
-
-_SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced: the DTensor that replaced it
-
-
-def _replicate(model, device):
-    """DDP applied to `model` itself (torch's composable replicate, as fully_shard is FSDP2 in place):
-    gradients are averaged during backward whichever object the loop calls, trainer.model or the
-    original, so clipping and logging between backward and step see the average. The DDP state lives
-    on the module, as long as it does. find_unused_parameters: ranks may use different parameters
-    in one step (multi-task heads, conditional branches); it costs one autograd-graph walk per
-    forward. A model the user wrapped in DDP is used as is: wrapping twice all-reduces twice."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model
-    replicate = importlib.import_module("torch.distributed._composable.replicate")
-    device_id = device.index if device.type == "cuda" else device
-    replicate.replicate(model, device_id=device_id, find_unused_parameters=True)
-    replicate.replicate.state(model).lazy_init()  # now, not at the first forward: its broadcast is a collective
-    if not hasattr(model, "no_sync"):  # DDP's own spelling for gradient accumulation, on this model's class only
-        type(model).no_sync = _no_sync
-    return model
-
-
-@contextlib.contextmanager
-def _no_sync(model):
-    """Like DistributedDataParallel.no_sync: backward passes inside accumulate local gradients; the
-    first backward after it averages everything accumulated."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def _fully_shard(model, device, mesh=None):
-    """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own,
-    gathered just before its forward and freed after; the root holds the rest. fully_shard replaces
-    every parameter with a DTensor, which an optimizer made earlier does not hold: each replaced one
-    names its replacement, and optimizers move over before their first step (_rebind_before_step)."""
-    fsdp = importlib.import_module("torch.distributed.fsdp")
-    device_mesh = importlib.import_module("torch.distributed.device_mesh")
-    if mesh is None:
-        mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
-    # Each distinct block once: ModuleList([blk, blk, blk]) repeats one module (weight sharing by
-    # repetition), and fully_shard on a module twice is an AssertionError inside torch.
-    blocks = list({id(b): b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m}.values())
-
-    def shard():
-        for block in reversed(blocks):  # innermost first: a unit must not already hold another's parameters
-            if next(block.parameters(), None) is not None:
-                fsdp.fully_shard(block, mesh=mesh)
-        fsdp.fully_shard(model, mesh=mesh)
-
-    _replacing_parameters(model, shard)
-
-
-def _rank_mesh(config, strategy):
-    """{axis: size} of the torch.distributed ranks laid out as (world / N, N) with N =
-    model_parallel_size, the model axis innermost (neighbouring ranks form a tensor-parallel group);
-    None without a model axis."""
-    if config is None:
-        return None
-    world = _torch_dist_ranks()[0]
-    shape, names = _mesh_from_config(config, world, strategy)
-    sizes = dict(zip(names, shape))
-    return sizes if sizes.get(MODEL_AXIS, 1) > 1 else None
-
-
-def _torch_tp_styles(plan, sizes):
-    """The plan as torch ParallelStyles, refusing what torch.distributed cannot do right (before any work)."""
-    if FSDP_AXIS not in sizes:
-        raise NotImplementedError("tensor parallelism off XLA runs with strategy='fsdp' (FSDP2 over the other mesh "
-                                  "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains "
-                                  "wrong weights (measured on gloo), so use strategy='fsdp'")
-    tp = importlib.import_module("torch.distributed.tensor.parallel")
-    replicate_layout = importlib.import_module("torch.distributed.tensor").Replicate()
-    styles = {}
-    for pattern, style in plan.items():
-        if not isinstance(style, str):
-            styles[pattern] = style  # torch's own ParallelStyle
-        elif TP_STYLES[style] == "out":
-            gather = style in ("colwise_gather_output", "colwise_rep")
-            styles[pattern] = tp.ColwiseParallel(output_layouts=replicate_layout) if gather else tp.ColwiseParallel()
-        elif TP_STYLES[style] == "in":
-            whole_input = style in ("embedding_rowwise", "rowwise_split_input")
-            styles[pattern] = tp.RowwiseParallel(input_layouts=replicate_layout) if whole_input else tp.RowwiseParallel()
-        else:  # a replicated weight inside a split computation needs its gradient all-reduced over the group
-            raise NotImplementedError(f"tp_plan[{pattern!r}] = {style!r} off XLA: only the splitting styles (colwise, "
-                                      "rowwise and their variants) are built for torch.distributed so far; on XLA every style works")
-    return styles
-
-
-def _tensor_parallel(model, styles, device, sizes):
-    """torch.distributed tensor parallelism: the plan through parallelize_module on the model
-    dimension of a 2-D DeviceMesh, then FSDP2 over the other. Optimizers made earlier move to the new
-    parameters before their first step, as with FSDP2 alone."""
-    tp = importlib.import_module("torch.distributed.tensor.parallel")
-    mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
-        device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-    _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
-    _fully_shard(model, device, mesh[FSDP_AXIS])  # a second replacement: optimizers follow the chain
-
-
-def _replacing_parameters(model, replace):
-    """Run replace() (fully_shard, parallelize_module), which swaps in new parameters that an optimizer
-    made earlier does not hold: each replaced one names its replacement, and optimizers move over before
-    their first step (_rebind_before_step)."""
-    before = dict(model.named_parameters())
-    replace()
-    for name, param in model.named_parameters():
-        if before[name] is not param:
-            setattr(before[name], _SHARDED_AS, param)
-    _add_step_hook("fsdp2_rebind", "pre", _rebind_before_step)
-
-
-def _rebind_before_step(optimizer, args, kwargs):
-    # Costs one count per step; the walk runs again only when param_groups grew.
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _STATE.rebound.get(optimizer) != count:
-        _place_optimizer_state(optimizer)
-        _STATE.rebound[optimizer] = count
-
-
-def _place_optimizer_state(optimizer):
-    """Point `optimizer` at the FSDP2 parameters that replaced its own, and lay out each state tensor
-    like its parameter (device, FSDP2 placements, XLA sharding). Every path comes here: the trainer's
-    constructor, the FSDP2 pre-step rebinding and load_checkpoint."""
-    for group in optimizer.param_groups:
-        params = group["params"]
-        for i, old in enumerate(params):
-            param = old
-            while hasattr(param, _SHARDED_AS):  # tensor parallel, then FSDP2: a chain of replacements
-                param = getattr(param, _SHARDED_AS)
-            params[i] = param
-            state = optimizer.state.pop(old, None)
-            if state:
-                optimizer.state[param] = {k: _placed_like(v, param, k) for k, v in state.items()}
-
-
-def _placed_like(value, param, key=None):
-    """A full tensor (optimizer state, a checkpoint's value) laid out like `param`: split like an FSDP2
-    DTensor (each rank keeps its part, nothing is sent), sharded like an XLA tensor, or on its device."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or key == "step":
-        return value  # Adam keeps a CPU scalar 'step' on purpose unless capturable/fused
-    mesh = getattr(param, "device_mesh", None)
-    if mesh is not None:
-        if hasattr(value, "device_mesh") or value.shape != param.shape:
-            return value
-        dtensor = importlib.import_module("torch.distributed.tensor")
-        return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
-    value = value.to(param.device)
-    if value.shape == param.shape:
-        _mark_shardings((value, sharding) for _, sharding in _xla_shardings([param]))
-    return value
-
-# --- 11. the trainer -----------------------------------------------------------------------------
+# --- 12. preemption -------------------------------------------------------------------------------
 
 
 def _catch_sigterm():
@@ -2033,6 +2095,8 @@ def _xla_processes():
         return 1, 0, None
     return xr.process_count(), xr.process_index(), os.environ.get("MASTER_ADDR") or xr.get_master_ip()
 
+# --- 13. the trainer ------------------------------------------------------------------------------
+
 
 class SeamlessTPUTrainer:
     """Puts `model` on the best device and makes the user's plain loop correct there.
@@ -2049,40 +2113,10 @@ class SeamlessTPUTrainer:
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
                  drop_last=None, strategy="ddp", tp_plan=None):
         _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy)
-        self.device = get_device(device)
-        self.kind = _resolve_kind(self.device)
+        self.layout = _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan)
+        self.device, self.kind, self.mesh = self.layout.device, self.layout.kind, self.layout.mesh
         self.precision, self.drop_last, self.strategy = precision, drop_last, strategy
-        self.mesh, self._batch_sharding = _trainer_mesh(self.device, mesh, xla_spmd_config, strategy)
-        distributed = self.mesh is None and _torch_dist_ranks()[0] > 1
-        planned, styles, ranks = _tp_layout(model, tp_plan, self.mesh, xla_spmd_config, strategy, distributed)
-        self._data_ranks = _data_ranks(ranks)
-        if strategy == "fsdp" and self.mesh is None and not distributed and _once("fsdp_single"):
-            _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", self.device.type)
-        fsdp2, meta = distributed and strategy == "fsdp" and not styles, _has_meta_tensors(model)
-        if meta:  # FSDP2 splits meta tensors itself: each rank then allocates only its shards
-            _materialize(model, self.device, self.mesh, strategy == "fsdp", planned, lay_out=not fsdp2)
-        if not (meta and fsdp2):
-            model.to(self.device)
-        for param, spec in planned.items():
-            if not _is_split(param):  # a meta model's planned weights were split as they were made
-                _mark_sharding(param, self.mesh, spec)
-        if strategy == "fsdp" and self.mesh is not None:
-            _shard_parameters(model, self.mesh)  # all the plan left whole
-        if self._batch_sharding is not None:
-            _watch_inputs(model, self._batch_sharding)
-        if _is_xla(self.device):
-            _bound_iterations(model)
-        self.model = model
-        if meta and not _is_xla(self.device) and not fsdp2:
-            _initialize_pending(model)  # whole on each process, as DDP and TP want it
-        if styles:
-            _tensor_parallel(model, styles, self.device, ranks)
-        elif fsdp2:
-            _fully_shard(model, self.device)
-            if meta:
-                _initialize_pending(model, self.device)  # each module on the CPU in turn, each rank keeping its shards
-        elif distributed:
-            self.model = _replicate(model, self.device)
+        self.model = _place(model, self.layout)
         if optimizer is not None:
             _place_optimizer_state(optimizer)
         _STATE.preemption.watch(self.model)
@@ -2095,7 +2129,7 @@ class SeamlessTPUTrainer:
 
     def to_device(self, *objs):
         """Like to_device(); on XLA every tensor's dim 0 is sharded over this trainer's mesh."""
-        return _move(objs, self.device, self._batch_sharding)
+        return _move(objs, self.device, self.layout.batch)
 
     def prepare_data_loader(self, loader, drop_last=None):
         """Wrap `loader` so batches arrive on the device (sharded on XLA) and each rank reads its own
@@ -2103,7 +2137,8 @@ class SeamlessTPUTrainer:
         compile a second graph (seconds to minutes on TPU). drop_last=False (here or to the trainer) keeps it."""
         drop_last = self.drop_last if drop_last is None else drop_last
         drop_last = _is_xla(self.device) if drop_last is None else drop_last
-        return _DeviceLoader(_rebuild_loader(loader, drop_last, self.device, self._data_ranks), self.device, self._batch_sharding)
+        return _DeviceLoader(_rebuild_loader(loader, drop_last, self.device, self.layout.data_ranks), self.device,
+                             self.layout.batch)
 
     def autocast(self):
         """Context for the forward pass: bf16 autocast when precision='bf16', else a no-op."""
@@ -2158,7 +2193,7 @@ class SeamlessTPUTrainer:
                                                    for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
         return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
 
-# --- 12. checkpoints -----------------------------------------------------------------------------
+# --- 15a. checkpoints: save -----------------------------------------------------------------------
 
 
 def _save_file(obj, path):
@@ -2400,6 +2435,8 @@ def _set_rng_states(states):
     if "xla" in states and _STATE.xla_device is not None:
         _import("torch_xla.core.xla_model").set_rng_state(states["xla"])
 
+# --- 15b. checkpoints: load -----------------------------------------------------------------------
+
 
 def _load_checkpoint(directory, state):
     """trainer.load_checkpoint: modules and optimizers in place, plain values returned. Each tensor is
@@ -2589,6 +2626,35 @@ def _read_objects(attempt):
     return torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else {}
 
 
+def consolidate_checkpoint(directory, path=None):
+    """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's
+    own keys), plus the plain values, in one dict. Runs on the CPU and needs no torch_xla: the
+    bridge to from_pretrained and to a laptop. With `path`, also written there (atomically)."""
+    _wait_for_saves()  # a save in flight in this process may be about to commit the checkpoint asked for
+    attempt = _committed_attempt(os.fspath(directory))  # once: tensors, objects and values from one attempt
+    tensors, plain = _read_checkpoint(attempt)
+    merged = {**tensors, **_read_objects(attempt).get("objects", {}), **plain}
+    if path is not None:
+        _atomic_write(merged, path)
+    return merged
+
+
+def _read_checkpoint(path):
+    """(state_dicts by name, plain values) of one committed attempt, on the CPU."""
+    format_utils = importlib.import_module("torch.distributed.checkpoint.format_utils")
+    with tempfile.TemporaryDirectory() as tmp:
+        # The public way to read a DCP checkpoint whole, without a process group or torch_xla.
+        format_utils.dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
+        tensors = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
+    for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings, and drops an empty state
+        if isinstance(state, dict) and "param_groups" in state:
+            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state.get("state", {}).items()}
+    plain = torch.load(os.path.join(path, "values.pt"), map_location="cpu", weights_only=False)
+    return tensors, plain
+
+# --- 15c. checkpoints: files and commit -----------------------------------------------------------
+
+
 def _is_stateful(value):
     """Modules, optimizers, and any object with state_dict()/load_state_dict() (schedulers, GradScaler,
     samplers with state): restored in place, never pickled whole. A class is not an instance."""
@@ -2734,36 +2800,22 @@ def _committed_attempt(directory):
         raise FileNotFoundError(f"checkpoint {directory!r} is damaged: {CHECKPOINT_POINTER} names {attempt!r}, which is missing or incomplete")
     return path
 
-
-def _read_checkpoint(path):
-    """(state_dicts by name, plain values) of one committed attempt, on the CPU."""
-    format_utils = importlib.import_module("torch.distributed.checkpoint.format_utils")
-    with tempfile.TemporaryDirectory() as tmp:
-        # The public way to read a DCP checkpoint whole, without a process group or torch_xla.
-        format_utils.dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
-        tensors = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
-    for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings, and drops an empty state
-        if isinstance(state, dict) and "param_groups" in state:
-            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state.get("state", {}).items()}
-    plain = torch.load(os.path.join(path, "values.pt"), map_location="cpu", weights_only=False)
-    return tensors, plain
-
-
-def consolidate_checkpoint(directory, path=None):
-    """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's
-    own keys), plus the plain values, in one dict. Runs on the CPU and needs no torch_xla: the
-    bridge to from_pretrained and to a laptop. With `path`, also written there (atomically)."""
-    _wait_for_saves()  # a save in flight in this process may be about to commit the checkpoint asked for
-    attempt = _committed_attempt(os.fspath(directory))  # once: tensors, objects and values from one attempt
-    tensors, plain = _read_checkpoint(attempt)
-    merged = {**tensors, **_read_objects(attempt).get("objects", {}), **plain}
-    if path is not None:
-        _atomic_write(merged, path)
-    return merged
-
-# --- 13. the Ray hook ----------------------------------------------------------------------------
+# --- 16. the Ray hook -----------------------------------------------------------------------------
 # Ray's own _TorchBackend pattern: the backend's hooks only orchestrate; the work is in the
 # top-level worker functions below, which a fake worker group can run in tests.
+
+
+def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
+    """Before any Ray worker starts: the slice must hold exactly num_workers x TPU-per-worker chips."""
+    if topology is None:
+        return
+    chips = math.prod(parse_topology(topology))
+    requested = num_workers * tpu_per_worker
+    if requested != chips:
+        raise ValueError(f"ScalingConfig asks for num_workers={num_workers} x TPU per worker={tpu_per_worker} = "
+                         f"{requested:g} chips, but topology {topology!r} has {chips} chips. The xla_tpu backend runs "
+                         "one SPMD process per TPU host holding all of its chips: set num_workers to the number of "
+                         f"hosts and resources_per_worker={{'TPU': chips per host}} so they multiply to {chips}.")
 
 
 def _xla_worker_env(*, rank, world_size, local_rank, local_world_size, node_rank, master_addr, master_port, hostnames):
@@ -2951,6 +3003,10 @@ def __getattr__(name):
         return _ray_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+# --- the process, once every room's class exists --------------------------------------------------
+
 
 _STATE = _ProcessState()
+
+
 _note_user_pjrt()  # a value set before this import is the user's, whatever loads torch_xla later

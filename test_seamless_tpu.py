@@ -1699,3 +1699,47 @@ def test_async_saves_readers_wait_failures_leave_nothing_and_the_exit_reports_th
     import async_saves
 
     async_saves.check(tmp_path, *async_saves.run(tmp_path, {"SEAMLESS_TPU_DEVICE": "cpu"}))
+
+
+# --- the layout as a value: decided for every case before anything moves ----------------------------------------
+
+
+LAYOUT_CASES = {  # (device, ranks, trainer arguments) -> what the layout must say
+    ("cpu", 1, "ddp"): dict(kind="cpu", mesh=None, batch=None, planned=0, wrap=None),
+    ("cpu", 4, "ddp"): dict(kind="cpu", mesh=None, batch=None, planned=0, wrap="ddp"),
+    ("cpu", 4, "fsdp"): dict(kind="cpu", mesh=None, batch=None, planned=0, wrap="fsdp2"),
+    ("cpu", 4, "tp"): dict(kind="cpu", mesh=None, batch=None, planned=0, wrap="tp", rank_axes={"fsdp": 2, "model": 2},
+                           data_ranks=(2, 0)),  # off XLA a plan goes with strategy="fsdp"
+    ("xla", 1, "ddp"): dict(kind="xla", mesh={"data": 4}, batch=("data",), planned=0, wrap=None),
+    ("xla", 1, "fsdp"): dict(kind="xla", mesh={"fsdp": 4}, batch=("fsdp",), planned=0, wrap=None),
+    ("xla", 1, "tp"): dict(kind="xla", mesh={"data": 2, "model": 2}, batch=("data",), planned=3, wrap=None),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES), ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_layout_is_decided_for_every_case_without_placing_anything(monkeypatch, fresh, case, meta):
+    """_plan_layout gives the layout of every (device, ranks, strategy or plan, meta) case as a value; the model's
+    tensors stay where they were (CPU or meta): nothing is moved, split, wrapped or initialised."""
+    device, ranks, how = case
+    if device == "xla":
+        FakeXLA().install(monkeypatch)
+        monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(st, "_torch_dist_ranks", lambda: (ranks, 1 if ranks == 4 else 0))
+    with torch.device("meta" if meta else "cpu"):
+        model = scenarios.mlp()
+    args = {"ddp": {}, "fsdp": {"strategy": "fsdp"},
+            "tp": {"xla_spmd_config": {"model_parallel_size": 2}, "tp_plan": scenarios.MLP_PLAN,
+                   "strategy": "ddp" if device == "xla" else "fsdp"}}[how]
+    layout = st._plan_layout(model, device, None, args.get("xla_spmd_config"), args.get("strategy", "ddp"),
+                             args.get("tp_plan"))
+    want = dict(LAYOUT_CASES[case], meta=meta)
+    got = dict(kind=layout.kind, mesh=layout.mesh and dict(st._axis_sizes(layout.mesh)),
+               batch=layout.batch and layout.batch.axes, planned=len(layout.planned), wrap=layout.wrap, meta=layout.meta)
+    got.update({k: getattr(layout, k) for k in ("rank_axes", "data_ranks") if k in want})
+    assert got == want, layout
+    assert {p.device.type for p in model.parameters()} == {"meta" if meta else "cpu"}, "nothing moved"
+    assert not st._STATE.uninitialized and type(model) is torch.nn.Sequential, "nothing laid out or wrapped"
+    assert f"wrap={want['wrap']!r}" in repr(layout)
