@@ -22,8 +22,9 @@ The loop below is plain PyTorch: optimizer.step(), no mark_step, no xm.optimizer
 Prints the loss and samples/s for every epoch, the held-out accuracy, the final loss, and on XLA
 the compile statistics. --max-steps N stops early (for smoke tests). --precision bf16 trains under
 bf16 autocast. --strategy fsdp shards the parameters and optimizer state over the XLA devices, or
-with --ray over the CPU/GPU workers (torch's FSDP2); one CPU/GPU process runs it as ddp. --checkpoint-dir DIR saves a sharded checkpoint after every epoch
-and, when DIR already holds one, resumes from it (on any device or strategy) with the same shuffles.
+with --ray over the CPU/GPU workers (torch's FSDP2); one CPU/GPU process runs it as ddp. --checkpoint-dir DIR
+saves a sharded checkpoint after every epoch and, when DIR already holds one, resumes from it (on any device or
+strategy) with the same shuffles.
 SIGTERM (a spot or preemptible VM going away) stops the run at the next step, every process at the same
 one; with --checkpoint-dir it saves there first and a rerun resumes mid-epoch, as if never stopped. Under
 --ray with --checkpoint-dir, Ray does the rerun: the preempted attempt fails, and Ray restarts it (up to 3
@@ -83,7 +84,8 @@ def train(config):
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
     tp = {"xla_spmd_config": {"model_parallel_size": config["tp"]}, "tp_plan": TP_PLAN} if config["tp"] > 1 else {}
-    trainer = SeamlessTPUTrainer(model, device=config["device"], precision=config["precision"], strategy=config["strategy"], **tp)
+    trainer = SeamlessTPUTrainer(model, device=config["device"], precision=config["precision"],
+                                 strategy=config["strategy"], **tp)
 
     x, y = spiral(config["samples"], seed=config["seed"])
     dataset = torch.utils.data.TensorDataset(x, y)
@@ -127,7 +129,8 @@ def train(config):
                 if ckpt:
                     trainer.save_checkpoint(ckpt, model=model, optimizer=optimizer, epoch=epoch, batches_done=done + 1,
                                             shuffle=epoch_shuffle)
-                print(f"preempted in epoch {epoch + 1} after batch {done + 1}" + (f"; saved {ckpt}" if ckpt else ""), flush=True)
+                print(f"preempted in epoch {epoch + 1} after batch "
+                      f"{done + 1}" + (f"; saved {ckpt}" if ckpt else ""), flush=True)
                 return {"final_loss": float(last), "accuracy": float("nan"), "preempted": True}
             if step == config["max_steps"]:
                 break
@@ -136,9 +139,11 @@ def train(config):
             accuracy = (model(x_eval).argmax(dim=1) == y_eval).float().mean()
         epoch_loss = float(total / batches)  # one device->host read per epoch
         rate = batches * config["batch_size"] / (time.perf_counter() - start)
-        print(f"epoch {epoch + 1}: loss {epoch_loss:.4f}  accuracy {float(accuracy):.3f}  {rate:,.0f} samples/s", flush=True)
+        print(f"epoch {epoch + 1}: loss {epoch_loss:.4f}  accuracy {float(accuracy):.3f}  {rate:,.0f} "
+              f"samples/s", flush=True)
         if ckpt:
-            trainer.save_checkpoint(ckpt, model=model, optimizer=optimizer, epoch=epoch, batches_done=0, shuffle=shuffle.get_state())
+            trainer.save_checkpoint(ckpt, model=model, optimizer=optimizer, epoch=epoch, batches_done=0,
+                                    shuffle=shuffle.get_state())
         if step == config["max_steps"]:
             break
     if last is None:
@@ -194,7 +199,8 @@ def positive(kind):
 
 def main(argv=None):
     p = Parser(prog="example_train.py", description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["auto", "tpu", "xla", "gpu", "cpu"], default=None, help="default: SEAMLESS_TPU_DEVICE, else auto")
+    p.add_argument("--device", choices=["auto", "tpu", "xla", "gpu", "cpu"], default=None,
+                   help="default: SEAMLESS_TPU_DEVICE, else auto")
     p.add_argument("--tpu", action="store_true", help="same as --device tpu")
     p.add_argument("--epochs", type=positive(int), default=EPOCHS)
     p.add_argument("--batch-size", type=positive(int), default=BATCH_SIZE)
@@ -203,10 +209,14 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--max-steps", type=positive(int), default=None, help="stop after this many optimizer steps")
     p.add_argument("--precision", choices=["bf16"], default=None)
-    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="fsdp: shard parameters over the XLA devices")
-    p.add_argument("--tp", type=positive(int), default=1, help="tensor-parallel size: devices on the mesh's model axis (XLA)")
-    p.add_argument("--accumulate", type=positive(int), default=1, help="micro-batches (backward passes) per optimizer step")
-    p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint every epoch; resume from it if present")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="fsdp: shard parameters over the XLA "
+                                                                              "devices")
+    p.add_argument("--tp", type=positive(int), default=1, help="tensor-parallel size: devices on the mesh's model "
+                                                               "axis (XLA)")
+    p.add_argument("--accumulate", type=positive(int), default=1, help="micro-batches (backward passes) per "
+                                                                       "optimizer step")
+    p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint every epoch; resume from it if "
+                                                          "present")
     p.add_argument("--ray", action="store_true", help="run under Ray Train's TorchTrainer")
     p.add_argument("--num-workers", type=positive(int), default=None, help="Ray workers (default 2; needs --ray)")
     args = p.parse_args(argv)
@@ -215,15 +225,19 @@ def main(argv=None):
     if args.num_workers is not None and not args.ray:
         p.error("--num-workers needs --ray")
     workers = args.num_workers or 2
-    if args.tp > 1 and args.ray and not args.tpu and args.device != "tpu" and (args.strategy != "fsdp" or workers % args.tp):
-        p.error(f"--tp {args.tp} on Ray CPU/GPU workers runs torch's tensor parallelism then FSDP2: it needs --strategy fsdp "
+    off_xla = not args.tpu and args.device != "tpu"
+    if args.tp > 1 and args.ray and off_xla and (args.strategy != "fsdp" or workers % args.tp):
+        p.error(f"--tp {args.tp} on Ray CPU/GPU workers runs torch's tensor parallelism then FSDP2: it needs "
+                f"--strategy fsdp "
                 f"and --num-workers a multiple of {args.tp}")
     if args.samples < 2 * args.batch_size:
-        p.error(f"--samples {args.samples} gives no full batch of --batch-size {args.batch_size}; use at least twice the batch size")
+        p.error(f"--samples {args.samples} gives no full batch of --batch-size {args.batch_size}; use at least twice "
+                f"the batch size")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps", "precision",
-                                            "strategy", "tp", "accumulate")}
-    config["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None  # Ray workers chdir
+    config = {k: getattr(args, k) for k in ("device", "epochs", "batch_size", "lr", "samples", "seed", "max_steps",
+                                            "precision", "strategy", "tp", "accumulate")}
+    # Ray workers chdir into a run directory: the path must be absolute
+    config["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir) if args.checkpoint_dir else None
     if args.tpu:
         config["device"] = "tpu"
     if args.ray:
@@ -233,7 +247,8 @@ def main(argv=None):
     except (RuntimeError, ValueError, ImportError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     if args.tp > 1 and not is_xla_backend():
-        p.error(f"--tp {args.tp} splits layers over an XLA mesh; the device here is {device} (use --tpu or --device xla)")
+        p.error(f"--tp {args.tp} splits layers over an XLA mesh; the device here is {device} (use --tpu or --device "
+                f"xla)")
     return train(config)
 
 

@@ -15,8 +15,8 @@ Ray "xla_tpu" workers MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
 Process-wide changes (nothing at import), each undone by _reset_caches for the tests:
 - first XLA use (get_device, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; swap_module_params_on_
   conversion on, so .to()/.half() of EVERY module swaps tensors in place, CPU ones too (one whose parameter a weakref
-  holds then raises "Couldn't swap"); a torch.xla device module; torch.utils.checkpoint routed through an optimization barrier for XLA
-  inputs; global optimizer-step hooks (the graph cut, the recompile watchdog).
+  holds then raises "Couldn't swap"); a torch.xla device module; torch.utils.checkpoint routed through an
+  optimization barrier for XLA inputs; global optimizer-step hooks (the graph cut, the recompile watchdog).
 - FSDP2 or tensor parallelism off XLA: a global pre-step hook that rebinds optimizers built before the trainer.
 - first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler that chains
   the user's and leaves SIG_IGN alone; a default or Ray exit is held until trainer.preempted's save, for the grace at
@@ -70,6 +70,19 @@ logger = logging.getLogger(__name__)
 
 # --- 1. constants ---------------------------------------------------------------------------------
 
+_TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transformers": "5.23.0", "peft": "0.21.2"}
+# Private APIs used where those versions have no public one, each with when it can go:
+# - torch_xla._XLAC: _get_xla_sharding_spec, _get_xla_op_sharding, _xla_mark_sharding, _get_local_shards,
+#   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
+#   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
+# - torch_xla.experimental.distributed_checkpoint._helpers: _cpu_shards_from_tensors, _CpuShards.
+#   TODO(remove when torch_xla's SPMDSavePlanner saves partially replicated tensors)
+# - torch._register_device_module("xla"), torch.utils.checkpoint._CheckpointFrame.
+#   TODO(remove when torch_xla registers torch.xla and supports use_reentrant=False)
+# - torch.distributed.checkpoint: FileSystemReader.storage_data and _slice_file, _traverse.set_element, and
+#   torch.distributed._shard._utils.narrow_tensor_by_index. TODO(remove when DCP's reader reads a chunk once)
+# - ray.train.torch.config._TorchBackend; ray._private.worker, the module of Ray's SIGTERM handler.
+#   TODO(remove when Ray Train has a public backend hook and a preemption callback)
 ENV_DEVICE = "SEAMLESS_TPU_DEVICE"
 DEVICE_KINDS = ("auto", "tpu", "xla", "gpu", "cpu")
 XLA_DEVICE_KINDS = ("tpu", "xla")  # device kinds that run on torch_xla
@@ -78,23 +91,23 @@ PRECISIONS = (None, "fp32", "bf16")
 STRATEGIES = ("ddp", "fsdp")  # replicate the parameters, or shard them over FSDP_AXIS
 SPMD_CONFIG_KEYS = ("mesh_shape", "axis_names", "data_parallel_size", "model_parallel_size")
 FSDP_AXIS = "fsdp"
-MODEL_AXES = ("model",)  # axes that split the model; batches are split over every other axis
-MODEL_AXIS = MODEL_AXES[0]  # the axis a tensor-parallel plan splits weights over
+MODEL_AXIS = "model"  # the axis a tensor-parallel plan splits weights over; batches split over every other axis
 # Tensor-parallel plan styles -> which features of a Linear split over MODEL_AXIS ("out": colwise,
 # "in": rowwise; an Embedding's are its dim and its vocabulary), or None: the weights stay whole.
 # Hugging Face's plan strings, and torch's ParallelStyle classes by name.
 TP_STYLES = {
-    **dict.fromkeys(("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise", "ColwiseParallel"), "out"),
-    **dict.fromkeys(("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise", "packed_rowwise", "local_packed_rowwise",
-                     "embedding_rowwise", "RowwiseParallel"), "in"),
+    **dict.fromkeys(("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise",
+                     "ColwiseParallel"), "out"),
+    **dict.fromkeys(("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise", "packed_rowwise",
+                     "local_packed_rowwise", "embedding_rowwise", "RowwiseParallel"), "in"),
     **dict.fromkeys(("replicated_with_grad_allreduce", "replicate", "gather", "local", "sequence_parallel", "isolate",
                      "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"), None),
 }
 CHECKPOINT_POINTER = "LATEST"  # names the committed save attempt; a save that never wrote it never happened
 CHECKPOINT_HISTORY = "HISTORY"  # the committed attempts kept (save_checkpoint(..., keep_last=K)), oldest first
-SAVE_ATTEMPT = re.compile(r"(save|step)-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
-                                                          # ('step-' is how releases before this one named it)
+SAVE_ATTEMPT = re.compile(r"save-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
 ATTEMPT_MARKER = ".seamless_tpu_attempt"  # in every attempt a save creates: the only folders a later save removes
+PLAIN_VALUES = "values.pt"  # the plain values (epoch, step, ...) of a checkpoint, pickled
 OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (schedulers, scalers, ...) and RNG states
 RELEASE_EVERY = 4 << 20  # bytes a checkpoint load handles between handing freed host memory back to the OS
 WARMUP_STEPS = 2  # runs of a graph (cut to cut) that may compile: the first, the one with optimizer state
@@ -105,7 +118,7 @@ AGREE_EVERY_S = 0.25  # processes agree on SIGTERM about this often, and at leas
 AGREE_MAX_STEPS = 16  # interval at most doubles each time): on 2 gloo ranks of 2 cores an all-reduce every step cost
                       # 1 ms, +43% of a 2.5 ms step; every 16 steps it is within the A/A noise (bench: preemption)
 AGREEMENT_PORT = 8548  # a multi-host XLA slice with no process group agrees on SIGTERM over a gloo group whose
-                       # store listens here on process 0 (beside the XLA coordinator's 8547); SEAMLESS_TPU_PORT overrides
+                       # store listens here on process 0 (the XLA coordinator's is 8547); SEAMLESS_TPU_PORT overrides
 LATE_COMPILES_TO_WARN = 2  # late compiles in a row by one pair of cuts: one is a one-off (an epoch's short
                            # last batch, an eval pass joining a step), cached from then on; two mean shapes change
 _INSTALL = {
@@ -134,23 +147,15 @@ class _ProcessState:
     group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
     optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # name -> handle of a global step hook
     torch_patches: list = dataclasses.field(default_factory=list)  # undo functions of the header's changes
-    watchdog: object = None  # the _CompileWatchdog, from first XLA use
     rebound: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ optimizer -> parameter count when _place_optimizer_state last ran for it (FSDP2 rebinding)
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
-    preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # SIGTERM -> trainer.preempted
-    backward_since_cut: bool = False  # a backward reached a trainer's parameters since the graph was last cut
-    no_grad_forward_since_cut: bool = False  # a trainer's model ran under no_grad since the graph was last cut
-    accumulating: bool = False  # a forward cut a backward off since the last optimizer step
-    bounded: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
-    uninitialized: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    # ^ module of a meta-built model -> how to initialise it: laid out on XLA, not yet used or loaded
-    # (loaded but for a non-persistent buffer: the names loaded, which its initialisation keeps)
-    unset: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    # ^ module of a meta-built model -> (its path, the tensors its initialiser left unset, the refusing hook)
-    save_group: object = None  # its own gloo process group under torch.distributed: collectives off the main thread
-    save_in_flight: object = None  # the Future of the asynchronous save not yet waited for
+    # The concerns that own their state, each in its room:
+    cuts: object = dataclasses.field(default_factory=lambda: _GraphCuts())  # 8. graph cuts and the watchdog
+    meta_init: object = dataclasses.field(default_factory=lambda: _MetaInit())  # 10. models built on meta
+    preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # 12. SIGTERM -> trainer.preempted
+    saves: object = dataclasses.field(default_factory=lambda: _Saves())  # 15a. saves in flight
 
 
 # _STATE, the one instance, is made at the end of this file, once the classes of the rooms below exist.
@@ -188,8 +193,8 @@ def _reset_caches():
     """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
     global _STATE
     _STATE.preemption.close()
-    if _STATE.save_in_flight is not None:
-        concurrent.futures.wait([_STATE.save_in_flight])
+    if _STATE.saves.in_flight is not None:
+        concurrent.futures.wait([_STATE.saves.in_flight])
     for probe in _CACHED_PROBES:
         probe.cache_clear()
     for handle in _STATE.optimizer_hooks.values():
@@ -340,7 +345,8 @@ def _resolve_kind(kind=None):
         if kind.type == "xla":
             return _STATE.xla_kind if _STATE.xla_device is not None else _auto_xla_kind()
         if kind.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {str(kind)!r} was requested but torch.cuda.is_available() is False; use 'auto' or 'cpu'")
+            raise RuntimeError(f"device {str(kind)!r} was requested but torch.cuda.is_available() is False; use "
+                               f"'auto' or 'cpu'")
         return "gpu" if kind.type == "cuda" else "cpu"
     if not isinstance(kind, str) or kind.lower() not in DEVICE_KINDS:
         raise ValueError(f"{where} must be one of {DEVICE_KINDS} or a torch.device string like 'cuda:0', got {kind!r}")
@@ -354,7 +360,8 @@ def _resolve_kind(kind=None):
         raise RuntimeError(
             f"device 'tpu' was requested but no TPU chip is visible (PJRT_DEVICE={_user_pjrt_device()!r}, "
             f"TPU_ACCELERATOR_TYPE={hint!r}; no Google PCI device, /dev/accel* or /dev/vfio/* found). "
-            + ("TPU_ACCELERATOR_TYPE names a TPU, but this host has no chip: run on the TPU VM itself, or " if hint else "Run on a TPU VM, or ")
+            + ("TPU_ACCELERATOR_TYPE names a TPU, but this host has no chip: run on the TPU VM itself, "
+               "or " if hint else "Run on a TPU VM, or ")
             + "ask for 'xla' / 'auto'."
         )
     if requested == "gpu" and not torch.cuda.is_available():
@@ -514,7 +521,8 @@ def _shown(value, limit=80):
 def parse_topology(topology):
     """'2x2' -> (2, 2), '2x2x1' -> (2, 2, 1): a TPU slice's chip layout."""
     if not isinstance(topology, str):
-        raise TypeError(f"topology must be a str like '2x2' or '2x2x1', got {_shown(topology)} ({type(topology).__name__})")
+        raise TypeError(f"topology must be a str like '2x2' or '2x2x1', got {_shown(topology)} "
+                        f"({type(topology).__name__})")
     if not _TOPOLOGY_RE.fullmatch(topology):
         raise ValueError(f"topology must look like 'AxB' or 'AxBxC' with positive ints of at most 5 digits "
                          f"(e.g. '2x2', '4x4x4'), got {_shown(topology)}")
@@ -522,23 +530,27 @@ def parse_topology(topology):
     if 0 in dims:
         raise ValueError(f"topology dimensions must be positive, got {topology!r}")
     if math.prod(dims) > MAX_TOPOLOGY_CHIPS:
-        raise ValueError(f"topology {topology!r} has {math.prod(dims)} chips, more than any TPU slice (at most {MAX_TOPOLOGY_CHIPS}); check the string")
+        raise ValueError(f"topology {topology!r} has {math.prod(dims)} chips, more than any TPU slice (at most "
+                         f"{MAX_TOPOLOGY_CHIPS}); check the string")
     return dims
 
 
 def _default_axis_names(ndim, strategy="ddp"):
     names = {1: ("data",), 2: (FSDP_AXIS if strategy == "fsdp" else "data", MODEL_AXIS)}
     if ndim not in names:
-        raise ValueError(f"a {ndim}-D mesh_shape needs explicit axis_names (one per dimension); defaults exist for 1-D and 2-D")
+        raise ValueError(f"a {ndim}-D mesh_shape needs explicit axis_names (one per dimension); defaults exist for "
+                         f"1-D and 2-D")
     return names[ndim]
 
 
 def _mesh_from_config(config, num_devices, strategy="ddp"):
     if not isinstance(config, Mapping):
-        raise TypeError(f"xla_spmd_config must be a dict like {{'mesh_shape': [2, 2]}}, got {config!r} ({type(config).__name__})")
+        raise TypeError(f"xla_spmd_config must be a dict like {{'mesh_shape': [2, 2]}}, got {config!r} "
+                        f"({type(config).__name__})")
     for key in config:
         if not isinstance(key, str):
-            raise TypeError(f"xla_spmd_config keys must be strings from {SPMD_CONFIG_KEYS}, got the key {key!r} ({type(key).__name__})")
+            raise TypeError(f"xla_spmd_config keys must be strings from {SPMD_CONFIG_KEYS}, got the key {key!r} "
+                            f"({type(key).__name__})")
     unknown = sorted(set(config) - set(SPMD_CONFIG_KEYS))
     if unknown:
         raise ValueError(f"xla_spmd_config has unknown keys {unknown}; valid keys are {SPMD_CONFIG_KEYS}")
@@ -557,31 +569,36 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
         mp = mp if mp is not None else num_devices // dp
         if dp * mp != num_devices:
             raise ValueError(f"data_parallel_size x model_parallel_size must equal the device count: "
-                             f"{config.get('data_parallel_size')} x {config.get('model_parallel_size')} != {num_devices} devices; "
+                             f"{config.get('data_parallel_size')} x {config.get('model_parallel_size')} != "
+                             f"{num_devices} devices; "
                              "pick sizes whose product is the device count")
         shape = (dp, mp)
     else:
         shape = (num_devices,)
     names = config.get("axis_names")
     if isinstance(names, (str, bytes)) or (names is not None and not hasattr(names, "__iter__")):
-        raise TypeError(f"axis_names must be a list of strings, one per mesh dimension (e.g. ['data', 'model']), got {names!r}")
+        raise TypeError(f"axis_names must be a list of strings, one per mesh dimension (e.g. ['data', 'model']), got "
+                        f"{names!r}")
     names = _default_axis_names(len(shape), strategy) if names is None else tuple(names)
     if len(names) != len(shape):
-        raise ValueError(f"axis_names must name each mesh dimension: {len(names)} names {names!r} for mesh_shape {shape!r}")
+        raise ValueError(f"axis_names must name each mesh dimension: {len(names)} names {names!r} for mesh_shape "
+                         f"{shape!r}")
     if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
         raise ValueError(f"axis_names must be unique non-empty strings, got {names!r}")
     if math.prod(shape) != num_devices:
         raise ValueError(f"mesh_shape {shape!r} holds {math.prod(shape)} devices but the runtime has {num_devices}; "
                          "the product of mesh_shape must equal the device count")
     # The sizes must describe this mesh as the trainer uses it, whatever the axes are called:
-    # axes named in MODEL_AXES carry the model, all others split the batch.
-    model_size = math.prod(n for name, n in zip(names, shape) if name in MODEL_AXES)
+    # the axis named MODEL_AXIS carries the model, all others split the batch.
+    model_size = math.prod(n for name, n in zip(names, shape) if name == MODEL_AXIS)
     actual = {"data_parallel_size": math.prod(shape) // model_size, "model_parallel_size": model_size}
     for key, size in (("data_parallel_size", dp), ("model_parallel_size", mp)):
         if size is not None and size != actual[key]:
-            raise ValueError(f"xla_spmd_config contradicts itself: {key}={size}, but mesh_shape {shape!r} with axis_names "
-                             f"{names!r} has data-parallel size {actual['data_parallel_size']} (axes not named {MODEL_AXES}) "
-                             f"and model-parallel size {actual['model_parallel_size']} (axes named {MODEL_AXES}); drop {key} or fix the mesh")
+            raise ValueError(f"xla_spmd_config contradicts itself: {key}={size}, but mesh_shape {shape!r} with "
+                             f"axis_names "
+                             f"{names!r} has data-parallel size {actual['data_parallel_size']} (axes other than "
+                             f"{MODEL_AXIS!r}) and model-parallel size {actual['model_parallel_size']} (the axis "
+                             f"{MODEL_AXIS!r}); drop {key} or fix the mesh")
     return shape, names
 
 
@@ -597,7 +614,8 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
     _positive_int("num_devices", num_devices)
     _positive_int("num_processes", num_processes)
     if num_devices % num_processes:
-        raise ValueError(f"num_devices must be a multiple of num_processes: {num_devices} devices over {num_processes} processes")
+        raise ValueError(f"num_devices must be a multiple of num_processes: {num_devices} devices over "
+                         f"{num_processes} processes")
     if topology is not None:
         chips = math.prod(parse_topology(topology))
         if num_devices % chips:
@@ -623,8 +641,10 @@ def _check_strategy(strategy):
 
 def _check_fsdp_axis(names, where):
     if FSDP_AXIS not in tuple(names or ()):
-        raise ValueError(f"strategy='fsdp' shards parameters over a mesh axis named {FSDP_AXIS!r}, but {where} has axes "
-                         f"{tuple(names or ())!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or use strategy='ddp'")
+        raise ValueError(f"strategy='fsdp' shards parameters over a mesh axis named {FSDP_AXIS!r}, but {where} has "
+                         f"axes "
+                         f"{tuple(names or ())!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or "
+                         f"use strategy='ddp'")
 
 
 def _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy):
@@ -685,7 +705,8 @@ def _tp_specs(model, plan, axis_sizes, xla=True):
     split against the weight's shape, before anything moves. A planned peft tuner layer splits its
     base_layer (XLA only: off it, torch's parallelize_module cannot split the adapters beside it)."""
     if not isinstance(plan, Mapping):
-        raise TypeError(f"tp_plan must be a dict of module-name pattern -> style (e.g. {{'layers.*.mlp.up_proj': 'colwise'}}), "
+        raise TypeError(f"tp_plan must be a dict of module-name pattern -> style (e.g. "
+                        f"{{'layers.*.mlp.up_proj': 'colwise'}}), "
                         f"got {_shown(plan)} ({type(plan).__name__})")
     modules = dict(model.named_modules())
     names = {m: n for n, m in modules.items()}
@@ -695,7 +716,8 @@ def _tp_specs(model, plan, axis_sizes, xla=True):
     for pattern, style in plan.items():
         name = style if isinstance(style, str) else type(style).__name__
         if name not in TP_STYLES:
-            raise ValueError(f"tp_plan[{pattern!r}] = {_shown(style)} is not a style seamless_tpu knows; use one of {sorted(TP_STYLES)}")
+            raise ValueError(f"tp_plan[{pattern!r}] = {_shown(style)} is not a style seamless_tpu knows; use one of "
+                             f"{sorted(TP_STYLES)}")
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
         matched = [m for m in modules if regex.fullmatch(m)]
         if not matched:
@@ -777,7 +799,7 @@ def _activate_xla(kind):
         device = torch_xla.device()
         _check_autograd_ready(device)
         _patch_torch_for_xla()
-        _STATE.watchdog = _CompileWatchdog()
+        _STATE.cuts.watchdog = _CompileWatchdog()
         _add_step_hook("xla_before_step", "pre", _before_xla_step)
         _add_step_hook("xla_after_step", "post", _after_xla_step)
         _STATE.xla_device, _STATE.xla_kind = device, kind
@@ -877,6 +899,17 @@ def _patch_torch_for_xla():
 # --- 8. graph cuts and the recompile watchdog -----------------------------------------------------
 
 
+@dataclasses.dataclass
+class _GraphCuts:
+    """What the graph-cut rule remembers between hooks; the watchdog from first XLA use."""
+
+    watchdog: object = None  # the _CompileWatchdog
+    backward: bool = False  # a backward reached a trainer's parameters since the graph was last cut
+    no_grad_forward: bool = False  # a trainer's model ran under no_grad since the graph was last cut
+    accumulating: bool = False  # a forward cut a backward off since the last optimizer step
+    models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
+
+
 class _CompileWatchdog:
     """Counts XLA compilations per iteration of the loop, and warns once per process when, after its
     warm-up, iterations keep compiling. An iteration ends where the graph is cut: an optimizer step
@@ -942,18 +975,18 @@ class _CompileWatchdog:
             "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause)
 
 
-def _steps_on_xla(optimizer):
+def _has_xla_params(optimizer):
     # Any XLA parameter needs the sync, or its graph grows without bound; the first usually answers.
     return any(_is_xla(p.device) for group in optimizer.param_groups for p in group["params"])
 
 
 def _before_xla_step(optimizer, args, kwargs):
-    if _steps_on_xla(optimizer):
-        if _STATE.accumulating:
+    if _has_xla_params(optimizer):
+        if _STATE.cuts.accumulating:
             # The last micro-batch becomes the same graph as the others, and the step a graph of its
             # own: compiling k=16 then costs what k=1 does (two forward+backward graphs either way).
             _cut_graph()
-        _STATE.watchdog.before_step(_import("torch_xla.debug.metrics"))
+        _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
         # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
         if callable(kwargs.get("closure")):
             kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
@@ -980,20 +1013,20 @@ def _cut_around(closure):
 
 
 def _after_xla_step(optimizer, args, kwargs):
-    if _steps_on_xla(optimizer):
+    if _has_xla_params(optimizer):
         # Sync point: compiles (first time) and runs forward+backward+step as one graph.
         _cut_graph()
-        _STATE.accumulating = False
-        _STATE.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
+        _STATE.cuts.accumulating = False
+        _STATE.cuts.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
 
 
 def _cut_graph():
     """Compile (the first time) and run everything pending as one graph, asynchronously."""
     _import("torch_xla").sync()
-    _STATE.backward_since_cut = _STATE.no_grad_forward_since_cut = False
+    _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
 
 
-def _bound_iterations(model):
+def _cut_each_iteration(model):
     """The graph rule for loops an optimizer step does not end: accumulation (k backwards per step),
     closure optimizers (LBFGS runs k forwards and backwards inside one step; _cut_around cuts each
     call), updates by hand, and evaluation or inference. A forward of the trainer's model starts a
@@ -1003,33 +1036,33 @@ def _bound_iterations(model):
     Several forwards within one training iteration (a GAN's discriminator on real and fake, two
     views of a batch) stay in one graph.
     Costs: a flag set per parameter per backward, and one check per forward."""
-    if model in _STATE.bounded:
+    if model in _STATE.cuts.models:
         return
     for param in model.parameters():
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(_saw_backward)
     model.register_forward_pre_hook(_before_forward, with_kwargs=True)
-    _STATE.bounded.add(model)
+    _STATE.cuts.models.add(model)
 
 
 def _saw_backward(param):
-    _STATE.backward_since_cut = True
+    _STATE.cuts.backward = True
 
 
 def _before_forward(module, args, kwargs):
-    state = _STATE
-    if state.uninitialized:  # a meta-built model's first forward: initialise what no checkpoint filled
+    cuts = _STATE.cuts
+    if _STATE.meta_init.pending:  # a meta-built model's first forward: initialise what no checkpoint filled
         _initialize_pending(module, refuse=True)
-    if state.backward_since_cut or state.no_grad_forward_since_cut:
-        kind = "train" if state.backward_since_cut else "eval"
-        state.accumulating |= kind == "train"
+    if cuts.backward or cuts.no_grad_forward:
+        kind = "train" if cuts.backward else "eval"
+        cuts.accumulating |= kind == "train"
         _cut_graph()
-        state.watchdog.after_forward_cut((id(module), kind), _import("torch_xla.debug.metrics"))
+        cuts.watchdog.after_forward_cut((id(module), kind), _import("torch_xla.debug.metrics"))
     if not torch.is_grad_enabled():
-        state.no_grad_forward_since_cut = True
-    if state.watchdog.late_compiles and not state.watchdog.sliced_input:  # only once a warning may follow
-        state.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
-                                          for t in (*args, *kwargs.values()))
+        cuts.no_grad_forward = True
+    if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
+        cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
+                                         for t in (*args, *kwargs.values()))
 
 # --- 9. layouts: meshes, batch sharding, DDP/FSDP/TP placement, optimizer state -------------------
 
@@ -1049,14 +1082,14 @@ class _Layout:
     rank_axes: dict = None  # torch.distributed with a plan: {data or fsdp axis: size, "model": size} of the ranks
     data_ranks: tuple = None  # (data-parallel size, index) when tensor-parallel groups of ranks share batches
     wrap: str = None  # off XLA: "ddp", "fsdp2" or "tp" across ranks; None in one process
-    meta: bool = False  # the model holds tensors on the meta device: made real as they are placed
+    meta_built: bool = False  # the model holds tensors on the meta device: made real as they are placed
 
     def __repr__(self):
         mesh = self.mesh and dict(_axis_sizes(self.mesh))
         return (f"_Layout({self.kind} {self.device}, strategy={self.strategy!r}, mesh={mesh}, batch over "
                 f"{self.batch and self.batch.axes}, {len(self.planned)} planned weights, styles="
                 f"{sorted(self.styles or ())}, rank_axes={self.rank_axes}, data_ranks={self.data_ranks}, "
-                f"wrap={self.wrap!r}, meta={self.meta})")
+                f"wrap={self.wrap!r}, meta_built={self.meta_built})")
 
 
 def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
@@ -1080,9 +1113,9 @@ def _place(model, layout):
     batch split is watched and each loop iteration cut into one graph. Off XLA a meta model is initialised
     whole before DDP or tensor parallelism wrap it, or into each rank's shards after FSDP2 has split it."""
     xla, fsdp2 = _is_xla(layout.device), layout.wrap == "fsdp2"
-    if layout.meta:
+    if layout.meta_built:
         _materialize(model, layout.device, layout.mesh, layout.strategy == "fsdp", layout.planned, lay_out=not fsdp2)
-    if not (layout.meta and fsdp2):
+    if not (layout.meta_built and fsdp2):
         model.to(layout.device)
     for param, spec in layout.planned.items():
         if not _is_split(param):  # a meta model's planned weights were split as they were made
@@ -1091,14 +1124,14 @@ def _place(model, layout):
         _shard_parameters(model, layout.mesh)  # all the plan left whole
     if xla:
         _watch_inputs(model, layout.batch)
-        _bound_iterations(model)
-    if layout.meta and not xla and not fsdp2:
+        _cut_each_iteration(model)
+    if layout.meta_built and not xla and not fsdp2:
         _initialize_pending(model)  # whole on each process, as DDP and TP want it
     if layout.wrap == "tp":
         _tensor_parallel(model, layout.styles, layout.device, layout.rank_axes)
     elif fsdp2:
         _fully_shard(model, layout.device)
-        if layout.meta:
+        if layout.meta_built:
             _initialize_pending(model, layout.device)  # each module on the CPU in turn, each rank keeping its shards
     elif layout.wrap == "ddp":
         return _replicate(model, layout.device)
@@ -1115,9 +1148,11 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     _activate_xla(_auto_xla_kind())
     runtime_devices = xr.global_runtime_device_count()
     if num_devices is not None and num_devices != runtime_devices:
-        raise ValueError(f"num_devices={num_devices!r} does not fit the runtime, which has {runtime_devices} devices; omit num_devices or match it")
+        raise ValueError(f"num_devices={num_devices!r} does not fit the runtime, which has {runtime_devices} "
+                         f"devices; omit num_devices or match it")
     processes = num_processes if num_processes is not None else xr.process_count()
-    shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config, strategy=strategy)
+    shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config,
+                                  strategy=strategy)
     mesh = xs.Mesh(np.arange(runtime_devices), shape, names)
     _set_mesh(mesh)
     _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _STATE.batch_sharding.axes)
@@ -1142,19 +1177,19 @@ def get_xla_mesh():
 def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
     """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's
     tensor parallelism; every plan error is raised here, before anything moves."""
-    ranks = _rank_mesh(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) ranks off XLA
-    sizes = _axis_sizes(mesh) if mesh is not None else (ranks or {})
+    rank_axes = _rank_axes(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) off XLA
+    sizes = _axis_sizes(mesh) if mesh is not None else (rank_axes or {})
     plan, planned = _checked_plan(model, tp_plan, sizes, xla=mesh is not None)
-    return (planned if mesh is not None else {}), (_torch_tp_styles(plan, ranks) if ranks else None), ranks
+    return (planned if mesh is not None else {}), (_torch_tp_styles(plan, rank_axes) if rank_axes else None), rank_axes
 
 
-def _data_ranks(ranks):
+def _data_ranks(rank_axes):
     """(data-parallel size, this rank's index) off XLA when ranks form tensor-parallel groups: the ranks of
     one group read the same batches. None: every rank is its own data-parallel rank."""
-    if not ranks:
+    if not rank_axes:
         return None
     world, rank = _torch_dist_ranks()
-    return world // ranks[MODEL_AXIS], rank // ranks[MODEL_AXIS]
+    return world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]
 
 
 def _checked_plan(model, tp_plan, sizes, xla=True):
@@ -1164,13 +1199,17 @@ def _checked_plan(model, tp_plan, sizes, xla=True):
     model_size = sizes.get(MODEL_AXIS, 1)
     if model_size == 1:
         if tp_plan is not None:
-            raise ValueError(f"tp_plan splits weights over a '{MODEL_AXIS}' mesh axis, and this trainer's mesh has none of size > 1 "
-                             f"(axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': N}}, or drop tp_plan")
+            raise ValueError(f"tp_plan splits weights over a '{MODEL_AXIS}' mesh axis, and this trainer's mesh has "
+                             f"none of size > 1 "
+                             f"(axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': N}}, or drop "
+                             f"tp_plan")
         return None, {}
     plan = _model_tp_plan(model) if tp_plan is None else tp_plan
     if not plan:
-        raise ValueError(f"the mesh's '{MODEL_AXIS}' axis has size {model_size}, but there is no tensor-parallel plan, so the "
-                         f"{model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. Pass tp_plan= (e.g. "
+        raise ValueError(f"the mesh's '{MODEL_AXIS}' axis has size {model_size}, but there is no tensor-parallel "
+                         f"plan, so the "
+                         f"{model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. Pass "
+                         f"tp_plan= (e.g. "
                          "{'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}), or drop the axis "
                          "(model_parallel_size=1, or a mesh without it)")
     return plan, _tp_specs(model, plan, sizes, xla)
@@ -1181,7 +1220,8 @@ def _trainer_mesh(device, mesh, xla_spmd_config, strategy):
     found. A later trainer or create_xla_mesh may replace the process mesh; this one stays."""
     if not _is_xla(device):
         if mesh is not None or (xla_spmd_config is not None and _torch_dist_ranks()[0] == 1):
-            raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but the "
+            raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but "
+                             f"the "
                              f"device is {device} in one process")
         return None, None
     if mesh is not None:
@@ -1214,9 +1254,9 @@ class _BatchSharding:
 
     @classmethod
     def for_mesh(cls, mesh):
-        """Every axis but the model axes; all of them when the mesh has nothing else."""
+        """Every axis but the model axis; all of them when the mesh has nothing else."""
         names = tuple(mesh.axis_names or range(len(mesh.mesh_shape)))
-        batch = tuple(n for n in names if n not in MODEL_AXES)
+        batch = tuple(n for n in names if n != MODEL_AXIS)
         # Multi-host SPMD: each host feeds only its slice of the global batch.
         return cls(mesh, batch or names, minibatch=_import("torch_xla.runtime").process_count() > 1)
 
@@ -1228,14 +1268,16 @@ class _BatchSharding:
         spec = self._by_rank.get(tensor.dim())
         if spec is None:
             xs = _import("torch_xla.distributed.spmd")
-            spec = self._by_rank[tensor.dim()] = xs.ShardingSpec(self.mesh, self.spec_for(tensor.dim()), minibatch=self.minibatch)
+            spec = xs.ShardingSpec(self.mesh, self.spec_for(tensor.dim()), minibatch=self.minibatch)
+            self._by_rank[tensor.dim()] = spec
         return spec.xla_spec(tensor)
 
 
 def _to_xla(tensor, device, sharding):
     if sharding is None or tensor.dim() == 0:
         return tensor.to(device)
-    if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not tensor.requires_grad and sharding.from_host(tensor):
+    plain = type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not tensor.requires_grad
+    if plain and sharding.from_host(tensor):
         # Sharded straight from host memory: no replicated copy to reshard later.
         return _import("torch_xla.core.xla_model").send_cpu_data_to_device([tensor], device, sharding)[0]
     # Subclasses (nn.Parameter, tv_tensors) and tensors with an autograd history move by their own
@@ -1411,7 +1453,7 @@ def _fully_shard(model, device, mesh=None):
     _replacing_parameters(model, shard)
 
 
-def _rank_mesh(config, strategy):
+def _rank_axes(config, strategy):
     """{axis: size} of the torch.distributed ranks laid out as (world / N, N) with N =
     model_parallel_size, the model axis innermost (neighbouring ranks form a tensor-parallel group);
     None without a model axis."""
@@ -1427,7 +1469,8 @@ def _torch_tp_styles(plan, sizes):
     """The plan as torch ParallelStyles, refusing what torch.distributed cannot do right (before any work)."""
     if FSDP_AXIS not in sizes:
         raise NotImplementedError("tensor parallelism off XLA runs with strategy='fsdp' (FSDP2 over the other mesh "
-                                  "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains "
+                                  "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh "
+                                  "trains "
                                   "wrong weights (measured on gloo), so use strategy='fsdp'")
     tp = importlib.import_module("torch.distributed.tensor.parallel")
     replicate_layout = importlib.import_module("torch.distributed.tensor").Replicate()
@@ -1440,10 +1483,11 @@ def _torch_tp_styles(plan, sizes):
             styles[pattern] = tp.ColwiseParallel(output_layouts=replicate_layout) if gather else tp.ColwiseParallel()
         elif TP_STYLES[style] == "in":
             whole_input = style in ("embedding_rowwise", "rowwise_split_input")
-            styles[pattern] = tp.RowwiseParallel(input_layouts=replicate_layout) if whole_input else tp.RowwiseParallel()
+            styles[pattern] = tp.RowwiseParallel(**({"input_layouts": replicate_layout} if whole_input else {}))
         else:  # a replicated weight inside a split computation needs its gradient all-reduced over the group
             raise NotImplementedError(f"tp_plan[{pattern!r}] = {style!r} off XLA: only the splitting styles (colwise, "
-                                      "rowwise and their variants) are built for torch.distributed so far; on XLA every style works")
+                                      "rowwise and their variants) are built for torch.distributed so far; on XLA "
+                                      "every style works")
     return styles
 
 
@@ -1513,6 +1557,16 @@ def _placed_like(value, param, key=None):
 # --- 10. models built on meta ---------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _MetaInit:
+    """The modules of meta-built models that still wait for their values."""
+
+    pending: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    # ^ module -> (its transformers owner, RNG, first-use hook, names a load filled): laid out, not yet initialised
+    unset: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    # ^ module -> (its path, the tensors its initialiser left unset, the refusing hook)
+
+
 def _has_meta_tensors(model):
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
@@ -1548,7 +1602,7 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
         # A submodule run on its own first (model.encoder(x)) must not see unset values either.
         first_use = module.register_forward_pre_hook(lambda *_: _initialize_pending(root(), refuse=True))
         pending[module] = (owner, rng, first_use, set())
-    _STATE.uninitialized.update(pending)
+    _STATE.meta_init.pending.update(pending)
 
 
 def _split_like_planned(tensor, meta, mesh, fsdp, planned):
@@ -1567,13 +1621,14 @@ def _blank_like(t):
     first, for values the load then overwrites: a graph compiled per shape (9 on the 320 MB test model)."""
     xla = _import("torch_xla")._XLAC
     tiles = re.search(r"devices=\[([\d,]+)\]", xla._get_xla_sharding_spec(t)).group(1).split(",")[:t.dim()]
-    shard = torch.empty([-(-size // int(n)) for size, n in zip(t.shape, tiles)], dtype=t.dtype)  # XLA pads to equal shards
-    return xla._global_tensor_from_cpu_shards([shard] * len(xla._xla_get_runtime_devices()), xla._get_xla_op_sharding(t), list(t.shape))
+    shard = torch.empty([-(-size // int(n)) for size, n in zip(t.shape, tiles)], dtype=t.dtype)  # XLA pads shards
+    shards = [shard] * len(xla._xla_get_runtime_devices())
+    return xla._global_tensor_from_cpu_shards(shards, xla._get_xla_op_sharding(t), list(t.shape))
 
 
 def _forget_pending(module):
     """(owner, rng, loaded) of a module _materialize laid out, which needs no initialisation hook from now on."""
-    owner, rng, hook, loaded = _STATE.uninitialized.pop(module)
+    owner, rng, hook, loaded = _STATE.meta_init.pending.pop(module)
     hook.remove()
     return owner, rng, loaded
 
@@ -1613,7 +1668,7 @@ def _initialize_pending(model, device=None, refuse=False):
     _refuse_unset: now if `refuse` (the first forward or save), else at those unless a load fills it."""
     paths = {m: p for p, m in model.named_modules()}
     release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
-    for module in [m for m in list(_STATE.uninitialized) if m in paths]:  # the post-order they were laid out in
+    for module in [m for m in list(_STATE.meta_init.pending) if m in paths]:  # the post-order they were laid out in
         owner, rng, loaded = _forget_pending(module)
         if device is not None:  # FSDP2 split it on meta: this rank's shards are allocated here, nothing more
             module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
@@ -1638,7 +1693,7 @@ def _initialize_pending(model, device=None, refuse=False):
             rng[0] = torch.get_rng_state()
         if unset := [n for n, (tensor, version) in held.items() if _left_unset(getattr(module, n), tensor, version)]:
             refusal = module.register_forward_pre_hook(lambda m, _: _refuse_unset(m))
-            _STATE.unset[module] = (paths[module], unset, refusal)
+            _STATE.meta_init.unset[module] = (paths[module], unset, refusal)
         del held  # the stand-ins go with the write-back below, tensor by tensor: the host holds one module
         for name, t in placed.items():
             value = getattr(module, name).detach()
@@ -1657,7 +1712,7 @@ def _initialize_pending(model, device=None, refuse=False):
             if _is_xla(t.device) and _is_split(t):
                 _mark_sharding(value, _import("torch_xla")._XLAC._get_xla_op_sharding(t))
             _set_own_tensor(module, name, release(value))
-    if refuse and _STATE.unset:
+    if refuse and _STATE.meta_init.unset:
         _refuse_unset(model)
 
 
@@ -1688,8 +1743,8 @@ def _refuse_unset(model):
     at its first forward or save: __init__ ran on meta, so a value it computed there (torch.arange(...))
     was never computed, and nothing can compute it now. Training on it would use the mark (NaN)."""
     for module in model.modules():
-        if module in _STATE.unset:
-            path, names, _ = _STATE.unset[module]
+        if module in _STATE.meta_init.unset:
+            path, names, _ = _STATE.meta_init.unset[module]
             lost = sorted(set(names) & module._non_persistent_buffers_set)
             raise ValueError(
                 f"{type(module).__name__} at {path or '(the model itself)'!r} was built under torch.device('meta') "
@@ -1706,15 +1761,15 @@ def _loaded(module):
     needs no initialisation, unless it has a non-persistent buffer (in no checkpoint): its initialiser then
     still runs, for that buffer alone. Initialised already, only a non-persistent buffer may stay unset."""
     own = {n for n, _ in _own_tensors(module)}
-    if module in _STATE.uninitialized:
+    if module in _STATE.meta_init.pending:
         if own & module._non_persistent_buffers_set:
-            _STATE.uninitialized[module][3].update(own - module._non_persistent_buffers_set)
+            _STATE.meta_init.pending[module][3].update(own - module._non_persistent_buffers_set)
         else:
             _forget_pending(module)
-    if module in _STATE.unset:
-        path, names, hook = _STATE.unset.pop(module)
+    if module in _STATE.meta_init.unset:
+        path, names, hook = _STATE.meta_init.unset.pop(module)
         if names := [n for n in names if n in module._non_persistent_buffers_set]:
-            _STATE.unset[module] = (path, names, hook)
+            _STATE.meta_init.unset[module] = (path, names, hook)
         else:
             hook.remove()
 
@@ -1749,26 +1804,29 @@ def _split_by_user(sampler, replicas, rank):
     if not isinstance(sampler, torch.utils.data.DistributedSampler):
         return False
     if (sampler.num_replicas, sampler.rank) != (replicas, rank):
-        raise ValueError(f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}, "
+        raise ValueError(f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, "
+                         f"rank={sampler.rank}, "
                          f"but this process is rank {rank} of {replicas}; build it with those values, or pass a plain "
                          "DataLoader and let prepare_data_loader split it")
     return True
 
 
-def _rebuild_loader(loader, drop_last, device, ranks=None):
+def _rebuild_loader(loader, drop_last, device, data_ranks=None):
     """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of
     exactly what the user's sampling yields: RandomSampler and SequentialSampler take the
     DistributedSampler fast path; other samplers, batch samplers and IterableDatasets are split by batches."""
     data = torch.utils.data
-    replicas, rank = ranks or _loader_ranks(device)
+    replicas, rank = data_ranks or _loader_ranks(device)
     if not isinstance(loader, data.DataLoader):
         if replicas > 1:
-            logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of it", type(loader).__name__)
+            logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of "
+                           "it", type(loader).__name__)
         return loader
     iterable = isinstance(loader.dataset, data.IterableDataset)
     own_batches = loader.batch_size is None  # a user batch_sampler, an iterable yielding batches, or no batching
-    if _split_by_user(loader.sampler, replicas, rank) or _split_by_user(getattr(loader.batch_sampler, "sampler", None), replicas, rank):
-        replicas, rank = 1, 0  # the user's DistributedSampler gives this rank its share already (as Fabric and Ray keep it)
+    samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+    if any(_split_by_user(sampler, replicas, rank) for sampler in samplers):
+        replicas, rank = 1, 0  # the user's DistributedSampler gives this rank its share (as Fabric and Ray keep it)
     if replicas == 1 and (drop_last == loader.drop_last or own_batches):
         return loader
     kwargs = {k: getattr(loader, k) for k in ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
@@ -1776,13 +1834,16 @@ def _rebuild_loader(loader, drop_last, device, ranks=None):
     if loader.num_workers:
         kwargs.update(prefetch_factor=loader.prefetch_factor, multiprocessing_context=loader.multiprocessing_context)
     if iterable:
-        rebuilt = data.DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=drop_last and not own_batches, **kwargs)
+        rebuilt = data.DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=drop_last and not own_batches,
+                                  **kwargs)
         return _ShardedBatches(rebuilt, replicas, rank, drop_last) if replicas > 1 else rebuilt
     if own_batches and loader.batch_sampler is None:  # batch_size=None: each sample is a step, as the dataset gives it
-        sampler = _distributed_sampler(loader, replicas, rank) or _ShardedBatches(loader.sampler, replicas, rank, drop_last)
+        sampler = (_distributed_sampler(loader, replicas, rank)
+                   or _ShardedBatches(loader.sampler, replicas, rank, drop_last))
         return data.DataLoader(loader.dataset, batch_size=None, sampler=sampler, **kwargs)
     if own_batches:
-        return data.DataLoader(loader.dataset, batch_sampler=_ShardedBatches(loader.batch_sampler, replicas, rank, drop_last), **kwargs)
+        batches = _ShardedBatches(loader.batch_sampler, replicas, rank, drop_last)
+        return data.DataLoader(loader.dataset, batch_sampler=batches, **kwargs)
     sampler = _distributed_sampler(loader, replicas, rank) if replicas > 1 else None
     if sampler is not None:
         replicas = 1  # split already
@@ -1793,7 +1854,8 @@ def _rebuild_loader(loader, drop_last, device, ranks=None):
         _log("seamless_tpu: dropping the last %d of %d samples per epoch to keep batch shapes fixed "
              "(prepare_data_loader(loader, drop_last=False) keeps them)", per_epoch % loader.batch_size, per_epoch)
     if replicas == 1:
-        return data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+        return data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=drop_last,
+                               **kwargs)
     batches = _ShardedBatches(data.BatchSampler(sampler, loader.batch_size, drop_last), replicas, rank, drop_last)
     return data.DataLoader(loader.dataset, batch_sampler=batches, **kwargs)
 
@@ -1878,7 +1940,8 @@ class _DeviceLoader:
                 tensors, arrived = [], []
 
                 def take(t):
-                    if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu" or not sharding.from_host(t):
+                    plain = type(t) is torch.Tensor and not t.requires_grad and t.device.type == "cpu"
+                    if not (plain and sharding.from_host(t)):
                         return t  # moved by to_device's rules below
                     tensors.append(t)
                     return _PendingTensor(arrived, len(tensors) - 1)
@@ -1948,7 +2011,8 @@ class _Preemption:
             return
         _sigterm_grace()  # a bad SEAMLESS_TPU_SIGTERM_GRACE is refused now, not when the signal comes
         self.previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
-        self.delays_exit = self.previous is signal.SIG_DFL or getattr(previous, "__module__", None) == "ray._private.worker"
+        ray_exit = getattr(previous, "__module__", None) == "ray._private.worker"
+        self.delays_exit = self.previous is signal.SIG_DFL or ray_exit
         signal.signal(signal.SIGTERM, self._on_sigterm)
         _STATE.torch_patches.append(lambda: signal.signal(signal.SIGTERM, self.previous))
 
@@ -2019,7 +2083,8 @@ class _Preemption:
             if optimizer in self.stepped_after and self.delays_exit:
                 raise RuntimeError(
                     f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
-                    f"{self.preempted_at}, but the loop stepped again. The trainer delays SIGTERM's exit only until the "
+                    f"{self.preempted_at}, but the loop stepped again. The trainer delays SIGTERM's exit only until "
+                    f"the "
                     "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
                     "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
                     "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
@@ -2039,7 +2104,7 @@ class _Preemption:
             agreed, every = bool(values[0]), int(-values[1])
         now, (then, step) = time.monotonic(), self.agreed_at or (0.0, 0)
         step_time = (now - then) / (self.steps - step) if self.agreed_at else math.inf
-        propose = max(1, min(AGREE_MAX_STEPS, 2 * every, int(AGREE_EVERY_S / step_time)))  # slow to grow: steps may slow
+        propose = max(1, min(AGREE_MAX_STEPS, 2 * every, int(AGREE_EVERY_S / step_time)))  # grows slowly: steps slow
         dist = torch.distributed
         options, values = dist.AllreduceOptions(), torch.tensor([int(self.sigterm), -propose], dtype=torch.int64)
         options.reduceOp = dist.ReduceOp.MAX  # of -steps: the fewest any process proposes
@@ -2079,7 +2144,8 @@ def _agreement_group():
     try:
         store = dist.TCPStore(address, port, count, index == 0, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError are RuntimeErrors
-        raise RuntimeError(f"seamless_tpu: process {index} of {count} could not {'serve' if index == 0 else 'reach'} the "
+        raise RuntimeError(f"seamless_tpu: process {index} of {count} could not {'serve' if index == 0 else 'reach'} "
+                           f"the "
                            f"store at {address}:{port} that the hosts agree on SIGTERM through ({e}). Set "
                            "SEAMLESS_TPU_PORT to a port free on process 0's host, the same on every host") from e
     _log("seamless_tpu: SIGTERM agreement among %d XLA processes over %s:%d", count, address, port)
@@ -2221,9 +2287,11 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
     the writes and the commit run on a background thread, and the call returns their Future."""
     directory = os.fspath(directory)
     if not state:
-        raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, optimizer=optimizer, epoch=epoch)")
+        raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, "
+                         "optimizer=optimizer, epoch=epoch)")
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
-        raise ValueError(f"save_checkpoint(keep_last=...) is how many committed checkpoints to keep, at least 1; got {keep_last!r}")
+        raise ValueError(f"save_checkpoint(keep_last=...) is how many committed checkpoints to keep, at least 1; got "
+                         f"{keep_last!r}")
     plain = {k: v for k, v in state.items() if not _is_stateful(v)}
     for name, value in plain.items():
         _refuse_nested_state(value, name)
@@ -2244,18 +2312,16 @@ def _start_checkpoint(directory, state, plain, blocking, keep_last, saved):
     rng = _rng_states()  # before the save's own syncs, each of which moves the XLA RNG on
     _sync_if_xla()
     for value in state.values():  # a meta-built model not used yet is initialised before it is saved
-        if isinstance(value, torch.nn.Module) and (_STATE.uninitialized or _STATE.unset):
+        if isinstance(value, torch.nn.Module) and (_STATE.meta_init.pending or _STATE.meta_init.unset):
             _initialize_pending(value, refuse=True)
     attempt, error = None, None
     try:  # all that reads the state happens now, blocking or not; a failure on any rank is shared below
-        tensors = {k: _state_dicts(v) for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
+        tensors = {k: _state_dicts(v) for k, v in state.items()
+                   if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
         objects = {k: _map_tensors(v.state_dict(), lambda t: _full_tensor(t).detach().cpu())
                    for k, v in state.items() if _is_stateful(v) and k not in tensors}
-        files = {OBJECT_STATES: _serialized({"objects": objects, "rng": rng}), "values.pt": _serialized(plain)}
-        if _STATE.xla_device is not None:
-            tensors = _map_tensors(tensors, _one_copy_of_each_shard if blocking else _host_shards)
-        elif not blocking:
-            tensors = _map_tensors(tensors, _host_copy)
+        files = {OBJECT_STATES: _serialized({"objects": objects, "rng": rng}), PLAIN_VALUES: _serialized(plain)}
+        tensors = _map_tensors(tensors, lambda t: _saved_form(t, blocking))
         if _is_main_process():
             attempt = f"save-{os.getpid()}-{time.time_ns()}"
             os.makedirs(os.path.join(directory, attempt))
@@ -2271,9 +2337,9 @@ def _start_checkpoint(directory, state, plain, blocking, keep_last, saved):
             return write(tensors, files)
         finally:
             _set_rng_states(rng)
-    if _torch_dist_ranks()[0] > 1 and _STATE.save_group is None:
-        _STATE.save_group = torch.distributed.new_group(backend="gloo")  # collective: every rank is here
-    future = _STATE.save_in_flight = _SaveFuture(os.path.join(directory, attempt))
+    if _torch_dist_ranks()[0] > 1 and _STATE.saves.group is None:
+        _STATE.saves.group = torch.distributed.new_group(backend="gloo")  # collective: every rank is here
+    future = _STATE.saves.in_flight = _SaveFuture(os.path.join(directory, attempt))
     if _once("report_unasked_saves"):
         atexit.register(_report_unasked_save)
 
@@ -2289,6 +2355,14 @@ def _start_checkpoint(directory, state, plain, blocking, keep_last, saved):
     # Not a daemon: the interpreter waits for it at exit, so the last save of a run is never cut off.
     threading.Thread(target=run, name="seamless_tpu-save").start()
     return future
+
+
+@dataclasses.dataclass
+class _Saves:
+    """The asynchronous save in flight (one at a time) and the gloo group its thread's collectives use."""
+
+    group: object = None  # under torch.distributed: its own process group, never the training loop's
+    in_flight: object = None  # the _SaveFuture not yet waited for
 
 
 class _SaveFuture(concurrent.futures.Future):
@@ -2314,15 +2388,17 @@ def _write_checkpoint(directory, attempt, tensors, files, *, keep_last, blocking
     """Write this process's shards, then process 0 writes the other files and commits; every rank
     returns `directory` or raises together. Off the main thread, the collectives (DCP's planning, the
     agreement) go through a process group of their own, never the one the training loop is using."""
-    group = None if blocking else _STATE.save_group
+    group = None if blocking else _STATE.saves.group
     path = os.path.join(directory, attempt)
     error = None
     try:
         dcp = importlib.import_module("torch.distributed.checkpoint")  # part of torch, slow to import: on use
-        planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner() if _STATE.xla_device is not None else None
+        xla = _STATE.xla_device is not None
+        planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner() if xla else None
         try:
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner, process_group=group)
-        except importlib.import_module("torch.distributed.checkpoint.api").CheckpointException as e:  # a BaseException whose text starts with a remote traceback
+        # a BaseException whose text starts with a remote traceback
+        except importlib.import_module("torch.distributed.checkpoint.api").CheckpointException as e:
             raise _plain_error(e, path) from None
         if _is_main_process():
             for name, data in files.items():
@@ -2341,11 +2417,12 @@ def _write_checkpoint(directory, attempt, tensors, files, *, keep_last, blocking
 
 def _report_unasked_save():
     """At exit (atexit: after the interpreter joined the save's thread): a failed save nobody asked about."""
-    future = _STATE.save_in_flight
+    future = _STATE.saves.in_flight
     if future is not None and future.done() and not future.asked:
         error = concurrent.futures.Future.exception(future)
         if error is not None:
-            logger.error("seamless_tpu: save_checkpoint(..., blocking=False) to %r failed, and nothing asked its Future: "
+            logger.error("seamless_tpu: save_checkpoint(..., blocking=False) to %r failed, and nothing asked its "
+                         "Future: "
                          "%s: %s. That attempt was removed; the checkpoint before it is still the one LATEST names",
                          future.path, type(error).__name__, error)
 
@@ -2353,7 +2430,7 @@ def _report_unasked_save():
 def _wait_for_saves():
     """Wait for the save_checkpoint(..., blocking=False) in flight, if any (the next save and load do;
     the end of the process does too), and raise its failure if nobody asked its Future about it."""
-    future, _STATE.save_in_flight = _STATE.save_in_flight, None
+    future, _STATE.saves.in_flight = _STATE.saves.in_flight, None
     if future is not None:
         concurrent.futures.wait([future])
         if not future.asked:
@@ -2367,39 +2444,27 @@ def _serialized(obj):
     return buffer.getvalue()
 
 
-def _host_shards(t):
-    """An XLA tensor's shards copied to the host now, for an asynchronous save: one copy of each
-    (replica 0), as torch_xla's planner writes them; a replicated tensor as one CPU tensor."""
-    if not _is_xla(t.device):
-        return t.detach().clone()
-    return _replica_0_shards(t) if _is_split(t) else t.detach().cpu()
-
-
-def _replica_0_shards(t):
-    """A split XLA tensor's shards on the host, one copy of each (replica 0): what torch_xla's planner writes."""
-    helpers = _import("torch_xla.experimental.distributed_checkpoint._helpers")
-    shards = helpers._cpu_shards_from_tensors([t])[0]
-    return helpers._CpuShards(shards=[s for s in shards.shards if s.replica_id == 0], global_shape=shards.global_shape)
-
-
-def _host_copy(t):
-    """A tensor copied to the host now, for an asynchronous save; an FSDP2 DTensor keeps its placements."""
+def _saved_form(t, blocking):
+    """What the checkpoint writer gets for `t`. Asynchronous: a copy on the host, taken now (an FSDP2 DTensor's
+    keeps its placements). On XLA, a split tensor as one copy of each shard (replica 0), as torch_xla's planner
+    writes them. A blocking save hands the planner the tensor itself, except one split over some mesh axes and
+    replicated over others, which torch_xla 2.9's SPMDSavePlanner leaves out without a word (measured: its key
+    is missing): every parameter of a multi-host ("data", "fsdp") mesh, every planned weight beside a data axis.
+    # TODO(remove the replica-0 shards of blocking saves when torch_xla's planner saves partially replicated tensors)"""
+    if _is_xla(t.device):
+        spec = _import("torch_xla")._XLAC._get_xla_sharding_spec(t)
+        if "last_tile_dim_replicate" in spec or (not blocking and _is_split(t)):
+            helpers = _import("torch_xla.experimental.distributed_checkpoint._helpers")
+            shards = helpers._cpu_shards_from_tensors([t])[0]  # this process's share of one copy, never the whole
+            replica_0 = [s for s in shards.shards if s.replica_id == 0]
+            return helpers._CpuShards(shards=replica_0, global_shape=shards.global_shape)
+        return t if blocking else t.detach().cpu()
+    if blocking:
+        return t
     if hasattr(t, "to_local"):
         local = t.to_local().detach().to("cpu", copy=True)
         return type(t).from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return t.detach().to("cpu", copy=True)
-
-
-def _one_copy_of_each_shard(t):
-    """torch_xla 2.9's SPMDSavePlanner leaves out, without a word, every tensor split over some mesh
-    axes and replicated over others (measured: its key is missing from the checkpoint). That is every
-    parameter of a multi-host ("data", "fsdp") mesh and every planned weight beside a data axis. Such a
-    tensor goes to the planner as its replica-0 shards on the host (what it does save): this process's
-    share of one copy, never the whole tensor.
-    # TODO(remove when torch_xla's planner saves partially replicated tensors)"""
-    if not _is_xla(t.device) or "last_tile_dim_replicate" not in _import("torch_xla")._XLAC._get_xla_sharding_spec(t):
-        return t
-    return _replica_0_shards(t)
 
 
 def _plain_error(e, path):
@@ -2414,7 +2479,8 @@ def _refuse_nested_state(value, where):
     optimizer and parameters) and could not be restored in place: refused now, not at resume."""
     if _is_stateful(value):
         raise TypeError(f"save_checkpoint: {where} is a {type(value).__name__} inside a plain value; pass it as its "
-                        f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) so it is saved by its state_dict")
+                        f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) so it is saved by its "
+                        f"state_dict")
     if isinstance(value, Mapping):
         for k, v in value.items():
             _refuse_nested_state(v, f"{where}[{k!r}]")
@@ -2446,8 +2512,10 @@ def _load_checkpoint(directory, state):
     directory = os.fspath(directory)
     for name, obj in state.items():
         if not _is_stateful(obj):
-            raise TypeError(f"load_checkpoint loads modules, optimizers and objects with state_dict()/load_state_dict() "
-                            f"in place; {name!r} is a {type(obj).__name__}. Plain values come back from the call instead")
+            raise TypeError(f"load_checkpoint loads modules, optimizers and objects with "
+                            f"state_dict()/load_state_dict() "
+                            f"in place; {name!r} is a {type(obj).__name__}. Plain values come back from the call "
+                            f"instead")
     _wait_for_saves()
     path = _committed_attempt(directory)  # once: tensors, objects and values all come from this attempt
     dcp = importlib.import_module("torch.distributed.checkpoint")
@@ -2457,7 +2525,8 @@ def _load_checkpoint(directory, state):
     objects = _read_objects(path)
     for name in state:
         if name not in saved and name not in objects.get("objects", {}):
-            raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds {sorted({*saved, *objects.get('objects', {})})}")
+            raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds "
+                           f"{sorted({*saved, *objects.get('objects', {})})}")
     reads = {}  # {the checkpoint's flat key: the tensor read into in place, or None for a pickled value}
     extra = {}
     for name, obj in state.items():
@@ -2471,9 +2540,10 @@ def _load_checkpoint(directory, state):
         if isinstance(obj, torch.nn.Module):
             for module in _unwrap(obj).modules():  # filled: a meta-built model's module needs no initialisation
                 _loaded(module)
-            if extra[name]:  # the tensors are in place; a non-tensor entry (extra state) goes through the module's own hook
+            if extra[name]:  # the tensors are in place; a non-tensor entry (extra state) goes through the module's hook
                 values = _unflatten(saved[name], reads)
-                _unwrap(obj).load_state_dict({key: values[saved_key] for key, saved_key in extra[name].items()}, strict=False)
+                extras = {key: values[saved_key] for key, saved_key in extra[name].items()}
+                _unwrap(obj).load_state_dict(extras, strict=False)
         elif isinstance(obj, torch.optim.Optimizer):
             values = _unflatten(saved[name], reads)  # DCP writes the parameter ids as strings, and drops an empty state
             obj.load_state_dict({**values, "state": {int(k): v for k, v in values.get("state", {}).items()}})
@@ -2481,7 +2551,7 @@ def _load_checkpoint(directory, state):
         else:
             obj.load_state_dict(objects["objects"][name])
     _set_rng_states(objects.get("rng", {}))
-    return torch.load(os.path.join(path, "values.pt"), map_location="cpu", weights_only=False)
+    return torch.load(os.path.join(path, PLAIN_VALUES), map_location="cpu", weights_only=False)
 
 
 class _HostMemoryRelease:
@@ -2581,17 +2651,20 @@ def _module_targets(module, saved, reads, what, release):
     """Point `reads` at the module's own parameters and buffers (the checkpoint is read into them in
     place), under the saved keys: a compiled submodule's '_orig_mod.' is left out. Returns {own key:
     saved key} of its non-tensor entries (extra state), which the module's load_state_dict sets after."""
-    current = {key.replace("_orig_mod.", ""): (key, value) for key, value in _unwrap(module).state_dict(keep_vars=True).items()}
+    current = {key.replace("_orig_mod.", ""): (key, value)
+               for key, value in _unwrap(module).state_dict(keep_vars=True).items()}
     shapes = {path[0]: getattr(entry, "size", None) for path, _, entry in saved}
     missing, unexpected = sorted(set(current) - set(shapes)), sorted(set(shapes) - set(current))
     if missing or unexpected:
         raise KeyError(f"{what} does not fit the model: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
     for saved_key, (_, value) in current.items():
-        if isinstance(value, torch.Tensor) and shapes[saved_key] is not None and tuple(shapes[saved_key]) != tuple(value.shape):
-            raise ValueError(f"{what} does not fit the model: {saved_key!r} has shape {tuple(shapes[saved_key])} in the "
+        stored = shapes[saved_key]
+        if isinstance(value, torch.Tensor) and stored is not None and tuple(stored) != tuple(value.shape):
+            raise ValueError(f"{what} does not fit the model: {saved_key!r} has shape {tuple(shapes[saved_key])} in "
+                             f"the "
                              f"checkpoint and {tuple(value.shape)} in the model")
     for submodule in _unwrap(module).modules():  # a meta model laid out and not yet initialised: once it fits
-        if submodule in _STATE.uninitialized:
+        if submodule in _STATE.meta_init.pending:
             for name, t in _own_tensors(submodule):  # split ones are parameters, swapped in place: `current` holds them
                 if _is_xla(t.device) and _is_split(t):
                     _set_own_tensor(submodule, name, release(_blank_like(t)))
@@ -2613,7 +2686,8 @@ def _optimizer_targets(optimizer, saved, reads, release):
             continue
         param = params[int(path[1])] if len(path) == 3 and path[0] == "state" and int(path[1]) < len(params) else None
         current = optimizer.state.get(param, {}).get(path[2]) if param is not None else None
-        if isinstance(current, torch.Tensor) and current.shape == entry.size and current.dtype == entry.properties.dtype:
+        fits = isinstance(current, torch.Tensor) and current.shape == entry.size
+        if fits and current.dtype == entry.properties.dtype:
             reads[key] = current
         else:
             reads[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -2648,8 +2722,9 @@ def _read_checkpoint(path):
         tensors = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
     for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings, and drops an empty state
         if isinstance(state, dict) and "param_groups" in state:
-            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in state.get("state", {}).items()}
-    plain = torch.load(os.path.join(path, "values.pt"), map_location="cpu", weights_only=False)
+            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                              for k, v in state.get("state", {}).items()}
+    plain = torch.load(os.path.join(path, PLAIN_VALUES), map_location="cpu", weights_only=False)
     return tensors, plain
 
 # --- 15c. checkpoints: files and commit -----------------------------------------------------------
@@ -2658,7 +2733,8 @@ def _read_checkpoint(path):
 def _is_stateful(value):
     """Modules, optimizers, and any object with state_dict()/load_state_dict() (schedulers, GradScaler,
     samplers with state): restored in place, never pickled whole. A class is not an instance."""
-    return not isinstance(value, type) and all(callable(getattr(value, m, None)) for m in ("state_dict", "load_state_dict"))
+    methods = ("state_dict", "load_state_dict")
+    return not isinstance(value, type) and all(callable(getattr(value, m, None)) for m in methods)
 
 
 def _sync_if_xla():
@@ -2703,7 +2779,8 @@ def _agree(what, value=None, error=None, group=None):
     size, _ = _torch_dist_ranks()
     if size > 1:
         outcomes = [None] * size
-        torch.distributed.all_gather_object(outcomes, (value, None if error is None else f"{type(error).__name__}: {error}"), group=group)
+        torch.distributed.all_gather_object(outcomes, (value, None if error is None else f"{type(error).__name__}: "
+                                                                                         f"{error}"), group=group)
         failed = [(rank, message) for rank, (_, message) in enumerate(outcomes) if message is not None]
         if failed and error is None:
             raise RuntimeError(f"{what} failed on process {failed[0][0]}: {failed[0][1]}")
@@ -2723,7 +2800,8 @@ def _atomic_write(obj, path):
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"cannot save to {path!r}: the directory {directory!r} does not exist; create it first (os.makedirs)")
+        raise FileNotFoundError(f"cannot save to {path!r}: the directory {directory!r} does not exist; create it "
+                                f"first (os.makedirs)")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:  # created with the user's umask, as torch.save would
@@ -2765,12 +2843,8 @@ def _history(directory):
     try:
         with open(os.path.join(directory, CHECKPOINT_HISTORY)) as f:
             names = f.read().split()
-    except FileNotFoundError:  # written by a release before HISTORY: its one checkpoint
-        try:
-            with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
-                names = f.read().split()
-        except FileNotFoundError:
-            return []
+    except FileNotFoundError:
+        return []
     return [n for n in names if SAVE_ATTEMPT.fullmatch(n) and os.path.isdir(os.path.join(directory, n))]
 
 
@@ -2793,11 +2867,13 @@ def _committed_attempt(directory):
     if attempt is None:
         raise FileNotFoundError(
             f"{directory!r} is not a seamless_tpu checkpoint: it has no {CHECKPOINT_POINTER} file, which "
-            "save_checkpoint writes last (a save that was killed leaves none). Pass the directory given to save_checkpoint"
+            "save_checkpoint writes last (a save that was killed leaves none). Pass the directory given to "
+            "save_checkpoint"
         ) from None
     path = os.path.join(directory, attempt)
     if not SAVE_ATTEMPT.fullmatch(attempt) or not os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileNotFoundError(f"checkpoint {directory!r} is damaged: {CHECKPOINT_POINTER} names {attempt!r}, which is missing or incomplete")
+        raise FileNotFoundError(f"checkpoint {directory!r} is damaged: {CHECKPOINT_POINTER} names {attempt!r}, which "
+                                f"is missing or incomplete")
     return path
 
 # --- 16. the Ray hook -----------------------------------------------------------------------------
@@ -2898,7 +2974,8 @@ def _check_cluster_tpus(scaling_config):
     have = ray.cluster_resources().get("TPU", 0)
     if have < need:
         raise RuntimeError(f"ScalingConfig(use_tpu=True) asks for num_workers={scaling_config.num_workers} x "
-                           f"{scaling_config.num_tpus_per_worker:g} TPU = {need:g} TPU, but the Ray cluster has {have:g} "
+                           f"{scaling_config.num_tpus_per_worker:g} TPU = {need:g} TPU, but the Ray cluster has "
+                           f"{have:g} "
                            "(ray.cluster_resources()). Connect to a cluster of TPU hosts (ray.init(address=...)), "
                            "fewer workers or TPU per worker, or use_tpu=False for CPU/GPU")
 
@@ -2917,9 +2994,11 @@ class _RayTrainLoop:
         result = self.train_fn(*args)
         if _STATE.preemption.preempted_at and _STATE.preemption.delays_exit:
             raise RuntimeError(
-                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; the loop returned after it, so "
+                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; the loop "
+                f"returned after it, so "
                 "this attempt ends as failed for Ray to restart it from the last reported checkpoint "
-                "(ray.train.get_checkpoint()). Allow the restart with RunConfig(failure_config=FailureConfig(max_failures=N))")
+                "(ray.train.get_checkpoint()). Allow the restart with "
+                "RunConfig(failure_config=FailureConfig(max_failures=N))")
         return result
 
 
@@ -2984,7 +3063,8 @@ def _ray_classes():
                 use_tpu = scaling_config is not None and getattr(scaling_config, "use_tpu", False)
                 torch_config = TorchConfig(backend="xla_tpu") if use_tpu else TorchConfig()
             if torch_config.backend in RAY_XLA_BACKENDS and scaling_config is not None:
-                _check_tpu_scaling(scaling_config.num_workers, scaling_config.num_tpus_per_worker, scaling_config.topology)
+                _check_tpu_scaling(scaling_config.num_workers, scaling_config.num_tpus_per_worker,
+                                   scaling_config.topology)
             super().__init__(_RayTrainLoop(train_loop_per_worker), torch_config=torch_config,
                              scaling_config=scaling_config, **kwargs)
 

@@ -1741,5 +1741,5 @@ def test_a_layout_is_decided_for_every_case_without_placing_anything(monkeypatch
     got.update({k: getattr(layout, k) for k in ("rank_axes", "data_ranks") if k in want})
     assert got == want, layout
     assert {p.device.type for p in model.parameters()} == {"meta" if meta else "cpu"}, "nothing moved"
-    assert not st._STATE.uninitialized and type(model) is torch.nn.Sequential, "nothing laid out or wrapped"
+    assert not st._STATE.meta.pending and type(model) is torch.nn.Sequential, "nothing laid out or wrapped"
     assert f"wrap={want['wrap']!r}" in repr(layout)

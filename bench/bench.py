@@ -919,7 +919,7 @@ t = time.perf_counter()
 for _ in range(n):
     st._before_forward(model, (), {})  # the common path: nothing to cut
 forward = (time.perf_counter() - t) / n
-st._STATE.no_grad_forward_since_cut = False
+st._STATE.cuts.no_grad_forward = False
 t = time.perf_counter()
 for _ in range(n):
     st._saw_backward(p)
