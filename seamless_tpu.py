@@ -1971,18 +1971,13 @@ def _catch_sigterm():
 
 @dataclasses.dataclass
 class _Preemption:
-    """SIGTERM (a spot VM, a preempted slice or pod going away) becomes trainer.preempted at the same optimizer
-    step on every process, and the exit it would have caused (the default's, Ray's) is delayed, never cancelled:
-    it happens SIGTERM_GRACE_S after the signal, or after the last save to end, whichever is later. A handler of
-    the user's is chained and decides for itself; SIG_IGN is left alone.
-
-    Only steps of a trainer's optimizers count (those stepping a trainer's parameters), so an optimizer stepped
-    on some processes only (a probe, a helper model) never desynchronises them. With several processes, at steps
-    that every process computes alike, the processes agree: each reads the all-reduce (gloo, on the CPU) that the
-    last agreement started and starts the next. Its MAX holds the flag, and the fewest steps any process proposes
-    until the next agreement (AGREE_EVERY_S of its own steps, at most AGREE_MAX_STEPS). So every process reads the
-    same values at the same count, with no device sync and no wait (the all-reduce had steps to finish);
-    `preempted` comes about 2 x AGREE_EVERY_S after the signal, 2 x AGREE_MAX_STEPS steps at most."""
+    """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. The
+    exit it would have caused (the default's, Ray's) is delayed, never cancelled: it comes SIGTERM_GRACE_S after
+    the signal or the last save, whichever is later. A user's handler is chained and decides; SIG_IGN stays.
+    Only steps of trainers' optimizers count, so one that some processes step and others do not (a probe) never
+    splits them. Several processes agree at step counts they all compute alike: each reads the MAX all-reduce
+    (gloo, CPU) that the last agreement started, of the flag and of minus the steps each proposes until the next
+    (AGREE_EVERY_S of its steps, at most AGREE_MAX_STEPS), and starts the next: no device sync, and no wait."""
 
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
@@ -2017,7 +2012,7 @@ class _Preemption:
         _STATE.torch_patches.append(lambda: signal.signal(signal.SIGTERM, self.previous))
 
     def watch(self, model):
-        """From each trainer: its parameters count; the first one also sets up the agreement (a collective)."""
+        """From each trainer: its optimizers count; the first also sets up the agreement (a collective)."""
         self.models.add(model)
         if "preemption" in _STATE.optimizer_hooks:
             return

@@ -1080,7 +1080,7 @@ def test_model_parallel_size_builds_the_2d_mesh_in_one_line(fake, strategy, name
     trainer = st.SeamlessTPUTrainer(scenarios.mlp(), strategy=strategy, xla_spmd_config={"model_parallel_size": 2},
                                     tp_plan=scenarios.MLP_PLAN)
     assert (tuple(trainer.mesh.mesh_shape), tuple(trainer.mesh.axis_names)) == ((2, 2), names)
-    assert trainer._batch_sharding.axes == names[:1], "tensor-parallel groups get the same batch: it splits over the other axis"
+    assert trainer.layout.batch.axes == names[:1], "tensor-parallel groups get the same batch: it splits over the other axis"
     split = {n for n, p in trainer.model.named_parameters() if fake.shardings.get(p)}
     # the plan's weights over 'model'; with fsdp the rest too (the 1-feature output bias: XLA pads)
     assert split == {"0.weight", "0.bias", "2.weight"} | ({"2.bias"} if strategy == "fsdp" else set()), split

@@ -286,13 +286,13 @@ def test_ray_workers_exit_is_held_while_a_trainer_can_save_and_the_attempt_then_
 @pytest.mark.parametrize("phase, at", [("step", 3), ("between", 4)])
 def test_sigterm_in_or_between_steps_saves_at_the_next_step_end_and_exits_0(tmp_path, phase, at):
     """The signal lands inside step 3 (its forward is running), or between steps 3 and 4: trainer.preempted turns
-    True at the end of that step, the loop saves and breaks, and the process exits 0 well within the grace."""
+    True at the end of that step, the loop saves and breaks, and the process exits 0 (the grace never ran out:
+    that exit would be by SIGTERM)."""
     import sigterm
 
     [(code, seconds, result, err)] = sigterm.run(phase, str(tmp_path))
     assert code == 0, err[-3000:]
     assert result["stopped_at"] == at and os.path.exists(tmp_path / "ckpt" / "LATEST"), result
-    assert seconds < sigterm.GRACE, f"the loop saved and ended {seconds:.1f} s after the signal"
 
 
 @pytest.mark.parametrize("phase", ["after", "loading", "eval"])
@@ -304,7 +304,7 @@ def test_sigterm_where_no_step_follows_exits_as_by_default_after_the_grace(tmp_p
 
     [(code, seconds, result, err)] = sigterm.run(phase, str(tmp_path))
     assert code == -signal.SIGTERM and result is None, (code, err[-3000:])
-    assert sigterm.GRACE <= seconds < sigterm.GRACE + 3, f"ended {seconds:.1f} s after the signal"
+    assert sigterm.GRACE <= seconds < sigterm.GRACE + 6, f"ended {seconds:.1f} s after the signal"
 
 
 @pytest.mark.parametrize("phase", ["after", "eval"])
@@ -315,7 +315,7 @@ def test_sigterm_to_every_rank_where_no_step_follows_ends_each_after_the_grace(t
 
     outs = sigterm.run(phase, str(tmp_path), world=2, to_all=True)
     assert [code for code, *_ in outs] == [-signal.SIGTERM] * 2, [err[-2000:] for *_, err in outs]
-    assert all(sigterm.GRACE <= seconds < sigterm.GRACE + 3 for _, seconds, _, _ in outs), outs
+    assert all(sigterm.GRACE <= seconds < sigterm.GRACE + 6 for _, seconds, _, _ in outs), outs
 
 
 @pytest.mark.parametrize("world", [2, 3])
