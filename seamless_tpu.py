@@ -4,19 +4,16 @@
     x, y = trainer.to_device(x, y)               # on XLA: dim 0 split over the mesh's batch axes
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step (and loop iteration) is one graph
 
-Backends: "tpu" (torch_xla, PJRT_DEVICE=TPU), "xla" (torch_xla on another PJRT device, e.g. PJRT_DEVICE=CPU
-CPU_NUM_DEVICES=4), "gpu", "cpu"; strategy="ddp"|"fsdp", tensor parallelism over a "model" axis, sharded atomic
-checkpoints, TorchConfig/TorchTrainer for Ray Train. torch_xla and ray load only when used (README.md: the manual).
-Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a torch.device); PJRT_DEVICE (only as the user set it: torch_xla's
-import writes a guess); TPU_ACCELERATOR_TYPE (errors); RANK, LOCAL_RANK; TPU_VISIBLE_CHIPS (Ray warning);
-SEAMLESS_TPU_SIGTERM_GRACE (s, default 15); on a multi-host slice without torch.distributed MASTER_ADDR (else the
-runtime's worker 0) and SEAMLESS_TPU_PORT (default 8548). Env written only where unset (and logged): PJRT_DEVICE; on
-Ray "xla_tpu" workers MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, TPU_WORKER_*.
+Backends: "tpu" (PJRT_DEVICE=TPU), "xla" (torch_xla on another PJRT device), "gpu", "cpu"; torch_xla and ray load only
+when used. README.md is the manual. Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a torch.device); PJRT_DEVICE
+(as the user set it, not torch_xla's import-time guess); TPU_ACCELERATOR_TYPE; RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS;
+SEAMLESS_TPU_SIGTERM_GRACE; on a slice without torch.distributed MASTER_ADDR, SEAMLESS_TPU_PORT. Written only where
+unset, and logged: PJRT_DEVICE; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*.
 Process-wide changes (nothing at import), each undone by _reset_caches for the tests:
-- first XLA use (get_device, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; swap_module_params_on_
-  conversion on, so .to()/.half() of EVERY module swaps tensors in place, CPU ones too (one whose parameter a weakref
-  holds then raises "Couldn't swap"); a torch.xla device module; torch.utils.checkpoint routed through an
-  optimization barrier for XLA inputs; global optimizer-step hooks (the graph cut, the recompile watchdog).
+- first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
+  swap_module_params_on_conversion on, so .to()/.half() of EVERY module swaps in place, CPU ones too (raising
+  "Couldn't swap" if a weakref holds a parameter); a torch.xla device module; torch.utils.checkpoint routed through
+  an optimization barrier for XLA inputs; global optimizer-step hooks (the graph cut, the recompile watchdog).
 - FSDP2 or tensor parallelism off XLA: a global pre-step hook that rebinds optimizers built before the trainer.
 - first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler that chains
   the user's and leaves SIG_IGN alone; a default or Ray exit is held until trainer.preempted's save, for the grace at
