@@ -221,28 +221,32 @@ def compiles_over_epochs(name, samples=70, batch=8, epochs=3):
 
 
 def shim_overhead(variant, reps=20000):
-    """The shim's own Python work per optimizer step, timed in isolation: on XLA the two hooks it
-    runs around every step, the real ones, with torch_xla.sync stubbed out (no device work); off
-    XLA, how many global optimizer hooks exist at all."""
+    """The shim's own Python work per optimizer step, timed in isolation: the real global hooks it runs around
+    every step, called back to back. On XLA the graph cut's two, with torch_xla.sync stubbed out (no device
+    work); everywhere the preemption hook (one process: a flag read) and the optimizer-rebinding one that FSDP2
+    and tensor parallelism install (a parameter count)."""
     from torch.optim import optimizer as optim_module
 
     import seamless_tpu as st
 
     hooks = len(optim_module._global_optimizer_pre_hooks) + len(optim_module._global_optimizer_post_hooks)
-    if not st.is_xla_backend():
-        return {"global_optimizer_hooks": hooks, "us_per_step": 0.0}
-    import torch_xla
+    opt = variant.optimizer
+    calls = [lambda: st._STATE.preemption._after_step(opt, (), {}), lambda: st._rebind_before_step(opt, (), {})]
+    sync = None
+    if st.is_xla_backend():
+        import torch_xla
 
-    opt, sync = variant.optimizer, torch_xla.sync
-    torch_xla.sync = lambda *args, **kwargs: None
+        sync, torch_xla.sync = torch_xla.sync, lambda *args, **kwargs: None
+        calls += [lambda: st._before_xla_step(opt, (), {}), lambda: st._after_xla_step(opt, (), {})]
     try:
         start = time.perf_counter()
         for _ in range(reps):
-            st._before_xla_step(opt, (), {})
-            st._after_xla_step(opt, (), {})
+            for call in calls:
+                call()
         seconds = time.perf_counter() - start
     finally:
-        torch_xla.sync = sync
+        if sync is not None:
+            torch_xla.sync = sync
     return {"global_optimizer_hooks": hooks, "us_per_step": seconds / reps * 1e6}
 
 
@@ -880,9 +884,10 @@ def run_overhead(s):
 
 
 def render_overhead(overhead, s):
-    md = ["On XLA: the two hooks the shim runs around every optimizer step, `_before_xla_step` then `_after_xla_step`, "
-          "called back to back with `torch_xla.sync` replaced by a no-op, so no device work is timed. Off XLA: how many "
-          "global optimizer hooks exist at all.", ""]
+    md = ["The real hooks the shim runs around every optimizer step, called back to back: everywhere the preemption "
+          "hook (one process: a flag read) and the rebinding hook of FSDP2 and tensor parallelism (a parameter count); "
+          "on XLA also `_before_xla_step` and `_after_xla_step`, with `torch_xla.sync` replaced by a no-op, so no "
+          "device work is timed.", ""]
     md += [f"- {label}: {o['us_per_step']:.2f} us per optimizer step; global optimizer hooks installed: {o['global_optimizer_hooks']}"
            for label, o in overhead.items()]
     return md, ["shim's own work per step: " + ", ".join(f"{k} {o['us_per_step']:.2f} us ({o['global_optimizer_hooks']} global hooks)"
