@@ -101,6 +101,8 @@ def crash_resume(config):
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])  # a single-process RandomSampler seeds from it
         start = state["epoch"] + 1
+    if config.get("preempt"):
+        st.AGREE_MAX_STEPS = 1  # the workers agree at every step: the stop lands at a known step in this short run
     trainer = st.SeamlessTPUTrainer(model, optimizer, strategy=config.get("strategy", "ddp"))
     if checkpoint and sharded:
         with checkpoint.as_directory() as d:

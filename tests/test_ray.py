@@ -268,10 +268,10 @@ def test_sigterm_on_one_worker_saves_on_both_at_one_step_and_ray_resumes_there(f
     ray.train.get_checkpoint() and ends bitwise where the uninterrupted run ends."""
     run = crash_run(tmp_path, "preempted", **dict(FSDP2_CPU, config={**FSDP2_CPU["config"], "preempt": True}))
     stops = sorted(read_lines(run, "preempted"), key=lambda s: s["rank"])
-    assert [s["rank"] for s in stops] == [0, 1] and stops[0]["at"] == stops[1]["at"] == [2, STEPS // 2 + 1], \
-        f"both workers stop after the step that follows the signal: {stops}"
+    assert [s["rank"] for s in stops] == [0, 1] and stops[0]["at"] == stops[1]["at"] == [2, STEPS // 2 + 2], \
+        f"both workers stop one step after the step that follows the signal (its agreement is read then): {stops}"
     starts = read_lines(run, "starts")
-    assert [s["at"] for s in starts] == [[0, 0], [0, 0], [2, STEPS // 2 + 1], [2, STEPS // 2 + 1]], starts
+    assert [s["at"] for s in starts] == [[0, 0], [0, 0], [2, STEPS // 2 + 2], [2, STEPS // 2 + 2]], starts
     assert stops[1]["pid"] in {s["pid"] for s in starts[:2]}, "the signalled worker lived on to save"
     assert len({s["pid"] for s in starts}) == 4, "Ray restarted the group"
     assert [r["epochs"][0] for r in read_lines(run, "reports")] == [0, 1, 2, 2, 3, 4], "the preemption's report registered"
