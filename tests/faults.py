@@ -13,7 +13,6 @@ A save with blocking=False commits on a thread after the call returns: keep the 
 done (or, for a save in flight at exit, never close it: contextlib.ExitStack().enter_context(...)).
 """
 
-import contextlib
 import os
 import time
 
@@ -34,15 +33,20 @@ def _wait_for(done, what):
         time.sleep(0.01)
 
 
-@contextlib.contextmanager
-def _commit_replaced(make):
-    """st._commit_checkpoint replaced by make(real commit) for the block, put back after it."""
-    real = st._commit_checkpoint
-    st._commit_checkpoint = make(real)
-    try:
-        yield
-    finally:
-        st._commit_checkpoint = real
+class _commit_replaced:
+    """st._commit_checkpoint replaced by make(real commit) for the block, put back after it. A class, not a
+    generator: one entered and never exited stays in place even once nothing refers to it (a generator's
+    finally would run when it is collected, putting the real commit back under a save still in flight)."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def __enter__(self):
+        self.real = st._commit_checkpoint
+        st._commit_checkpoint = self.make(self.real)
+
+    def __exit__(self, *exc):
+        st._commit_checkpoint = self.real
 
 
 def slow_commit(seconds=0.0, *, started=None, until=None):
