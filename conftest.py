@@ -5,11 +5,15 @@ its own folder, and test_seamless_tpu.py stays at the top level. Test files impo
 helpers that tests share live in plain modules under tests/ (child.py, scenarios.py, ...).
 
 Tiers (setup.cfg registers them; every test file names exactly one with `pytestmark`):
-    fast       seconds; no real torch_xla runtime and no Ray cluster (tests/fake_torch_xla.py stands in)
+    fast       in-process, under a minute in all: no child process, no real torch_xla runtime, no Ray cluster
+               (tests/fake_torch_xla.py stands in) (test_seamless_tpu.py, tests/test_inputs.py, tests/test_state.py)
+    procs      seconds each, starts Python processes: gloo ranks, example and signal runs, no torch_xla runtime
+               (tests/test_procs.py)
     xla        real torch_xla SPMD on 4 virtual CPU devices (tests/test_real_xla.py)
     ray        a real local Ray cluster (tests/test_ray.py, tests/test_ray_slice.py)
     workloads  third-party models on real torch_xla (tests/test_workloads.py)
-`./dev.sh test -m fast` runs one tier; plain `./dev.sh test` runs them all.
+`./dev.sh test -m fast` runs one tier; plain `./dev.sh test` runs them all. tests/DURATIONS.md has what each
+test of `-m "fast or procs"` took on a 2-core machine: measure again before moving a test between tiers.
 """
 
 import dataclasses
@@ -17,6 +21,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 import seamless_tpu as st
 from fake_torch_xla import FakeXLA
@@ -26,7 +31,7 @@ try:  # imported up front: ray's import writes RAY_CLIENT_MODE, which the hygien
 except ImportError:
     pass
 
-TIERS = ("fast", "xla", "ray", "workloads")
+TIERS = ("fast", "procs", "xla", "ray", "workloads")
 st._reset_caches()  # the first test starts where the hygiene fixture leaves every later one
 
 
@@ -49,11 +54,23 @@ def _state_left():
     return left + (["rebound"] if len(now.rebound) else [])
 
 
+def _torch_as_patched():
+    """What the module changes in torch process-wide (global optimizer hooks, activation checkpointing, module
+    conversion): _reset_caches() must put each back as the test found it. (The SIGTERM handler: tests/test_state.py's
+    sigterm_restored, which runs after this check.)"""
+    from torch.optim import optimizer
+
+    return (len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks),
+            torch.utils.checkpoint.CheckpointFunction, torch.utils.checkpoint._CheckpointFrame.__init__,
+            torch.__future__.get_swap_module_params_on_conversion(), hasattr(torch, "xla"))
+
+
 @pytest.fixture(autouse=True)
 def hygiene():
     """Fail any test that leaks env vars or leaves the module's caches or process state warm
-    (a test that uses the module's state asks for `fresh`)."""
+    (a test that uses the module's state asks for `fresh`), or after which _reset_caches() leaves torch patched."""
     before = dict(os.environ)
+    patched = _torch_as_patched()
     yield
     after = dict(os.environ)
     leaked = {k: after.get(k) for k in set(before) | set(after) if before.get(k) != after.get(k)}
@@ -68,9 +85,7 @@ def hygiene():
     st._reset_caches()
     assert not leaked, f"test leaked env vars: {leaked}"
     assert not warm and not left, f"warm caches: {warm}; process state left behind: {left}"
-    state = st._STATE
-    assert state.xla_device is None and state.mesh is None and not state.optimizer_hooks and not state.torch_patches
-    assert not any(p.cache_info().currsize for p in st._CACHED_PROBES), "_reset_caches left a probe warm"
+    assert _torch_as_patched() == patched, f"torch still patched after _reset_caches(): {patched} -> {_torch_as_patched()}"
 
 
 @pytest.fixture
@@ -86,6 +101,13 @@ def no_xla(monkeypatch, fresh):
     monkeypatch.setitem(sys.modules, "torch_xla", None)
     for k in ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE", "TPU_ACCELERATOR_TYPE"):
         monkeypatch.delenv(k, raising=False)
+    return st
+
+
+@pytest.fixture
+def cpu(no_xla, monkeypatch):
+    """no_xla, and no GPU either (torch.cuda.is_available() is False): the device is the CPU on any machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     return st
 
 

@@ -1,16 +1,14 @@
-"""Fast tier: no XLA runtime, no Ray cluster. A fake torch_xla (tests/fake_torch_xla.py) stands in
+"""Fast tier: in-process, no XLA runtime, no Ray cluster. A fake torch_xla (tests/fake_torch_xla.py) stands in
 for the library; tests/test_real_xla.py runs the same scenarios on the real one. The fixtures
-(hygiene, fresh, no_xla, fake) are in conftest.py; what to_device does with batches is in
-tests/test_inputs.py."""
+(hygiene, fresh, no_xla, cpu, fake) are in conftest.py; what to_device does with batches is in
+tests/test_inputs.py; every test that starts a process (gloo ranks, the example, SIGTERM) is in tests/test_procs.py.
+Faults (a slow or failing checkpoint commit) come from tests/faults.py."""
 
 import concurrent.futures
 import logging
 import os
 import re
-import signal
-import subprocess
 import sys
-import textwrap
 import threading
 import types
 
@@ -18,6 +16,7 @@ import pytest
 import torch
 
 import child
+import faults
 import scenarios
 import seamless_tpu as st
 from fake_torch_xla import FakeXLA
@@ -165,13 +164,12 @@ def test_tpu_requested_without_a_tpu(fake, monkeypatch):
         st.get_device("tpu")
 
 
-def test_bad_kind_and_missing_gpu(no_xla, monkeypatch):
+def test_bad_kind_and_missing_gpu(cpu, monkeypatch):
     with pytest.raises(ValueError, match=r"device must be one of .* or a torch.device string like 'cuda:0', got 'tpuu'"):
         st.get_device("tpuu")
     monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "cudaa")
     with pytest.raises(ValueError, match=r"SEAMLESS_TPU_DEVICE must be one of .*got 'cudaa'"):
         st.device_type()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "cuda:1")
     with pytest.raises(RuntimeError, match=r"device 'cuda:1' was requested but torch.cuda.is_available\(\) is False"):
         st.device_type()
@@ -179,8 +177,7 @@ def test_bad_kind_and_missing_gpu(no_xla, monkeypatch):
         st.get_device("gpu")
 
 
-def test_cpu_device(no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_cpu_device(cpu):
     assert st.get_device() == torch.device("cpu") and st.get_device("cpu") == torch.device("cpu")
 
 
@@ -189,15 +186,13 @@ def test_cpu_device(no_xla, monkeypatch):
 
 @pytest.mark.parametrize("opt_name", sorted(scenarios.OPTIMIZERS))
 @pytest.mark.parametrize("how", ["trainer", "to_device"])
-def test_trainer_on_cpu_is_bitwise_the_plain_loop(no_xla, monkeypatch, how, opt_name):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_trainer_on_cpu_is_bitwise_the_plain_loop(cpu, how, opt_name):
     want = scenarios.plain_loop("eager", opt_name)
     assert torch.equal(scenarios.plain_loop(how, opt_name), want)
     assert want[-1] < want[0]
 
 
-def test_fsdp_in_one_cpu_process_runs_as_ddp_and_says_so_once(no_xla, monkeypatch, caplog):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_fsdp_in_one_cpu_process_runs_as_ddp_and_says_so_once(cpu, caplog):
     want = scenarios.plain_loop("eager", "adamw")
     with caplog.at_level(logging.INFO, logger="seamless_tpu"):
         got = scenarios.plain_loop("trainer", "adamw", strategy="fsdp")
@@ -210,8 +205,7 @@ def test_fsdp_in_one_cpu_process_runs_as_ddp_and_says_so_once(no_xla, monkeypatc
     assert said == ["seamless_tpu: strategy='fsdp' on one cpu process has nothing to shard over; running as 'ddp'"]
 
 
-def test_trainer_cpu_extras(no_xla, monkeypatch, tmp_path):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_trainer_cpu_extras(cpu, tmp_path):
     model = scenarios.mlp()
     trainer = st.SeamlessTPUTrainer(model, precision="bf16")
     assert trainer.model is model and trainer.device == torch.device("cpu") and trainer.mesh is None
@@ -234,107 +228,29 @@ def test_trainer_cpu_extras(no_xla, monkeypatch, tmp_path):
 
 # --- checkpoints: atomic, the same outcome on every rank, the model's own keys --------------------
 
-KILL_MID_SAVE = """
-import os, sys, time, torch
-import seamless_tpu as st
-path, flag = sys.argv[1], sys.argv[2]
-trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")
-real_save = torch.save
 
-def torn_save(obj, f):  # half a checkpoint on disk, then the process is killed
-    f.write(b"PK-partial" * 1000)
-    f.flush()
-    open(flag, "w").close()
-    time.sleep(120)
-
-torch.save = torn_save
-trainer.save({"step": 2, "model": trainer.model}, path)
-"""
-
-
-def kill_when_flagged(code, *args, flag):
-    """Run `code` in a child, SIGKILL it (no cleanup runs) once it has created `flag`."""
-    proc = child.popen(["-c", code, *args, flag])
-    try:
-        for _ in range(1200):
-            if flag.exists() or proc.poll() is not None:
-                break
-            __import__("time").sleep(0.1)
-        assert flag.exists(), "the child never got to the point to kill it at"
-        proc.send_signal(9)
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
-
-
-def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    path, flag = tmp_path / "ckpt.pt", tmp_path / "writing"
-    st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu").save({"step": 1}, path)
-    kill_when_flagged(KILL_MID_SAVE, path, flag=flag)
-    assert torch.load(path) == {"step": 1}, "the previous checkpoint must survive a kill mid-save"
-    st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu").save({"step": 3}, path)
-    assert torch.load(path) == {"step": 3}
-
-
-KILL_MID_CHECKPOINT = """
-import os, sys, time, torch
-import seamless_tpu as st
-directory, flag = sys.argv[1], sys.argv[2]
-model = torch.nn.Linear(3, 2)
-trainer = st.SeamlessTPUTrainer(model, device="cpu")
-with torch.no_grad():
-    model.weight.fill_(2.0)
-
-def killed_before_commit(directory, step, keep_last):  # every shard is on disk; the commit never comes
-    open(flag, "w").close()
-    time.sleep(120)
-
-st._commit_checkpoint = killed_before_commit
-trainer.save_checkpoint(directory, model=model, epoch=2)
-"""
-
-
-def test_checkpoint_killed_midway_keeps_the_previous_one(tmp_path, no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    directory, flag = tmp_path / "ckpt", tmp_path / "writing"
-    model = torch.nn.Linear(3, 2)
-    trainer = st.SeamlessTPUTrainer(model, device="cpu")
-    with torch.no_grad():
-        model.weight.fill_(1.0)
-    trainer.save_checkpoint(directory, model=model, epoch=1)
-    kill_when_flagged(KILL_MID_CHECKPOINT, directory, flag=flag)
-    assert len([n for n in os.listdir(directory) if n.startswith("save-")]) == 2, "the killed save left its shards"
-    fresh = torch.nn.Linear(3, 2)
-    assert trainer.load_checkpoint(directory, model=fresh) == {"epoch": 1}
-    assert torch.equal(fresh.weight, torch.ones(2, 3)), "the previous checkpoint, not the half-written one"
-    trainer.save_checkpoint(directory, model=model, epoch=3)  # the next save cleans up the leftovers
-    assert len([n for n in os.listdir(directory) if n.startswith("save-")]) == 1
-
-
-def test_async_checkpoint_saves_the_state_at_the_call_while_training_goes_on(tmp_path, no_xla, monkeypatch):
+def test_async_checkpoint_saves_the_state_at_the_call_while_training_goes_on(tmp_path, cpu):
     """save_checkpoint(..., blocking=False) returns a Future at once; the loop trains while the write is
     held back; what lands on disk is the state at the call (weights, Adam state, a plain value mutated
     after it); the next save waits for the one in flight."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = scenarios.mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     x, y = torch.randn(8, 10), torch.randn(8, 1)
     scenarios.run_steps(model, optimizer, x, y, 2)
-    gate, commit = threading.Event(), st._commit_checkpoint
-    monkeypatch.setattr(st, "_commit_checkpoint", lambda *a: gate.wait(60) and commit(*a))
+    gate = threading.Event()
     at_call = {k: v.clone() for k, v in model.state_dict().items()}
     adam_at_call = optimizer.state[model[0].weight]["exp_avg"].clone()
     meta = {"seen": [1, 2]}
-    future = trainer.save_checkpoint(tmp_path / "ckpt", blocking=False, model=model, optimizer=optimizer, meta=meta)
-    assert isinstance(future, concurrent.futures.Future)
-    meta["seen"].append(3)
-    scenarios.run_steps(model, optimizer, x, y, 3)  # training goes on while the write waits
-    assert not future.done() and not (tmp_path / "ckpt" / "LATEST").exists()
-    threading.Timer(0.5, gate.set).start()
-    trainer.save_checkpoint(tmp_path / "ckpt2", model=model)  # waits for the one in flight first
-    assert future.done() and future.result() == str(tmp_path / "ckpt")
+    with faults.held_commit(gate):
+        future = trainer.save_checkpoint(tmp_path / "ckpt", blocking=False, model=model, optimizer=optimizer, meta=meta)
+        assert isinstance(future, concurrent.futures.Future)
+        meta["seen"].append(3)
+        scenarios.run_steps(model, optimizer, x, y, 3)  # training goes on while the write waits
+        assert not future.done() and not (tmp_path / "ckpt" / "LATEST").exists()
+        threading.Timer(0.5, gate.set).start()
+        trainer.save_checkpoint(tmp_path / "ckpt2", model=model)  # waits for the one in flight first
+        assert future.done() and future.result() == str(tmp_path / "ckpt")
     fresh = scenarios.mlp(seed=5)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     assert trainer.load_checkpoint(tmp_path / "ckpt", model=fresh, optimizer=fresh_opt) == {"meta": {"seen": [1, 2]}}
@@ -343,27 +259,22 @@ def test_async_checkpoint_saves_the_state_at_the_call_while_training_goes_on(tmp
     assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], adam_at_call)
 
 
-def test_async_checkpoint_failure_raises_from_its_future_or_else_the_next_call(tmp_path, no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_async_checkpoint_failure_raises_from_its_future_or_else_the_next_call(tmp_path, cpu):
     model = torch.nn.Linear(3, 2)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     trainer.save_checkpoint(tmp_path, model=model, epoch=1)
 
-    def full_disk(*args):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(st, "_commit_checkpoint", full_disk)
-    future = trainer.save_checkpoint(tmp_path, blocking=False, model=model, epoch=2)
-    with pytest.raises(OSError, match="No space left on device"):
-        future.result(timeout=60)
-    assert trainer.load_checkpoint(tmp_path, model=model) == {"epoch": 1}, "the previous checkpoint stays"
-    trainer.save_checkpoint(tmp_path, blocking=False, model=model, epoch=3)  # nobody asks this one's Future
-    with pytest.raises(OSError, match="No space left on device"):
-        trainer.save_checkpoint(tmp_path, model=model, epoch=4)
+    with faults.failing_commit(OSError(28, "No space left on device")):
+        future = trainer.save_checkpoint(tmp_path, blocking=False, model=model, epoch=2)
+        with pytest.raises(OSError, match="No space left on device"):
+            future.result(timeout=60)
+        assert trainer.load_checkpoint(tmp_path, model=model) == {"epoch": 1}, "the previous checkpoint stays"
+        trainer.save_checkpoint(tmp_path, blocking=False, model=model, epoch=3)  # nobody asks this one's Future
+        with pytest.raises(OSError, match="No space left on device"):
+            trainer.save_checkpoint(tmp_path, model=model, epoch=4)
 
 
-def test_rolling_history_keeps_the_last_k_and_each_loads(tmp_path, no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_rolling_history_keeps_the_last_k_and_each_loads(tmp_path, cpu):
     model = torch.nn.Linear(3, 2)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     for epoch in range(4):
@@ -382,49 +293,7 @@ def test_rolling_history_keeps_the_last_k_and_each_loads(tmp_path, no_xla, monke
         trainer.save_checkpoint(tmp_path, keep_last=0, model=model)
 
 
-KILL_MID_ASYNC_WRITE = """
-import sys, time, torch
-import torch.distributed.checkpoint as dcp
-import seamless_tpu as st
-directory, flag = sys.argv[1], sys.argv[2]
-model = torch.nn.Linear(3, 2)
-trainer = st.SeamlessTPUTrainer(model, device="cpu")
-trainer.save_checkpoint(directory, model=model, epoch=1)
-write = dcp.FileSystemWriter.write_data
-
-def killed_while_writing(self, plan, planner):  # the shards of the second save are being written
-    open(flag, "w").close()
-    time.sleep(120)
-
-dcp.FileSystemWriter.write_data = killed_while_writing
-trainer.save_checkpoint(directory, blocking=False, model=model, epoch=2)
-while True:  # the loop trains on
-    model(torch.randn(4, 3)).sum().backward()
-"""
-
-EXIT_WITH_SAVE_IN_FLIGHT = """
-import sys, time, torch
-import seamless_tpu as st
-model = torch.nn.Linear(3, 2)
-trainer = st.SeamlessTPUTrainer(model, device="cpu")
-commit = st._commit_checkpoint
-st._commit_checkpoint = lambda *a: (time.sleep(1), commit(*a))
-trainer.save_checkpoint(sys.argv[1], blocking=False, model=model, epoch=7)
-"""
-
-
-def test_async_checkpoint_killed_mid_write_keeps_the_previous_one_and_exit_waits(tmp_path, no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    kill_when_flagged(KILL_MID_ASYNC_WRITE, tmp_path / "a", flag=tmp_path / "writing")
-    model = torch.nn.Linear(3, 2)
-    trainer = st.SeamlessTPUTrainer(model, device="cpu")
-    assert trainer.load_checkpoint(tmp_path / "a", model=model) == {"epoch": 1}
-    child.run(["-c", EXIT_WITH_SAVE_IN_FLIGHT, tmp_path / "b"], timeout=120)
-    assert trainer.load_checkpoint(tmp_path / "b", model=model) == {"epoch": 7}, "the process waited for its save"
-
-
-def test_checkpoint_bad_input_names_the_key_or_path(tmp_path, no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_checkpoint_bad_input_names_the_key_or_path(tmp_path, cpu):
     model = scenarios.mlp()
     optimizer = torch.optim.Adam(model.parameters())
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
@@ -470,10 +339,9 @@ def stateful_kit(seed):
 
 
 @pytest.mark.parametrize("optimizer_kind", ["sgd", "adam_before_first_step"])
-def test_checkpoint_of_an_optimizer_without_state_loads(tmp_path, no_xla, monkeypatch, optimizer_kind):
+def test_checkpoint_of_an_optimizer_without_state_loads(tmp_path, cpu, optimizer_kind):
     """torch.distributed.checkpoint drops an empty 'state': plain SGD, or any optimizer saved before its
     first step, loaded with KeyError: 'state' from inside torch."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = torch.nn.Linear(3, 2)
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adam_before_first_step": lambda p: torch.optim.Adam(p, lr=0.1)}[optimizer_kind]
     optimizer = make(model.parameters())
@@ -487,10 +355,9 @@ def test_checkpoint_of_an_optimizer_without_state_loads(tmp_path, no_xla, monkey
     assert other.state_dict() == optimizer.state_dict()
 
 
-def test_checkpoint_restores_any_stateful_object_in_place(tmp_path, no_xla, monkeypatch):
+def test_checkpoint_restores_any_stateful_object_in_place(tmp_path, cpu):
     """A scheduler, a GradScaler and a user object are saved by their state_dict and restored in place
     (Fabric's semantics); a scheduler is never pickled whole with its optimizer and parameters."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model, optimizer, scheduler, scaler, counter = stateful_kit(0)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     for _ in range(3):
@@ -517,8 +384,7 @@ def test_checkpoint_restores_any_stateful_object_in_place(tmp_path, no_xla, monk
     (lambda m, o: {"models": {"net": m}}, r"models\['net'\] is a Linear"),
     (lambda m, o: {"opts": [o]}, r"opts\[0\] is a SGD"),
 ])
-def test_checkpoint_refuses_state_inside_a_plain_value_at_save_time(tmp_path, no_xla, monkeypatch, value, where):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_checkpoint_refuses_state_inside_a_plain_value_at_save_time(tmp_path, cpu, value, where):
     model, optimizer, *_ = stateful_kit(0)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     with pytest.raises(TypeError, match=where + r" inside a plain value; pass it as its own keyword"):
@@ -526,9 +392,8 @@ def test_checkpoint_refuses_state_inside_a_plain_value_at_save_time(tmp_path, no
     assert not (tmp_path / "ckpt").exists(), "refused before anything is written"
 
 
-def test_save_checkpoint_removes_only_what_it_wrote(tmp_path, no_xla, monkeypatch):
+def test_save_checkpoint_removes_only_what_it_wrote(tmp_path, cpu):
     """A user's step-5000/ export, and any folder named like ours that a save did not create, survive."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = torch.nn.Linear(3, 2)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     for name in ("step-5000", "save-1-2", "step-3-4"):
@@ -542,10 +407,9 @@ def test_save_checkpoint_removes_only_what_it_wrote(tmp_path, no_xla, monkeypatc
     assert left == sorted(["HISTORY", "LATEST", (tmp_path / "LATEST").read_text(), "save-1-2", "step-3-4", "step-5000"]), left
 
 
-def test_failed_checkpoint_write_raises_an_ordinary_exception_naming_the_path(tmp_path, no_xla, monkeypatch):
+def test_failed_checkpoint_write_raises_an_ordinary_exception_naming_the_path(tmp_path, cpu, monkeypatch):
     """A full disk inside torch.distributed.checkpoint raises CheckpointException, a BaseException that
     `except Exception` misses; the user gets an OSError naming the path and the cause. Nothing is lost."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model = torch.nn.Linear(3, 2)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     trainer.save_checkpoint(tmp_path, model=model, epoch=1)
@@ -654,8 +518,7 @@ def test_watchdog_warns_only_when_graphs_keep_changing_over_epochs(fresh, caplog
     assert len(warned) == ("grow" in loop), warned
 
 
-def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, cpu):
     trainer = st.SeamlessTPUTrainer(torch.nn.Linear(3, 2), device="cpu")
     path = trainer.save({"step": 1}, tmp_path / "ckpt.pt")
     with pytest.raises((AttributeError, TypeError, __import__("pickle").PicklingError), match=r"(?i)pickle"):
@@ -665,116 +528,7 @@ def test_failed_save_keeps_the_previous_file_and_leaves_no_temp(tmp_path, no_xla
         trainer.save({"step": 2}, tmp_path / "missing" / "ckpt.pt")
 
 
-def run_ranks(case, tmp_path, world=2):
-    """Every rank of tests/dist_ranks.py CASE on CPU (gloo); what each saw."""
-    env = child.env(SEAMLESS_TPU_DEVICE="cpu")
-    outs = child.run_together([(["tests/dist_ranks.py", case, rank, world, tmp_path / "store", tmp_path], env) for rank in range(world)],
-                              timeout=120)
-    return [__import__("json").loads(out.strip().splitlines()[-1]) for out in outs]
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_gradients_are_averaged_in_backward_whichever_object_the_loop_calls(tmp_path, world):
-    """clip_grad_norm_ between backward and step sees the averaged gradient; ranks that use different
-    heads in one step, no_sync accumulation, eval passes and a trainer that was not kept all train
-    like one process on the whole batch, and like torch's own DDP."""
-    ranks = run_ranks("grad_sync", tmp_path, world)
-    for name, seen in ranks[0].items():
-        assert seen["norms_diff"] <= 1e-5, f"{name}: clip_grad_norm_ saw a local gradient (norms off by {seen['norms_diff']:.3g})"
-        assert seen["weights_diff"] <= 1e-5, f"{name}: weights off eager by {seen['weights_diff']:.3g}"
-        assert all(other[name]["weights"] == seen["weights"] for other in ranks[1:]), f"{name}: the ranks diverged"
-
-
-def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):
-    rank0, rank1 = run_ranks("save_errors", tmp_path)
-    assert rank0["missing_dir"].startswith("FileNotFoundError: cannot save to") and "does not exist" in rank0["missing_dir"]
-    assert rank1["missing_dir"].startswith("RuntimeError: trainer.save(") and "failed on process 0: FileNotFoundError" in rank1["missing_dir"]
-    assert "pickle" in rank0["unpicklable"].lower() and "failed on process 0" in rank1["unpicklable"]
-    assert rank0["ok_exists"] and rank1["ok_exists"], "after a failed save the ranks still save together"
-
-
-def test_failure_on_process_1_raises_on_every_rank(tmp_path):
-    rank0, rank1 = run_ranks("agreement", tmp_path)
-    assert rank0["value"] == rank1["value"] == "from process 0"
-    assert rank0["failed"] == "RuntimeError: step failed on process 1: OSError: disk full"
-    assert rank1["failed"] == "OSError: disk full", "the failing rank raises its own exception"
-    assert rank0["after"] == rank1["after"] == 0
-
-
-def test_checkpoint_objects_and_a_full_disk_on_real_ranks(tmp_path):
-    ranks = run_ranks("checkpoint_objects", tmp_path)
-    for strategy in ("ddp", "fsdp"):
-        for rank, seen in enumerate(ranks):
-            got = seen[strategy]
-            assert (got["epoch"], got["lr"], got["scale"], got["scheduler_epoch"]) == (1, 0.05, 64.0, 1), (strategy, rank, got)
-            assert got["disk_full"] is not None and "No space left on device" in got["disk_full"], (strategy, rank, got)
-            assert got["after"] == 1, "the previous checkpoint is still the committed one"
-        assert "could not write the checkpoint" in ranks[1][strategy]["disk_full"]
-
-
-def test_async_checkpoint_on_real_ranks_saves_the_state_at_the_call(tmp_path):
-    for rank, seen in enumerate(run_ranks("async_checkpoint", tmp_path)):
-        for strategy in ("ddp", "fsdp"):
-            got = seen[strategy]
-            assert got["result"] == f"async-{strategy}" and got["epoch"] == 2 and got["at_call"], (rank, strategy, got)
-            assert got["in_flight"], "5 steps ran while the save was still in flight"
-
-
-def test_fsdp2_shards_a_block_repeated_in_a_module_list_once(tmp_path):
-    """ModuleList([blk, blk, blk]) made fully_shard run twice on one module (an AssertionError in torch)."""
-    ranks = run_ranks("repeated_block", tmp_path)
-    assert ranks[0]["weights_diff"] <= 1e-5 and ranks[0]["weights"] == ranks[1]["weights"], ranks[0]["weights_diff"]
-
-
-def test_tensor_parallel_on_four_gloo_ranks_matches_eager(tmp_path):
-    """Off XLA, torch's tensor parallelism on the model dimension of a 2 x 2 DeviceMesh, FSDP2 on the other."""
-    ranks = run_ranks("tensor_parallel", tmp_path, world=4)
-    for rank, seen in enumerate(ranks):
-        assert seen["weights_diff"] <= 1e-5, (rank, seen["weights_diff"])
-        # 0.weight (32, 10): 32 rows over model (2) then fsdp (2); 2.weight (1, 32): 32 columns over model,
-        # its 1 row over fsdp (FSDP2 gives one rank the row, the other none)
-        assert seen["split"][0] == [8, 10] and seen["split"][2] == [1 - rank // 2, 16], seen["split"]
-        assert "with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains wrong weights" in seen["ddp_error"]
-    assert ranks[0]["batches"] == ranks[1]["batches"] and ranks[2]["batches"] == ranks[3]["batches"], "one batch per model group"
-    seen = [x for r in (ranks[0], ranks[2]) for b in r["batches"] for x in b]
-    assert sorted(seen) == list(range(16)), "the data groups split the data"
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_loaders_on_real_ranks_read_every_sample_once(tmp_path, world):
-    ranks = run_ranks("loaders", tmp_path, world)
-    for kind in ("own_sampler", "unbatched"):
-        seen = [x for r in ranks for x in r[kind]]
-        assert set(seen) == set(range(16)) and len(seen) == world * -(-16 // world), f"{kind}: {[r[kind] for r in ranks]}"
-
-
-def test_user_ddp_is_not_wrapped_again(tmp_path):
-    rank0, rank1 = run_ranks("user_ddp", tmp_path)
-    assert rank0["same_object"] and rank1["same_object"]
-    assert rank0["keys"] == ["bias", "weight"], "the user's keys, no module. prefix"
-    # Grads averaged exactly once: the mean of rank inputs 1 and 2 is 1.5, so w = w0 - 1.5.
-    assert rank0["weight"] == rank1["weight"]
-    torch.manual_seed(0)
-    w0 = torch.nn.Linear(3, 1).weight.detach()
-    assert torch.allclose(torch.tensor(rank0["weight"]), w0 - 1.5)
-
-
-def test_fsdp2_on_two_gloo_ranks_keeps_the_loop_idioms(tmp_path):
-    """strategy='fsdp' with torch.distributed is FSDP2: the user's optimizer (even one with state) moves to
-    the sharded parameters at its first step, clipping works, save gathers plain tensors, errors name the rule."""
-    rank0, rank1 = run_ranks("fsdp2_idioms", tmp_path)
-    assert "cannot work inside DDP" in rank0["ddp_error"] and "model.module" in rank0["ddp_error"]
-    assert rank0["unit"] == "FSDPLinear", "a ModuleList block is its own FSDP unit"
-    assert rank0["old_params_until_step"] and rank0["adopted"] and rank0["state_sharded"] and rank0["state_kept"]
-    assert rank0["clip_norm"] == rank1["clip_norm"] > 0
-    assert rank0["save_keys"] == ["0.bias", "0.weight", "1.0.bias", "1.0.weight", "2.bias", "2.weight"]
-    assert [8, 4] in rank0["save_shapes"], "whole tensors, not one rank's shard"
-    assert rank0["weight0"] == rank1["weight0"]
-    assert "'0.weight' has shape (8, 4) in the checkpoint and (9, 4) in the model" in rank0["shape_error"]
-
-
-def test_save_unwraps_torch_compile(tmp_path, no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_save_unwraps_torch_compile(tmp_path, cpu, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch.compile writes it otherwise
     model = scenarios.mlp()
     want = sorted(model.state_dict())
@@ -816,16 +570,7 @@ def test_concurrent_first_use_activates_once(fake):
     assert sum(e == ("sync",) for e in fake.events) == before + 1
 
 
-# --- strategy="fsdp": mesh rules and errors ------------------------------------------------------
-
-@pytest.mark.parametrize("devices,processes,config,want", [
-    (4, 1, None, ((4,), ("fsdp",))),
-    (16, 4, None, ((4, 4), ("data", "fsdp"))),
-    (8, 2, None, ((2, 4), ("data", "fsdp"))),
-    (4, 1, {"mesh_shape": [1, 4], "axis_names": ["data", "fsdp"]}, ((1, 4), ("data", "fsdp"))),
-])
-def test_fsdp_mesh_rules(devices, processes, config, want):
-    assert st.mesh_shape_for(devices, processes, xla_spmd_config=config, strategy="fsdp") == want
+# --- strategy="fsdp": errors and resharding -------------------------------------------------------
 
 
 def test_fsdp_errors(fake):
@@ -970,69 +715,6 @@ def test_example_usage_errors_are_one_line_and_status_2(argv, text, capsys, fres
     assert err.startswith("example_train.py: error: ") and text in err, err
 
 
-def test_example_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
-    def run(epochs, ckpt):
-        argv = ["example_train.py", "--device", "cpu", "--samples", 300, "--epochs", epochs, "--checkpoint-dir", ckpt]
-        return child.run(argv, env=child.env(drop=child.DEVICE_VARS), timeout=300).stdout
-
-    whole = run(4, tmp_path / "a")
-    run(2, tmp_path / "b")
-    resumed = run(4, tmp_path / "b")
-    assert "resumed from" in resumed and "at epoch 3, batch 1" in resumed
-    final = [line for line in whole.splitlines() if line.startswith("final loss")]
-    assert final == [line for line in resumed.splitlines() if line.startswith("final loss")], (whole, resumed)
-    assert "nothing left to train" in run(4, tmp_path / "b")
-
-
-def test_example_accumulating_k_batches_trains_like_a_k_times_larger_batch():
-    def epochs(*flags):
-        argv = ["example_train.py", "--device", "cpu", "--samples", 960, "--epochs", 2, *flags]
-        out = child.run(argv, env=child.env(drop=child.DEVICE_VARS), timeout=300).stdout
-        return [line.split("  ")[:2] for line in out.splitlines() if line.startswith("epoch ")]  # loss, accuracy
-
-    whole = epochs("--batch-size", 32)
-    assert len(whole) == 2 and whole == epochs("--batch-size", 16, "--accumulate", 2) == epochs("--batch-size", 8, "--accumulate", 4)
-
-def test_example_preempted_by_sigterm_resumes_mid_epoch_like_an_uninterrupted_run(tmp_path):
-    """SIGTERM during epoch 2 (of 6): the example saves at the next step and exits 0; the rerun resumes after
-    that batch, with the same shuffle, and ends with the uninterrupted run's final loss."""
-    argv = ["example_train.py", "--device", "cpu", "--epochs", 6, "--checkpoint-dir", tmp_path / "b"]
-    env = child.env(drop=child.DEVICE_VARS, PYTHONUNBUFFERED="1")
-    whole = child.run(argv[:-2] + ["--checkpoint-dir", tmp_path / "a"], env=env, timeout=300).stdout
-    proc = child.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stdout:  # the first epoch's line: the run is in epoch 2 now
-        lines.append(line)
-        if line.startswith("epoch 1:"):
-            proc.send_signal(signal.SIGTERM)
-            break
-    out, err = proc.communicate(timeout=300)
-    child.assert_ok(proc.returncode, "".join(lines) + out, err, "the preempted example")
-    assert re.search(r"preempted in epoch 2 after batch \d+; saved", out), out
-    resumed = child.run(argv, env=env, timeout=300).stdout
-    assert re.search(r"resumed from .* at epoch 2, batch \d+", resumed), resumed
-    final = [line for line in whole.splitlines() if line.startswith("final loss")]
-    assert final == [line for line in resumed.splitlines() if line.startswith("final loss")], (whole, resumed)
-
-
-def test_example_tpu_without_a_tpu_prints_no_traceback(fresh):
-    if st._tpu_chip_count():
-        pytest.skip("this machine has a TPU")
-    out = child.run(["example_train.py", "--tpu"], env=child.env(drop=child.DEVICE_VARS), timeout=300, check=False)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("example_train.py: error: ")
-
-
-@pytest.mark.parametrize("flags,error", [
-    (["--device", "cpu", "--tp", "2"], "--tp 2 splits layers over an XLA mesh; the device here is cpu (use --tpu or --device xla)"),
-    (["--ray", "--tp", "2"], "--tp 2 on Ray CPU/GPU workers runs torch's tensor parallelism then FSDP2: it needs --strategy fsdp and --num-workers a multiple of 2"),
-    (["--ray", "--tp", "2", "--strategy", "fsdp", "--num-workers", "3"], "and --num-workers a multiple of 2"),
-])
-def test_example_tp_outside_xla_is_a_usage_error(flags, error):
-    out = child.run(["example_train.py", *flags], env=child.env(drop=child.DEVICE_VARS), timeout=300, check=False)
-    assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.strip().endswith(error), out.stderr
-
-
 # --- the trainer on the fake torch_xla: the twins of tests/test_real_xla.py ----------------------
 
 
@@ -1136,9 +818,8 @@ def in_order_model():
                                torch.nn.Conv1d(4, 4, 3), torch.nn.BatchNorm1d(4), torch.nn.Linear(16, 3))
 
 
-def test_a_meta_model_off_xla_gets_a_cpu_builds_weights_and_keeps_its_parameter_objects(no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cpu = in_order_model()
+def test_a_meta_model_off_xla_gets_a_cpu_builds_weights_and_keeps_its_parameter_objects(cpu):
+    on_cpu = in_order_model()
     with torch.device("meta"):
         model = in_order_model()
     params = list(model.parameters())
@@ -1147,7 +828,7 @@ def test_a_meta_model_off_xla_gets_a_cpu_builds_weights_and_keeps_its_parameter_
     st.SeamlessTPUTrainer(model, device="cpu")
     assert torch.equal(torch.get_rng_state(), untouched), "the modules drew from a copy of the RNG; the loop's is as it was"
     assert all(a is b for a, b in zip(params, model.parameters()))
-    for (k, v), (_, w) in zip(model.state_dict().items(), cpu.state_dict().items()):
+    for (k, v), (_, w) in zip(model.state_dict().items(), on_cpu.state_dict().items()):
         assert v.device.type == "cpu" and torch.equal(v, w), k
     model[-1](torch.ones(2, 16)).sum().backward()
     before = model[-1].weight.detach().clone()
@@ -1155,20 +836,7 @@ def test_a_meta_model_off_xla_gets_a_cpu_builds_weights_and_keeps_its_parameter_
     assert not torch.equal(model[-1].weight, before), "the optimizer made on meta trains the real weights"
 
 
-def test_a_meta_model_under_fsdp2_is_initialised_into_each_ranks_shards(tmp_path):
-    """strategy='fsdp' on 2 gloo ranks with a 151 MB model built on meta: FSDP2 splits it on meta, and each
-    module is then initialised on the CPU in turn, each rank keeping its half. Each process grows by its
-    shards plus about one module (measured 18.7 MB beyond them; initialising the whole model before the wrap
-    grew it by 1.52x the model), and the gathered weights are a CPU build's bitwise."""
-    for seen in run_ranks("meta_fsdp2", tmp_path):
-        assert seen["meta"] == seen["cpu"], [k for k in seen["cpu"] if seen["meta"][k] != seen["cpu"][k]]
-        assert seen["all_dtensor"] and seen["trained"] and seen["local_bytes"] * 2 == seen["bytes"] > 150e6, seen
-        extra = seen["growth"] - seen["local_bytes"]
-        assert extra <= seen["largest_module"] + 16 * 2**20, f"grew {extra / 2**20:.1f} MiB beyond this rank's shards"
-
-
-def test_a_meta_module_without_reset_parameters_is_refused_with_the_fix(no_xla, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_a_meta_module_without_reset_parameters_is_refused_with_the_fix(cpu):
 
     class Scaled(torch.nn.Module):
         def __init__(self):
@@ -1182,12 +850,11 @@ def test_a_meta_module_without_reset_parameters_is_refused_with_the_fix(no_xla, 
 
 
 @pytest.mark.parametrize("kind", scenarios.SCALED_KINDS)
-def test_a_meta_tensor_its_initialiser_leaves_unset_is_refused_at_first_use(no_xla, monkeypatch, tmp_path, kind):
+def test_a_meta_tensor_its_initialiser_leaves_unset_is_refused_at_first_use(cpu, tmp_path, kind):
     """A Linear subclass that computes `scale` in __init__ (torch.arange) and leaves it out of
     reset_parameters, built on meta: the trainer is made (a load may still fill it), then the model's
     forward, the module's own forward and a save are refused, naming the module's path and the tensor;
     the value left in place is NaN, never garbage. The real tier's twin: meta_tensor_left_unset_is_refused_or_loaded."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with torch.device("meta"):
         model = scenarios.scaled_net(kind)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
@@ -1202,13 +869,12 @@ def test_a_meta_tensor_its_initialiser_leaves_unset_is_refused_at_first_use(no_x
 
 
 @pytest.mark.parametrize("kind", scenarios.SCALED_KINDS)
-def test_a_checkpoint_fills_what_a_meta_modules_initialiser_left_unset(no_xla, monkeypatch, tmp_path, kind):
+def test_a_checkpoint_fills_what_a_meta_modules_initialiser_left_unset(cpu, tmp_path, kind):
     """The same model loaded from a CPU build's checkpoint after the trainer is made: every persistent
     tensor holds the checkpoint's value and the model runs as the CPU build; a non-persistent buffer is
     in no checkpoint, so it is still refused."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cpu = scenarios.scaled_net(kind, seed=1)
-    st.SeamlessTPUTrainer(cpu, device="cpu").save_checkpoint(tmp_path, model=cpu)
+    on_cpu = scenarios.scaled_net(kind, seed=1)
+    st.SeamlessTPUTrainer(on_cpu, device="cpu").save_checkpoint(tmp_path, model=on_cpu)
     with torch.device("meta"):
         model = scenarios.scaled_net(kind)
     st.SeamlessTPUTrainer(model, device="cpu").load_checkpoint(tmp_path, model=model)
@@ -1217,23 +883,13 @@ def test_a_checkpoint_fills_what_a_meta_modules_initialiser_left_unset(no_xla, m
         with pytest.raises(ValueError, match=scenarios.UNSET_REFUSAL + ".*non-persistent buffers"):
             model(x)
         return
-    assert all(torch.equal(v, cpu.state_dict()[k]) for k, v in model.state_dict().items())
-    assert torch.equal(model(x), cpu(x))
+    assert all(torch.equal(v, on_cpu.state_dict()[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model(x), on_cpu(x))
 
 
-def test_a_meta_tensor_left_unset_under_fsdp2_is_refused_on_every_rank_until_loaded(tmp_path):
-    """The same under strategy='fsdp' on 2 gloo ranks, where FSDP2 splits the model on meta and each rank
-    initialises its shards: the refusal comes on both ranks (a save refuses before its collective: no
-    hang), and the load fills the buffer."""
-    for seen in run_ranks("meta_unset_fsdp2", tmp_path):
-        assert seen["sharded"] and seen["loaded_equal"], seen
-        assert all(re.search(scenarios.UNSET_REFUSAL, seen[use] or "") for use in ("forward", "save")), seen
-
-
-def test_a_meta_model_whose_initialisers_set_every_tensor_trains_as_its_cpu_build(no_xla, monkeypatch):
+def test_a_meta_model_whose_initialisers_set_every_tensor_trains_as_its_cpu_build(cpu):
     """Scaled's reset_parameters sets `scale` too (through .data, which no version counter sees): nothing is
     refused, and 5 Adam steps give the CPU build's losses bitwise."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     x, y = scenarios.data()
     losses = []
     for device in ("cpu", "meta"):
@@ -1246,10 +902,9 @@ def test_a_meta_model_whose_initialisers_set_every_tensor_trains_as_its_cpu_buil
     assert torch.equal(losses[0], losses[1]), losses
 
 
-def test_a_meta_transformers_model_follows_its_own_initialisation(no_xla, monkeypatch):
+def test_a_meta_transformers_model_follows_its_own_initialisation(cpu):
     """A transformers model initialises by its _initialize_weights (normal(0, initializer_range) for
     Linear and Embedding, ones for RMSNorm, the rotary inv_freq computed), never by torch's defaults."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     import workloads
 
     reference = workloads.tiny_lm("llama")
@@ -1488,6 +1143,76 @@ def test_mesh_that_does_not_fit_is_a_value_error_not_an_assert(fake):
     scenarios.bad_mesh_raises_value_error()
 
 
+# xla_spmd_config as given: the mesh shape for strategy="fsdp", sizes that contradict an explicit mesh, types
+
+@pytest.mark.parametrize("devices,processes,config,want", [
+    (4, 1, None, ((4,), ("fsdp",))),
+    (16, 4, None, ((4, 4), ("data", "fsdp"))),
+    (8, 2, None, ((2, 4), ("data", "fsdp"))),
+    (4, 1, {"mesh_shape": [1, 4], "axis_names": ["data", "fsdp"]}, ((1, 4), ("data", "fsdp"))),
+])
+def test_fsdp_mesh_rules(devices, processes, config, want):
+    assert st.mesh_shape_for(devices, processes, xla_spmd_config=config, strategy="fsdp") == want
+
+
+@pytest.mark.parametrize("config,key", [
+    ({"mesh_shape": [4], "model_parallel_size": 2}, "model_parallel_size"),
+    # Whatever the axes are called, the trainer splits the batch over every axis not named 'model':
+    # this x/y mesh is 4-way data parallel, so 2 contradicts it, and so does any model size but 1.
+    ({"mesh_shape": [2, 2], "axis_names": ["x", "y"], "data_parallel_size": 2}, "data_parallel_size"),
+    ({"mesh_shape": [2, 2], "axis_names": ["x", "y"], "model_parallel_size": 2}, "model_parallel_size"),
+    ({"mesh_shape": [2, 2], "axis_names": ["x", "y"], "model_parallel_size": 4}, "model_parallel_size"),
+], ids=["1d_with_model", "xy_with_data_2", "xy_with_model_2", "xy_with_model_4"])
+def test_sizes_that_contradict_an_explicit_mesh(config, key):
+    with pytest.raises(ValueError) as info:
+        st._mesh_from_config(config, 4)
+    assert key in str(info.value)
+
+
+@pytest.mark.parametrize("config,want", [
+    ({"mesh_shape": [2, 2], "axis_names": ["data", "model"], "model_parallel_size": 2}, ((2, 2), ("data", "model"))),
+    ({"mesh_shape": [2, 2], "data_parallel_size": 2, "model_parallel_size": 2}, ((2, 2), ("data", "model"))),
+    ({"mesh_shape": [4], "data_parallel_size": 4}, ((4,), ("data",))),
+    ({"mesh_shape": [2, 2], "axis_names": ["x", "y"]}, ((2, 2), ("x", "y"))),
+    ({"mesh_shape": [2, 2], "axis_names": ["x", "y"], "data_parallel_size": 4}, ((2, 2), ("x", "y"))),
+], ids=["named_with_model", "both_sizes", "1d_with_data", "xy_without_sizes", "xy_is_4way_data"])
+def test_consistent_explicit_mesh_passes(config, want):
+    assert st._mesh_from_config(config, 4) == want
+
+
+@pytest.mark.parametrize("config", [[], "", 0, [2, 2], "mesh"], ids=repr)
+@pytest.mark.parametrize("entry", ["_mesh_from_config", "mesh_shape_for"])
+def test_non_dict_config_is_a_type_error(config, entry):
+    with pytest.raises(TypeError) as info:
+        if entry == "mesh_shape_for":
+            st.mesh_shape_for(4, 1, xla_spmd_config=config)
+        else:
+            st._mesh_from_config(config, 4)
+    assert "xla_spmd_config" in str(info.value) and repr(config) in str(info.value)
+
+
+@pytest.mark.parametrize("config", [{"axis_names": "data"}, {"mesh_shape": [2, 2], "axis_names": "xy"}], ids=repr)
+def test_axis_names_as_a_string_is_a_type_error(config):
+    with pytest.raises(TypeError) as info:
+        st._mesh_from_config(config, 4)
+    assert "axis_names" in str(info.value) and repr(config["axis_names"]) in str(info.value)
+
+
+@pytest.mark.parametrize("config,key", [({1: 2}, 1), ({b"mesh_shape": [4]}, b"mesh_shape")], ids=repr)
+def test_non_string_key_is_a_type_error(config, key):
+    with pytest.raises(TypeError) as info:
+        st._mesh_from_config(config, 4)
+    assert repr(key) in str(info.value)
+
+
+@child.requires("ray")
+@pytest.mark.parametrize("config", [[2, 2], "2x2"], ids=repr)
+def test_torch_config_rejects_a_non_dict_spmd_config(fresh, config):
+    with pytest.raises(TypeError) as info:
+        st.TorchConfig(backend="xla_tpu", xla_spmd_config=config)
+    assert repr(config) in str(info.value)
+
+
 # --- the Ray hook's pure parts: env contract and scaling check -----------------------------------
 
 
@@ -1560,6 +1285,7 @@ class FakeWorkerGroup:
         self.monkeypatch, self.envs, self.order = monkeypatch, envs, [1, 0]
         self.started_with = {rank: dict(env) for rank, env in envs.items()}  # each process's initial env
         self.state, self.meshes, self.logs = {}, {}, []
+        self.patched = []  # ranks in the order their state first patched torch: close() undoes the newest first
 
     def __len__(self):
         return len(self.envs)
@@ -1579,6 +1305,8 @@ class FakeWorkerGroup:
             self.meshes[rank] = st.get_xla_mesh()
             return out
         finally:
+            if st._STATE.torch_patches and rank not in self.patched:
+                self.patched.append(rank)
             self.envs[rank] = dict(os.environ)
             os.environ.clear()
             os.environ.update(saved)
@@ -1586,7 +1314,7 @@ class FakeWorkerGroup:
 
     def close(self):
         """What each worker process's exit would undo: its hooks and torch patches, newest first."""
-        for rank in reversed(list(self.state)):
+        for rank in [*reversed(self.patched), *(r for r in self.state if r not in self.patched)]:
             st._STATE = self.state.pop(rank)
             st._reset_caches()
 
@@ -1652,55 +1380,6 @@ def test_ray_hook_destroys_only_the_group_it_started(monkeypatch, fresh):
     assert destroyed == [1]
 
 
-# --- vendoring: one file, no torch_xla, no ray ---------------------------------------------------
-
-
-def test_vendored_copy_imports_without_torch_xla_or_ray(tmp_path):
-    pkg = tmp_path / "myproj" / "_vendor"
-    pkg.mkdir(parents=True)
-    (tmp_path / "myproj" / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "seamless_tpu.py").write_text(open(st.__file__).read())
-    code = textwrap.dedent("""
-        import sys
-        sys.modules["torch_xla"] = None
-        sys.modules["ray"] = None
-        import torch
-        from myproj._vendor.seamless_tpu import to_device, SeamlessTPUTrainer
-        import myproj._vendor.seamless_tpu as m
-        assert m.device_type() == "cpu", m.device_type()
-        model = torch.nn.Linear(2, 1)
-        trainer = SeamlessTPUTrainer(model)
-        x = trainer.to_device(torch.ones(3, 2))
-        assert to_device(x).device.type == "cpu"
-        for attr, words in (("TorchConfig", "pip install 'ray[train]'"), ("TorchTrainer", "ray")):
-            try:
-                getattr(m, attr)
-            except ImportError as e:
-                assert words in str(e), str(e)
-            else:
-                raise AssertionError(attr)
-        try:
-            m.get_device("xla")
-        except ImportError as e:
-            assert "'xla' needs torch_xla" in str(e) and "pip install 'torch_xla[tpu]==2.9.0'" in str(e), str(e)
-        else:
-            raise AssertionError("get_device('xla') without torch_xla raised no ImportError")
-        assert sys.modules["torch_xla"] is None and sys.modules["ray"] is None
-        assert not [k for k in sys.modules if k.startswith(("torch_xla.", "ray."))]
-        print("vendored OK")
-    """)
-    out = child.run(["-c", code], env=child.env(drop=child.DEVICE_VARS, path=str(tmp_path)), cwd=tmp_path, timeout=120)
-    assert "vendored OK" in out.stdout, out.stderr[-2000:]
-
-
-
-def test_async_saves_readers_wait_failures_leave_nothing_and_the_exit_reports_the_unasked_one(tmp_path, no_xla):
-    import async_saves
-
-    async_saves.check(tmp_path, *async_saves.run(tmp_path, {"SEAMLESS_TPU_DEVICE": "cpu"}))
-
-
 # --- the layout as a value: decided for every case before anything moves ----------------------------------------
 
 
@@ -1737,9 +1416,9 @@ def test_a_layout_is_decided_for_every_case_without_placing_anything(monkeypatch
                              args.get("tp_plan"))
     want = dict(LAYOUT_CASES[case], meta=meta)
     got = dict(kind=layout.kind, mesh=layout.mesh and dict(st._axis_sizes(layout.mesh)),
-               batch=layout.batch and layout.batch.axes, planned=len(layout.planned), wrap=layout.wrap, meta=layout.meta)
+               batch=layout.batch and layout.batch.axes, planned=len(layout.planned), wrap=layout.wrap, meta=layout.meta_built)
     got.update({k: getattr(layout, k) for k in ("rank_axes", "data_ranks") if k in want})
     assert got == want, layout
     assert {p.device.type for p in model.parameters()} == {"meta" if meta else "cpu"}, "nothing moved"
-    assert not st._STATE.meta.pending and type(model) is torch.nn.Sequential, "nothing laid out or wrapped"
+    assert not st._STATE.meta_init.pending and type(model) is torch.nn.Sequential, "nothing laid out or wrapped"
     assert f"wrap={want['wrap']!r}" in repr(layout)

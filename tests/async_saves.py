@@ -1,21 +1,22 @@
 """save_checkpoint(..., blocking=False) and whatever reads the checkpoint next, on the device the env picks
 (test_seamless_tpu.py runs it on the CPU, tests/test_real_xla.py on 4 XLA devices).
 
-    python tests/async_saves.py DIR   # prints RESULT {...} and exits while a failing save nobody asked about
-                                      # is in flight: the exit must report it on stderr and leave no attempt
+    python tests/async_saves.py DIR   # reports {...} (child.report) and exits while a failing save nobody asked
+                                      # about is in flight: the exit must report it on stderr and leave no attempt
 
-Each commit is held back a second (st._commit_checkpoint, the tests' fault-injection seam), so that every reader
-runs while the save it must wait for is still in flight.
+Each commit is held back a second (faults.slow_commit), so that every reader runs while the save it must wait for
+is still in flight.
 """
 
-import json
+import contextlib
 import os
 import re
 import sys
-import time
 
 import torch
 
+import child
+import faults
 import seamless_tpu as st
 
 
@@ -27,20 +28,15 @@ def main(directory):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
-    commit = st._commit_checkpoint
-    st._commit_checkpoint = lambda *a: (time.sleep(1), commit(*a))
     result = {}
-    trainer.save_checkpoint(directory, model=model, epoch=1)
-    trainer.save_checkpoint(directory, blocking=False, model=model, epoch=2)
-    result["consolidated"] = st.consolidate_checkpoint(directory)["epoch"]  # waits for epoch 2's commit
-    trainer.save_checkpoint(directory, blocking=False, model=model, epoch=3)
-    result["loaded"] = trainer.load_checkpoint(directory, model=model)["epoch"]  # waits for epoch 3's commit
-
-    def full_disk(*args):
-        time.sleep(1)
-        raise OSError(28, "No space left on device")
-
-    st._commit_checkpoint = full_disk
+    with faults.slow_commit(1):
+        trainer.save_checkpoint(directory, model=model, epoch=1)
+        trainer.save_checkpoint(directory, blocking=False, model=model, epoch=2)
+        result["consolidated"] = st.consolidate_checkpoint(directory)["epoch"]  # waits for epoch 2's commit
+        trainer.save_checkpoint(directory, blocking=False, model=model, epoch=3)
+        result["loaded"] = trainer.load_checkpoint(directory, model=model)["epoch"]  # waits for epoch 3's commit
+    # never closed: the last save below is still committing when main returns
+    contextlib.ExitStack().enter_context(faults.failing_commit(OSError(28, "No space left on device"), after=1))
     future = trainer.save_checkpoint(directory, blocking=False, model=model, epoch=4)
     try:
         future.result(timeout=120)
@@ -52,16 +48,14 @@ def main(directory):
         trainer.save_checkpoint(not_a_directory, blocking=False, model=model, epoch=5)
     except OSError as e:  # raised at the call: nothing was captured, nothing is in flight
         result["bad_path"] = type(e).__name__
-    print("RESULT " + json.dumps(result), flush=True)
+    child.report(result)
     trainer.save_checkpoint(directory, blocking=False, model=model, epoch=6)  # fails, and nobody asks
 
 
 def run(directory, env):
-    """This script on the device `env` picks: its RESULT, and what its exit printed on stderr."""
-    import child
-
+    """This script on the device `env` picks: its report, and what its exit printed on stderr."""
     out = child.run(["tests/async_saves.py", directory], env=child.env(**env), timeout=300)
-    return json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0]), out.stderr
+    return child.result(out.stdout), out.stderr
 
 
 def check(directory, result, stderr):

@@ -3,11 +3,16 @@ on its path and the environment the test asks for. A plain module, not a test mo
 
     out = child.run(["tests/scenarios.py", name], env=child.env(**child.XLA_ENV), timeout=300)
     proc = child.popen(["-c", code], env=child.env(drop=child.DEVICE_VARS))
+
+A child reports to its test in one way: child.report(obj) prints one line `RESULT <json>`, and the test reads
+it with child.result(out.stdout).
 """
 
 import contextlib
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +41,25 @@ _env = env  # the functions below take an `env` argument
 def popen(args, *, env=None, cwd=ROOT, **kwargs):
     """Start `python ARGS` in `cwd` with `env` (default: env()); kwargs go to subprocess.Popen."""
     return subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=_env() if env is None else env, **kwargs)
+
+
+def report(obj):
+    """What a child process tells its test: one line `RESULT <json of obj>` on stdout, flushed."""
+    print("RESULT " + json.dumps(obj), flush=True)
+
+
+def result(stdout, *, required=True):
+    """The object a child's report() printed in `stdout`; with required=False, None if it printed none
+    (a process that ended by a signal). More than one report fails: each child reports once."""
+    lines = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1 or not (lines or required), f"expected one RESULT line, got {len(lines)}:\n{stdout[-3000:]}"
+    return json.loads(lines[0]) if lines else None
+
+
+def kib(field):
+    """A field of /proc/self/status in bytes (VmRSS: resident now; VmHWM: the peak since clear_refs)."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
 
 
 def assert_ok(returncode, stdout, stderr, what="child"):

@@ -2,21 +2,20 @@
 
     python tests/dist_ranks.py CASE RANK WORLD_SIZE STORE_FILE OUT_DIR
 
-Prints one JSON line: what this rank saw.
+Reports (child.report) what this rank saw.
 """
 
 import contextlib
 import gc
-import json
 import os
 import sys
-
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import child
+import faults
 import seamless_tpu as st
 
 
@@ -248,13 +247,11 @@ def async_checkpoint(out_dir):
         x, y = x.chunk(dist.get_world_size())[dist.get_rank()], y.chunk(dist.get_world_size())[dist.get_rank()]
         scenarios.run_steps(model, optimizer, x, y, 2)
         at_call = {k: getattr(v, "full_tensor", lambda v=v: v)().clone() for k, v in model.state_dict().items()}
-        commit = st._commit_checkpoint
-        st._commit_checkpoint = lambda *a: (time.sleep(1), commit(*a))  # a write that takes a second
-        future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizer, epoch=2)
-        scenarios.run_steps(model, optimizer, x, y, 5)  # the loop goes on: the same steps on every rank
-        in_flight = not future.done()
-        future.result()
-        st._commit_checkpoint = commit
+        with faults.slow_commit(1):  # a write that takes a second
+            future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizer, epoch=2)
+            scenarios.run_steps(model, optimizer, x, y, 5)  # the loop goes on: the same steps on every rank
+            in_flight = not future.done()
+            future.result()
         model2, optimizer2 = heads_model()
         trainer2 = st.SeamlessTPUTrainer(model2, device="cpu", strategy=strategy)
         epoch = trainer2.load_checkpoint(directory, model=model2, optimizer=optimizer2)["epoch"]
@@ -423,15 +420,11 @@ def meta_fsdp2(out_dir):
     module is initialised on the CPU in turn and each rank keeps only its shards. The weights are a CPU
     build's (sha1 of each gathered tensor); the optimizer made on meta trains them."""
     import hashlib
-    import re
 
     def build():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Embedding(4096, 1024), torch.nn.LayerNorm(1024),
                                    *[torch.nn.Linear(1024, 4096) if i % 2 == 0 else torch.nn.Linear(4096, 1024) for i in range(8)])
-
-    def kib(field):
-        return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 
     def digests(state):
         return {k: hashlib.sha1(v.numpy().tobytes()).hexdigest() for k, v in state.items()}
@@ -443,9 +436,9 @@ def meta_fsdp2(out_dir):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = kib("VmRSS")
+    before = child.kib("VmRSS")
     st.SeamlessTPUTrainer(model, device="cpu", strategy="fsdp")
-    seen["growth"] = kib("VmHWM") - before
+    seen["growth"] = child.kib("VmHWM") - before
     params = dict(model.named_parameters())
     seen["bytes"] = sum(p.numel() * p.element_size() for p in params.values())
     seen["local_bytes"] = sum(p.to_local().numel() * p.element_size() for p in params.values())
@@ -491,6 +484,6 @@ if __name__ == "__main__":
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        print(json.dumps(globals()[case](out_dir)), flush=True)
+        child.report(globals()[case](out_dir))
     finally:
         dist.destroy_process_group()

@@ -6,18 +6,18 @@
 
 LAYOUT is fsdp4 (real torch_xla SPMD on 4 virtual CPU devices), ddp4 (the same, saved replicated by
 strategy="ddp" and loaded into fsdp shards: 4 shards overlap each stored tensor) or gloo2 (one of 2 gloo
-ranks running FSDP2: the caller starts both). A load prints one JSON line: the checkpoint's bytes on disk, this
+ranks running FSDP2: the caller starts both). A load reports (child.report) the checkpoint's bytes on disk, this
 process's bytes read and written (/proc/self/io), its resident memory before, at its peak during and
 after the load (VmHWM, reset just before), and whether the weights equal the saved ones bitwise.
 """
 
-import json
 import os
 import re
 import sys
 
 import torch
 
+import child
 import seamless_tpu as st
 
 LAYOUT, PHASE, DIRECTORY = sys.argv[1:4]
@@ -35,10 +35,6 @@ def step(net, optimizer, trainer):
     optimizer.step()
 
 
-def kib(field, path="/proc/self/status"):
-    return int(re.search(rf"{field}:\s+(\d+)", open(path).read()).group(1)) * 1024
-
-
 def io(field):
     return int(re.search(rf"{field}: (\d+)", open("/proc/self/io").read()).group(1))
 
@@ -54,7 +50,7 @@ def main():
         step(net, optimizer, trainer)
     if PHASE == "save":
         trainer.save_checkpoint(DIRECTORY, model=net, optimizer=optimizer)
-        print("REPORT" + json.dumps({}), flush=True)
+        child.report({})
         return
     importlib_warm = ["torch.distributed.checkpoint", "torch.distributed.checkpoint._traverse"]
     if LAYOUT != "gloo2":  # the module files a first load imports are not the checkpoint's bytes
@@ -62,7 +58,7 @@ def main():
     for name in importlib_warm:
         __import__(name)
     st._sync_if_xla()
-    before = {"rss": kib("VmRSS"), "read": io("rchar"), "written": io("wchar")}
+    before = {"rss": child.kib("VmRSS"), "read": io("rchar"), "written": io("wchar")}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM starts again from the current resident size
     trainer.load_checkpoint(DIRECTORY, model=net, optimizer=optimizer)
@@ -70,13 +66,13 @@ def main():
     report = {
         "checkpoint": sum(e.stat().st_size for e in os.scandir(st._committed_attempt(DIRECTORY)) if e.name.endswith(".distcp")),
         "read": io("rchar") - before["read"], "written": io("wchar") - before["written"],
-        "rss_before": before["rss"], "rss_peak": kib("VmHWM"), "rss_after": kib("VmRSS"),
+        "rss_before": before["rss"], "rss_peak": child.kib("VmHWM"), "rss_after": child.kib("VmRSS"),
     }
     saved = st.consolidate_checkpoint(DIRECTORY)
     report["bitwise"] = all(torch.equal(getattr(v, "full_tensor", lambda: v)().cpu(), saved["model"][k]) for k, v in net.state_dict().items())
     report["adam_bitwise"] = all(torch.equal(getattr(v, "full_tensor", lambda: v)().cpu(), saved["optimizer"]["state"][i][k])
                                  for i, p in enumerate(net.parameters()) for k, v in optimizer.state[p].items() if k != "step")
-    print("REPORT" + json.dumps(report), flush=True)
+    child.report(report)
 
 
 if __name__ == "__main__":

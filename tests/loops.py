@@ -1,6 +1,6 @@
 """Loops that no optimizer.step() ends, in the shapes real scripts have (tests/test_real_xla.py drives them).
 
-    python tests/loops.py NAME [K]   # prints RESULT {"losses": [...], "compiles": [...], ...}
+    python tests/loops.py NAME [K]   # reports (child.report) {"losses": [...], "compiles": [...], ...}
 
 Run with SEAMLESS_TPU_DEVICE=cpu it is the eager reference (a separate process, as XLA needs), with
 SEAMLESS_TPU_DEVICE=xla the same loop through the shim. Each loop records its losses on the device and
@@ -24,13 +24,13 @@ The epoch loops add "epochs" (the compile count after each epoch) and "warnings"
 """
 
 import copy
-import json
 import logging
 import sys
 
 import torch
 import torch.nn.functional as F
 
+import child
 import seamless_tpu as st
 
 STEPS = 6  # warm-up (2 graphs) and 4 iterations that must compile nothing
@@ -351,9 +351,9 @@ def main(name, *args):
         import torch_xla.debug.metrics as met
 
         compile_s = (met.metric_data("CompileTime") or (0, 0))[1] / 1e9
-    print("RESULT " + json.dumps({"losses": torch.stack([l.float() for l in losses]).cpu().tolist(),
-                                  "compiles": compiles, "transfers": transfers, "compile_s": compile_s,
-                                  "epochs": epochs[0] if epochs else None, "warnings": caught.messages}))
+    child.report({"losses": torch.stack([l.float() for l in losses]).cpu().tolist(),
+                  "compiles": compiles, "transfers": transfers, "compile_s": compile_s,
+                  "epochs": epochs[0] if epochs else None, "warnings": caught.messages})
 
 
 if __name__ == "__main__":

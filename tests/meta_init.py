@@ -6,18 +6,17 @@
 
 The model: an embedding, 6 pre-norm blocks (LayerNorm, MultiheadAttention, a 4x MLP) at width 1024 and
 a head: 309 MB of float32, 50 MB in each block. Run 'cpu' with SEAMLESS_TPU_DEVICE=cpu and the others on
-4 XLA devices. One JSON line: digests (sha1 of each tensor's bytes), the process's resident memory before
+4 XLA devices. It reports (child.report) digests (sha1 of each tensor's bytes), the process's resident memory before
 the first forward or the load (the trainer made, the XLA runtime up), at its peak and after them (VmHWM,
 reset just before). On XLA:CPU the devices' memory is the process's too: the model's shards count.
 """
 
 import hashlib
-import json
-import re
 import sys
 
 import torch
 
+import child
 import seamless_tpu as st
 
 WIDTH, BLOCKS = 1024, 6
@@ -40,10 +39,6 @@ def build():
     return torch.nn.Sequential(torch.nn.Embedding(4096, WIDTH), *[Block(WIDTH) for _ in range(BLOCKS)], torch.nn.Linear(WIDTH, 256))
 
 
-def kib(field):
-    return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
-
-
 def digests(model):
     return {k: hashlib.sha1(v.detach().cpu().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}
 
@@ -61,7 +56,7 @@ def main(phase, directory):
         for cls in (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm):
             cls.reset_parameters = (lambda f: lambda self: (resets.append(type(self).__name__), f(self))[1])(cls.reset_parameters)
         trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")  # on XLA: lays the model out, computes nothing
-        report["rss_before"] = kib("VmRSS")  # the XLA runtime is up
+        report["rss_before"] = child.kib("VmRSS")  # the XLA runtime is up
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         if phase == "meta":  # the head alone first: any module's first forward initialises the whole model
@@ -71,17 +66,17 @@ def main(phase, directory):
 
             compiles = met.counter_value("UncachedCompile") or 0
             report["epoch"] = trainer.load_checkpoint(directory, model=model)["epoch"]
-            report["load_compiles"], report["rss_load_peak"] = (met.counter_value("UncachedCompile") or 0) - compiles, kib("VmHWM")
+            report["load_compiles"], report["rss_load_peak"] = (met.counter_value("UncachedCompile") or 0) - compiles, child.kib("VmHWM")
             model(trainer.to_device(torch.zeros(4, 8, dtype=torch.long)))
         st._sync_if_xla()
-        report.update(rss_peak=kib("VmHWM"), rss_after=kib("VmRSS"), resets=len(resets))
+        report.update(rss_peak=child.kib("VmHWM"), rss_after=child.kib("VmRSS"), resets=len(resets))
         import torch_xla
 
         report["sharded"] = all(torch_xla._XLAC._get_xla_sharding_spec(p).startswith("{devices=[") for p in model.parameters())
     report["bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     report["largest_module"] = max(sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in model.modules())
     report["digests"] = digests(model)
-    print("REPORT" + json.dumps(report), flush=True)
+    child.report(report)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
 """A run that a SIGTERM preempts, as a spot TPU VM is (test_seamless_tpu.py and test_real_xla.py drive it).
 
-    python tests/preempt.py uninterrupted DIR   # STEPS steps; prints RESULT {"losses": [...]}
-    python tests/preempt.py preemptible DIR     # writes DIR/ready-RANK after step 3, then steps until
-                                                # trainer.preempted, saves DIR/ckpt and exits 0
-    python tests/preempt.py saving DIR          # the same, with a periodic save at step 5 whose commit takes
-                                                # a second: DIR/saving-0 says it has started
+    python tests/preempt.py uninterrupted DIR   # STEPS steps; reports {"losses": [...], ...}
+    python tests/preempt.py preemptible DIR     # writes DIR/ready-RANK after step 3 (the process run() signals
+                                                # waits there for the SIGTERM), then steps until trainer.preempted,
+                                                # saves DIR/ckpt and exits 0
+    python tests/preempt.py saving DIR          # the same, with a periodic save at step 5 whose commit writes
+                                                # DIR/saving-0, then waits for DIR/signalled (run() writes it
+                                                # once its signals are sent): they land while it commits
     python tests/preempt.py resume DIR          # loads DIR/ckpt and runs the remaining steps
 
-run(MODE, DIR, N) runs one of these on N processes for a test, and can SIGTERM one of them.
+run(MODE, DIR, N) runs one of these on N processes for a test, and can SIGTERM one of them. Each reports
+(child.report) {"losses": [...], "stopped_at": step or None, "start": first step}.
 
 With WORLD_SIZE > 1 (RANK, MASTER_ADDR, MASTER_PORT set) each process is one gloo rank and trains on
 its half of every batch. The loop is the README's: `if trainer.preempted: save_checkpoint(...); break`.
 """
 
-import json
 import os
 import signal
 import socket
@@ -24,9 +26,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+import child
+import faults
 import seamless_tpu as st
 
 STEPS = 40
+SIGNALLED = "PREEMPT_SIGNALLED"  # set (to "1") in the env of the process run() sends SIGTERM to
 
 
 def batch(step):
@@ -38,20 +43,16 @@ def batch(step):
     return x, y
 
 
-def result(out):
-    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
-
-
 def run(mode, directory, world, signal_rank=None, env=None, signals=1):
     """tests/preempt.py MODE on `world` processes (gloo ranks when 2); with signal_rank, SIGTERM that
     process `signals` times once every rank is past step 3 (mode 'saving': once the step-5 save is
-    committing). Each process's RESULT."""
+    committing). Each process's report."""
     port = free_port()
-    import child
-
     base = child.env(**{"SEAMLESS_TPU_DEVICE": "cpu", **(env or {})})
-    envs = [dict(base, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) if world > 1 else base
+    envs = [dict(base, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) if world > 1 else dict(base)
             for r in range(world)]
+    if signal_rank is not None:
+        envs[signal_rank][SIGNALLED] = "1"
     procs = [child.popen(["tests/preempt.py", mode, directory], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for e in envs]
     try:
@@ -61,9 +62,11 @@ def run(mode, directory, world, signal_rank=None, env=None, signals=1):
             while not all(os.path.exists(os.path.join(directory, f)) for f in flags):
                 assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"the run never wrote {flags}"
                 time.sleep(0.05)
-            for _ in range(signals):
+            for i in range(signals):
                 procs[signal_rank].send_signal(signal.SIGTERM)
-                time.sleep(0.2)
+                if i + 1 < signals:
+                    time.sleep(0.2)  # two signals, not one: a second sent before the first is handled would merge with it
+            open(os.path.join(directory, "signalled"), "w").close()  # sent: the held commit may end
         outs = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:
@@ -72,7 +75,7 @@ def run(mode, directory, world, signal_rank=None, env=None, signals=1):
                 p.communicate()
     for p, (out, err) in zip(procs, outs):
         child.assert_ok(p.returncode, out, err, f"preempt.py {mode}")
-    return [result(out) for out, _ in outs]
+    return [child.result(out) for out, _ in outs]
 
 
 def free_port():
@@ -102,21 +105,22 @@ def main(mode, directory):
         optimizer.step()
         losses.append(loss.detach())
         if mode == "saving" and step == 5:  # a periodic save, which the signals interrupt
-            commit = st._commit_checkpoint
-            st._commit_checkpoint = lambda *a: (open(os.path.join(directory, "saving-0"), "w").close(), time.sleep(1), commit(*a))
-            trainer.save_checkpoint(os.path.join(directory, "ckpt"), model=model, optimizer=optimizer, step=step,
-                                    rng=torch.get_rng_state())
-            st._commit_checkpoint = commit
+            with faults.slow_commit(started=os.path.join(directory, "saving-0"), until=os.path.join(directory, "signalled")):
+                trainer.save_checkpoint(os.path.join(directory, "ckpt"), model=model, optimizer=optimizer, step=step,
+                                        rng=torch.get_rng_state())
         if mode in ("preemptible", "saving"):
             if step == 3:
-                open(os.path.join(directory, f"ready-{rank}"), "w").close()
+                ready = os.path.join(directory, f"ready-{rank}")
+                if mode == "preemptible" and os.environ.get(SIGNALLED):
+                    faults.await_sigterm(ready)  # the signal lands between steps 3 and 4
+                else:
+                    open(ready, "w").close()
             if trainer.preempted:
                 trainer.save_checkpoint(os.path.join(directory, "ckpt"), model=model, optimizer=optimizer, step=step,
                                         rng=torch.get_rng_state())
                 stopped = step
                 break
-            time.sleep(0.05)  # a step's worth of time for the signal to land mid-run
-    print("RESULT " + json.dumps({"losses": [float(v) for v in losses], "stopped_at": stopped, "start": start}), flush=True)
+    child.report({"losses": [float(v) for v in losses], "stopped_at": stopped, "start": start})
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -8,12 +8,13 @@ fsdp: the mesh of a 2-host slice, every parameter split on one axis and replicat
 running torch's FSDP2: the caller starts both, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; each
 rank trains on its half of the batch). 'save' trains 10 steps, saves, trains 10 more (the
 uninterrupted run); 'load' builds the model from another seed, loads, checks the weights against
-consolidate_checkpoint bitwise, and trains 10 steps. Prints one JSON line with the losses (of the
-whole batch: averaged over the ranks).
+consolidate_checkpoint bitwise, and trains 10 steps. Reports (child.report) the losses (of the
+whole batch: averaged over the ranks) and the checks.
 """
 
-import json
 import sys
+
+import child
 
 LAYOUT, PHASE, DIRECTORY = sys.argv[1:4]
 if LAYOUT in ("eager", "gloo2"):
@@ -91,7 +92,7 @@ def main():
                 report["sharded"] &= all(torch_xla._XLAC._get_xla_sharding_spec(t).startswith("{devices=[2,2]")
                                          for p in planned for t in (p, optimizer.state[p]["exp_avg"]))
         report["losses"] = train(model, optimizer, x, y, 10)
-    print("REPORT" + json.dumps(report), flush=True)
+    child.report(report)
 
 
 if __name__ == "__main__":

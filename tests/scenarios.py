@@ -14,6 +14,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import child
+import faults
 import seamless_tpu as st
 
 # Env vars that TPU launch recipes often set but torch_xla 2.9 never reads: we must never set them.
@@ -370,7 +372,9 @@ def reshards_what_a_running_step_still_computes():
     loaded machine). Each way the shim reshards existing XLA tensors right after a step (an "fsdp"
     or tensor-parallel trainer over a model and optimizer a ddp trainer just stepped, to_device of a
     tensor the step computed) waits for that data, and the resharded values are the step's (eager,
-    1e-5). Whether a step is still running is up to the machine: most of the six reshards find one."""
+    1e-5). Whether a step is still running is up to the machine (most of the six reshards find one on 2 loaded
+    cores), so how many did is printed, not asserted: the wait itself is asserted deterministically by
+    test_seamless_tpu.py's test_resharding_waits_for_data_a_running_step_still_computes."""
     import torch_xla.core.xla_model as xm
 
     st.get_device()
@@ -415,8 +419,7 @@ def reshards_what_a_running_step_still_computes():
             got, expected = (torch.cat([p.detach().cpu().flatten() for p in m.parameters()]) for m in (model, want))
             assert_close(got, expected, 1e-5, f"{how}: weights resharded right after a step vs eager")
         raced[how] += len(waits) > before
-    print("reshards that found a step still running:", dict(raced))
-    assert sum(raced.values()), "every step had finished before its reshard: the race was never exercised"
+    print("reshards that found a step still running (the machine's speed decides):", dict(raced))
 
 
 TWINS = (
@@ -474,9 +477,16 @@ def run_steps(model, optimizer, x, y, steps, autocast=None):
 
 
 def assert_close(got, want, tol, what):
-    diff = (got - want).abs().max().item()
-    assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol}"
-    print(f"{what}: max |diff| {diff:.3g}")
+    """The one closeness check of every tier: `got` and `want` (tensors, on any device, or lists of numbers) hold
+    as many values, and none is more than `tol` away from its twin. Prints the largest difference and returns it."""
+    got, want = (v.detach().cpu().double().flatten() if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64).flatten()
+                 for v in (got, want))
+    assert got.numel() == want.numel(), f"{what}: {got.numel()} values vs {want.numel()}"
+    diff = (got - want).abs().max().item() if got.numel() else 0.0
+    print(f"{what}: max |diff| {diff:.3g} (tol {tol}) over {got.numel()} values")
+    shown = f"\n got  {got.tolist()}\n want {want.tolist()}" if got.numel() <= 200 else ""
+    assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol}{shown}"
+    return diff
 
 
 def plain_loops_match_eager():
@@ -601,7 +611,6 @@ def async_checkpoint_saves_the_state_at_the_call():
     the call returns, the loop trains on while they are written (the commit held back a second), and
     the checkpoint holds the weights and Adam state at the call, still sharded when loaded."""
     import tempfile
-    import time
 
     import torch_xla
 
@@ -614,14 +623,12 @@ def async_checkpoint_saves_the_state_at_the_call():
     run_steps(model, optimizer, x, y, 2)
     at_call = {k: v.cpu() for k, v in model.state_dict().items()}
     adam_at_call = optimizer.state[model[0].weight]["exp_avg"].cpu()
-    commit = st._commit_checkpoint
-    st._commit_checkpoint = lambda *a: (time.sleep(1), commit(*a))
-    future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizer, epoch=2)
-    steps = 0
-    while not future.done():
-        run_steps(model, optimizer, x, y, 1)[-1].item()  # one step at a time, each finished
-        steps += 1
-    st._commit_checkpoint = commit
+    with faults.slow_commit(1):
+        future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizer, epoch=2)
+        steps = 0
+        while not future.done():
+            run_steps(model, optimizer, x, y, 1)[-1].item()  # one step at a time, each finished
+            steps += 1
     assert future.result() == directory and steps > 0, steps
     fresh = mlp(seed=123)
     fresh_opt = OPTIMIZERS["adam"](fresh.parameters())
@@ -908,9 +915,10 @@ def meta_tensor_left_unset_is_refused_or_loaded():
 
 
 def run(name):
+    """Run scenario `name` and report {"scenario": name} (child.report): a failure raises before the report."""
     logging.basicConfig(level=logging.INFO)
     globals()[name]()
-    print(f"scenario {name}: OK")
+    child.report({"scenario": name})
 
 
 if __name__ == "__main__":

@@ -2,19 +2,19 @@
 
     python tests/sigterm.py PHASE DIR   # writes DIR/ready-RANK when the phase is reached, then waits there
 
-PHASE is where the signal lands:
-    step      inside a training step (the forward writes ready and takes a second): saves at the next step, exits 0
-    between   between two steps: saves at the next step, exits 0
+PHASE is where the signal lands (a process run() signals waits there for it, at a known point: faults.await_sigterm):
+    step      inside a training step (step 3's forward writes ready and waits for the signal): saves at the end of
+              that step, exits 0
+    between   between steps 3 and 4: saves at the next step, exits 0
     after     after the loop ended, in a long post-processing: SIGTERM's default exit after the grace
     loading   in a data-loading call that stalls: the default exit after the grace
     eval      in an evaluation-only loop (no optimizer step ever): the default exit after the grace
     probe     (gloo ranks) rank 0 also steps a probe's optimizer every iteration; every rank stops at one step
     slice     (real XLA, 2 processes, no torch.distributed) a user's SIGTERM handler on every rank; the ranks
               agree over the trainer's own gloo group, and rank 0 exits first
-Each prints RESULT {"stopped_at": step or None, "handled": [signals the user's handler saw]} when it returns.
+Each reports (child.report) {"stopped_at": step or None, "handled": [signals the user's handler saw]} when it returns.
 """
 
-import json
 import os
 import signal
 import sys
@@ -23,13 +23,18 @@ import time
 import torch
 import torch.nn.functional as F
 
+import child
+import faults
 import seamless_tpu as st
 
 STEPS = 200  # more than any test lets run: every phase ends by the signal
 
 
+SIGNALLED = "SIGTERM_SIGNALLED"  # set (to "1") in the env of each process run() sends SIGTERM to
+
+
 class Slow(torch.nn.Module):
-    """A model whose forward at step `at` says it has started, then takes a second: the signal lands in it."""
+    """A model whose forward at call `at` says it has started, then waits for the signal: the signal lands in it."""
 
     def __init__(self, ready, at):
         super().__init__()
@@ -38,15 +43,14 @@ class Slow(torch.nn.Module):
     def forward(self, x):
         self.calls += 1
         if self.calls == self.at:
-            open(self.ready, "w").close()
-            time.sleep(1)
+            faults.await_sigterm(self.ready)
         return self.net(x)
 
 
 def run(phase, directory, world=1, env=None, timeout=120, to_all=False):
     """tests/sigterm.py PHASE on `world` processes (gloo ranks, or 2 XLA processes for 'slice'); SIGTERM to the
     last one (to every one with `to_all`, as when a whole slice goes) once every rank is at the phase. Per
-    process: (exit code, seconds from the signal to its exit, RESULT or None, stderr)."""
+    process: (exit code, seconds from the signal to its exit, its report or None, stderr)."""
     import subprocess
 
     import child
@@ -56,6 +60,8 @@ def run(phase, directory, world=1, env=None, timeout=120, to_all=False):
     port = preempt.free_port()
     envs = [dict(base, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                  SEAMLESS_TPU_PORT=str(port)) for r in range(world)]
+    for e in envs if to_all else envs[-1:]:
+        e[SIGNALLED] = "1"
     procs = [child.popen(["tests/sigterm.py", phase, directory], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True) for e in envs]
     try:
@@ -70,8 +76,7 @@ def run(phase, directory, world=1, env=None, timeout=120, to_all=False):
         sent, outs = time.monotonic(), []
         for p in procs:
             out, err = p.communicate(timeout=timeout)
-            outs.append((p.returncode, time.monotonic() - sent, json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
-                         if "RESULT " in out else None, err))
+            outs.append((p.returncode, time.monotonic() - sent, child.result(out, required=False), err))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -131,13 +136,11 @@ def main(phase, directory):
                 stopped = step
                 break
             if step == 3 and phase in ("between", "probe", "slice"):
-                open(ready, "w").close()
-            if phase in ("between", "probe", "slice") and step >= 3:
-                time.sleep(0.05)
+                faults.await_sigterm(ready) if os.environ.get(SIGNALLED) else open(ready, "w").close()
         if phase == "after":
             open(ready, "w").close()
             time.sleep(120)  # post-processing, an upload, or a bug: the exit must still come
-    print("RESULT " + json.dumps({"stopped_at": stopped, "handled": handled}), flush=True)
+    child.report({"stopped_at": stopped, "handled": handled})
     if phase == "slice" and rank == 1:
         time.sleep(2)  # the leader (rank 0) exits first: the others must not die of it
     if torch.distributed.is_initialized():

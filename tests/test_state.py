@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch.optim import optimizer as optim_module
 
-import preempt
 import scenarios
 import seamless_tpu as st
 from fake_torch_xla import FakeXLA
@@ -177,37 +176,6 @@ def test_a_user_who_ignores_sigterm_keeps_ignoring_it(no_xla, fresh, sigterm_res
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_sigterm_saves_at_the_next_step_and_the_resumed_run_is_bitwise_uninterrupted(tmp_path, world):
-    """A spot VM's SIGTERM mid-run: the loop sees trainer.preempted at the next step (on 2 ranks, the same
-    step on both, though only rank 1 got the signal), saves, exits 0; resuming gives the uninterrupted
-    run's losses bitwise (CPU, dropout included)."""
-    want = preempt.run("uninterrupted", tmp_path / "whole", world)
-    (tmp_path / "run").mkdir()
-    stopped = preempt.run("preemptible", tmp_path / "run", world, signal_rank=world - 1)
-    at = {r["stopped_at"] for r in stopped}
-    assert len(at) == 1 and 3 <= min(at) < 39, f"every rank stops at the same step after the signal: {at}"
-    resumed = preempt.run("resume", tmp_path / "run", world)
-    for rank in range(world):
-        assert stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
-
-
-@pytest.mark.parametrize("world", [1, 2])
-def test_sigterm_twice_during_a_save_lets_it_commit_then_saves_at_the_next_step(tmp_path, world):
-    """Two SIGTERMs while the step-5 save is committing (on 2 ranks, to rank 1, which waits in the save's
-    agreement): the save completes, the loop stops at step 6 with a second save (on 2 ranks at one step on
-    both, from 6 on: they read the flag at their next agreement), exits 0, and resuming from it continues the
-    uninterrupted run bitwise."""
-    want = preempt.run("uninterrupted", tmp_path / "whole", world)
-    (tmp_path / "run").mkdir()
-    stopped = preempt.run("saving", tmp_path / "run", world, signal_rank=world - 1, signals=2)
-    at = stopped[0]["stopped_at"]
-    assert [r["stopped_at"] for r in stopped] == [at] * world and (at == 6 if world == 1 else 6 <= at <= 6 + 32), stopped
-    resumed = preempt.run("resume", tmp_path / "run", world)
-    for rank in range(world):
-        assert resumed[rank]["start"] == at + 1 and stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
-
-
 def test_a_slice_without_a_process_group_agrees_over_its_hosts_addresses(monkeypatch, fresh):
     """Multi-host XLA with no torch.distributed group: the agreement's store is served by process 0 at the address
     the runtime names (MASTER_ADDR where the user set one), so each host needs nothing but the slice's own env.
@@ -278,54 +246,3 @@ def test_ray_workers_exit_is_held_while_a_trainer_can_save_and_the_attempt_then_
     assert exits == [signal.SIGTERM], "held while the trainer could save"
     st._reset_caches()
     assert st._RayTrainLoop(loop)({"signal": False}) == {"signal": False}, "a run not preempted returns the loop's value"
-
-
-# --- SIGTERM at every phase of a run: delayed by at most the grace, never cancelled ------------------------------
-
-
-@pytest.mark.parametrize("phase, at", [("step", 3), ("between", 4)])
-def test_sigterm_in_or_between_steps_saves_at_the_next_step_end_and_exits_0(tmp_path, phase, at):
-    """The signal lands inside step 3 (its forward is running), or between steps 3 and 4: trainer.preempted turns
-    True at the end of that step, the loop saves and breaks, and the process exits 0 (the grace never ran out:
-    that exit would be by SIGTERM)."""
-    import sigterm
-
-    [(code, seconds, result, err)] = sigterm.run(phase, str(tmp_path))
-    assert code == 0, err[-3000:]
-    assert result["stopped_at"] == at and os.path.exists(tmp_path / "ckpt" / "LATEST"), result
-
-
-@pytest.mark.parametrize("phase", ["after", "loading", "eval"])
-def test_sigterm_where_no_step_follows_exits_as_by_default_after_the_grace(tmp_path, phase):
-    """After the loop, in a stalled data-loading call, in an evaluation-only loop: no optimizer step comes to turn
-    the signal into trainer.preempted, so SIGTERM's default action (the process ends by the signal) comes once the
-    grace (SEAMLESS_TPU_SIGTERM_GRACE=2 here; 15 s by default) has passed, instead of never."""
-    import sigterm
-
-    [(code, seconds, result, err)] = sigterm.run(phase, str(tmp_path))
-    assert code == -signal.SIGTERM and result is None, (code, err[-3000:])
-    assert sigterm.GRACE <= seconds < sigterm.GRACE + 6, f"ended {seconds:.1f} s after the signal"
-
-
-@pytest.mark.parametrize("phase", ["after", "eval"])
-def test_sigterm_to_every_rank_where_no_step_follows_ends_each_after_the_grace(tmp_path, phase):
-    """2 gloo ranks, both signalled (a whole slice or job going away) after their loop or in an eval-only loop:
-    no collective is waited on, and each ends by SIGTERM once the grace has passed."""
-    import sigterm
-
-    outs = sigterm.run(phase, str(tmp_path), world=2, to_all=True)
-    assert [code for code, *_ in outs] == [-signal.SIGTERM] * 2, [err[-2000:] for *_, err in outs]
-    assert all(sigterm.GRACE <= seconds < sigterm.GRACE + 6 for _, seconds, _, _ in outs), outs
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_an_optimizer_only_rank_0_steps_neither_hangs_nor_splits_the_agreement(tmp_path, world):
-    """Rank 0 also trains a probe every iteration; only steps of the trainer's optimizers take part in the
-    agreement, so the ranks never wait on each other's probe, and all stop at one step after the last rank's
-    SIGTERM."""
-    import sigterm
-
-    outs = sigterm.run("probe", str(tmp_path), world=world)
-    assert [code for code, *_ in outs] == [0] * world, [err[-2000:] for *_, err in outs]
-    stops = {result["stopped_at"] for _, _, result, _ in outs}
-    assert len(stops) == 1 and 4 <= stops.pop() <= 4 + 2 * st.AGREE_MAX_STEPS, outs

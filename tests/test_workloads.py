@@ -5,8 +5,6 @@ devices, each against the same loop run eagerly in a separate process (tests/wor
 Every scenario runs in a fresh interpreter: SPMD cannot be switched off inside a process.
 """
 
-import json
-
 import pytest
 
 import child
@@ -20,7 +18,7 @@ def test_workload_on_real_torch_xla(name):
     out = child.run(["tests/workloads.py", name], env=child.env(**child.XLA_ENV), timeout=380, check=False)
     print(out.stdout[-4000:])
     child.assert_ok(out.returncode, out.stdout, out.stderr, f"workload {name}")
-    assert f"scenario {name}: OK" in out.stdout
+    assert child.result(out.stdout)["scenario"] == name
 
 
 def test_llama_tensor_parallel_on_four_gloo_ranks(tmp_path):
@@ -30,5 +28,5 @@ def test_llama_tensor_parallel_on_four_gloo_ranks(tmp_path):
     outs = child.run_together([(["tests/dist_ranks.py", "tensor_parallel_llama", rank, 4, tmp_path / "store", tmp_path], env)
                                for rank in range(4)], timeout=300)
     for out in outs:
-        seen = json.loads(out.strip().splitlines()[-1])
+        seen = child.result(out)
         assert seen["diff"] <= 1e-5, seen["losses"]

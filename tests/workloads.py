@@ -2,7 +2,7 @@
 checked against the same loop run eagerly on CPU in a separate process.
 
     python tests/workloads.py NAME            # XLA run; spawns `NAME --eager` first for the reference
-    python tests/workloads.py NAME --eager    # the eager reference alone: prints RESULT {json}
+    python tests/workloads.py NAME --eager    # the eager reference alone: reports it (child.report)
 
 tests/test_workloads.py runs every name in SCENARIOS with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 SEAMLESS_TPU_DEVICE=xla. The eager reference must run in its own process: a CPU backward before
@@ -15,7 +15,6 @@ random weights: nothing is downloaded.
 """
 
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -39,13 +38,13 @@ XLA_VARS = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "SEAMLESS_TPU_DEVICE", "XLA_FLAGS"
 
 
 def eager_reference(name):
-    """Run `name --eager` in a fresh CPU-only process and return its RESULT. Call it before this
+    """Run `name --eager` in a fresh CPU-only process and return its report. Call it before this
     process touches XLA (it only waits on the child, so one XLA process runs at a time)."""
     start = time.time()
     out = child.run([os.path.abspath(__file__), name, "--eager"], timeout=300,
                     env=child.env(drop=XLA_VARS, SEAMLESS_TPU_DEVICE="cpu", PYTHONUNBUFFERED="1"))
     print(f"eager reference {name}: {time.time() - start:.1f}s")
-    return json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    return child.result(out.stdout)
 
 
 def trainer_for(model, xla, **kwargs):
@@ -89,16 +88,7 @@ def host(losses):
     return [float(v) for v in torch.stack([loss.float() for loss in losses]).cpu()]
 
 
-def max_diff(got, want):
-    assert len(got) == len(want), (len(got), len(want))
-    return max(abs(a - b) for a, b in zip(got, want))
-
-
-def assert_close(got, want, tol, what):
-    diff = max_diff(got, want)
-    print(f"{what}: max |diff| {diff:.3g} (tol {tol}) over {len(got)} values")
-    assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol}\n got  {got}\n want {want}"
-    return diff
+assert_close = scenarios.assert_close
 
 
 def assert_flat(counts, after, what):
@@ -706,7 +696,7 @@ def main(argv):
     start = time.time()
     if eager:
         assert st.device_type() == "cpu", f"the eager reference must run on CPU, got {st.device_type()}"
-        print("RESULT " + json.dumps(reference()))
+        child.report(reference())
         return
     if name == "lm_tensor_parallel":  # XLA reads its flags once, when it starts
         import hlo
@@ -715,7 +705,7 @@ def main(argv):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(dump)}".strip()
     assert st.device_type() == "xla", f"run with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 SEAMLESS_TPU_DEVICE=xla, got {st.device_type()}"
     scenario()
-    print(f"scenario {name}: OK ({time.time() - start:.1f}s)")
+    child.report({"scenario": name, "seconds": round(time.time() - start, 1)})
 
 
 if __name__ == "__main__":
