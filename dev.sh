@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Linux x86_64 machine with Python 3.10-3.13:
-#   ./dev.sh test              set up the pinned environment, run every test tier
+#   ./dev.sh test              set up the pinned environment, lint (ruff), run every test tier
 #   ./dev.sh example [ARGS]    set up, then run example_train.py with ARGS
 #   ./dev.sh bench [ARGS]      set up, then run bench/bench.py with ARGS
 # The environment lives in ~/.cache/seamless_tpu/, keyed by the pins, so a second
@@ -25,7 +25,7 @@ fi
 export PATH="$VENV/bin:$PATH"
 cmd=${1:-test}; shift || true
 case "$cmd" in
-  test)    exec python -m pytest "$@" ;;
+  test)    ruff check && exec python -m pytest "$@" ;;
   example) exec python example_train.py "$@" ;;
   bench)   exec python bench/bench.py "$@" ;;
   env)     echo "$VENV" ;;
