@@ -40,6 +40,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # tests/hlo.py: the dot FLOPs reader the tests use
+import child  # noqa: E402  (tests/child.py: how a child process reports, read the same way as the tests read it)
 THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
@@ -571,10 +572,10 @@ ray.shutdown()
     for _ in range(rounds):
         for kind in rng.sample(list(results), len(results)):
             out = subprocess.run([sys.executable, "-c", code, kind.split()[0]], env=env, capture_output=True, text=True, timeout=600)
-            line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
-            if out.returncode or not line:
+            found = child.result(out.stdout, required=False)
+            if out.returncode or found is None:
                 raise RuntimeError(f"ray fit ({kind}) failed:\n{out.stderr[-3000:]}")
-            results[kind].append(json.loads(line[0][len("RESULT "):]))
+            results[kind].append(found)
     return results
 
 
@@ -942,7 +943,7 @@ def run_accumulate(s):
         for loop, k in runs:
             out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "loops.py"), loop, str(k)], env=env,
                                  capture_output=True, text=True, timeout=600, check=True).stdout
-            runs[loop, k].append(json.loads(out.split("RESULT ", 1)[1].splitlines()[0]))
+            runs[loop, k].append(child.result(out))
     cost = subprocess.run([sys.executable, "-c", RULE_COST], env=env, capture_output=True, text=True, timeout=600, check=True)
     forward_us, backward_us = map(float, cost.stdout.split())
     return {"runs": [[loop, k, rs] for (loop, k), rs in runs.items()], "forward_us": forward_us, "per_param_backward_us": backward_us}
@@ -1025,7 +1026,7 @@ def run_checkpoints(s):
         for phase in ("save", "warm", "fresh"):
             out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "load_cost.py"), "fsdp4", phase, os.path.join(d, "c")],
                                  env=env, capture_output=True, text=True, timeout=600, check=True).stdout
-            load[phase] = json.loads(out.split("REPORT", 1)[1])
+            load[phase] = child.result(out)
     out = subprocess.run([sys.executable, "-c", SAVE_WHILE_TRAINING, str(2 if s.smoke else 7)], env=env,
                          capture_output=True, text=True, timeout=900, check=True).stdout
     saving = json.loads(out.strip().splitlines()[-1])
@@ -1113,7 +1114,7 @@ def run_preemption(s):
     outs = [p.communicate(timeout=600) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("the preemption ranks failed:\n" + "\n".join(err[-2000:] for _, err in outs))
-    return json.loads(outs[0][0].split("RESULT ", 1)[1].splitlines()[0])
+    return child.result(outs[0][0])
 
 
 def render_preemption(times, s):
