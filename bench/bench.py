@@ -25,13 +25,14 @@ import argparse
 import dataclasses
 import datetime
 import glob
+import importlib
 import json
-import math
 import os
 import platform
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,8 +40,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # tests/hlo.py: the dot FLOPs reader the tests use
-import child  # noqa: E402  (tests/child.py: how a child process reports, read the same way as the tests read it)
+sys.path.insert(0, ROOT)  # seamless_tpu; bench/ itself (hlo.py) is on the path as this script's folder
+TESTS_PATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # PYTHONPATH of the tests/ scripts run as workloads
+
+import hlo  # noqa: E402  (bench/hlo.py: what XLA compiled; the tests read dot FLOPs with it too)
 THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
@@ -58,6 +61,37 @@ TP_NAMES = {"shim": "ddp (4,) data", "shim_fsdp": "fsdp (4,) fsdp", "shim_tp": "
             "shim_2d": "2-D (2, 2) fsdp x model"}
 DUMP_HLO = "SEAMLESS_TPU_BENCH_DUMP_HLO"  # set: the worker has XLA dump the HLO it compiles (compile time only)
 AA = " (A/A)"  # label suffix of the baseline's second, independent worker
+
+
+# --- child processes: a fresh interpreter per measurement ----------------------------------------
+
+
+def report(obj):
+    """What a child tells the driver: one line `RESULT <json>` on stdout (tests/ scripts print the same)."""
+    print("RESULT " + json.dumps(obj), flush=True)
+
+
+def result(stdout, what):
+    """The one object a child report()ed in `stdout`."""
+    found = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if len(found) != 1:
+        raise RuntimeError(f"{what} printed {len(found)} RESULT lines, not 1:\n{stdout[-3000:]}")
+    return json.loads(found[0])
+
+
+def run_script(args, env, timeout=600):
+    """What `python ARGS`, run from the repository root, report()ed; a failure raises with its stderr."""
+    what = " ".join(map(str, args))
+    out = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"{what} exited {out.returncode}:\n{out.stderr[-3000:]}")
+    return result(out.stdout, what)
+
+
+def run_child(name, *args, env, timeout=600):
+    """What CHILDREN[name](*args) report()ed, run in a fresh interpreter: bench/bench.py --child NAME ARGS."""
+    return run_script([os.path.abspath(__file__), "--child", name, *args], env, timeout)
 
 
 # --- worker side: one variant, one workload ------------------------------------------------------
@@ -251,36 +285,6 @@ def shim_overhead(variant, reps=20000):
     return {"global_optimizer_hooks": hooks, "us_per_step": seconds / reps * 1e6}
 
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-PARAM_GATHER = "all-gather of a parameter's shape"
-COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")\(")
-SHAPE = re.compile(r"\b(f32|bf16|f16|f64|s32|s64|u32|pred)\[([0-9,]*)\]")
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "s64": 8, "u32": 4, "pred": 1}
-
-
-def step_collectives(dump, param_shapes):
-    """Collectives in the last graph XLA compiled (the steady-state step), read from the
-    partitioned, optimized HLO that XLA_FLAGS=--xla_dump_to wrote: {op: (count, bytes)}, bytes being
-    each op's result on one device. "all-gather of a parameter's shape" counts the all-gathers whose
-    result has the shape of a whole parameter (or its transpose): FSDP's weight gathers; the other
-    all-gathers move activations."""
-    files = sorted(glob.glob(os.path.join(dump, "module_*after_optimizations.txt")))
-    if not files:
-        return {}
-    with open(files[-1]) as f:
-        hlo = f.read()
-    shapes = {tuple(s) for s in param_shapes} | {tuple(reversed(s)) for s in param_shapes}
-    found = {}
-    for shape, op in COLLECTIVE.findall(hlo):
-        parts = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in SHAPE.findall(shape)]
-        size = sum(DTYPE_BYTES[t] * math.prod(dims) for t, dims in parts)
-        keys = [op] + ([PARAM_GATHER] if op == "all-gather" and all(d in shapes for _, d in parts) else [])
-        for key in keys:
-            count, total = found.get(key, (0, 0))
-            found[key] = (count + 1, total + size)
-    return found
-
-
 def profile(variant, dump):
     """Per-device bytes and the step's collectives. Asked after the timed rounds: the optimizer
     state exists, and the last graph compiled is the steady-state step."""
@@ -288,10 +292,8 @@ def profile(variant, dump):
     shapes = [tuple(p.shape) for p in variant.model.parameters()]
     dots = None
     if dump and glob.glob(os.path.join(dump, "*spmd-partitioning*")):
-        import hlo
-
         dots = hlo.dot_flops_per_device(dump)
-    return {"bytes": variant.trainer.memory_stats(variant.optimizer), "collectives": step_collectives(dump, shapes) if dump else {},
+    return {"bytes": variant.trainer.memory_stats(variant.optimizer), "collectives": hlo.step_collectives(dump, shapes) if dump else {},
             "dot_flops": dots}
 
 
@@ -518,65 +520,84 @@ def compare(title, workload, names, baseline, env, warm, rounds, steps, repeats,
 
 def import_cost(repeats):
     """Comparison 5: milliseconds to import each module in a fresh interpreter after torch."""
-    code = "import time, torch; t = time.perf_counter(); import {m}; print(time.perf_counter() - t)"
-    modules = {"seamless_tpu": "seamless_tpu", "accelerate": "accelerate", "lightning.fabric": "lightning.fabric"}
+    modules = ("seamless_tpu", "accelerate", "lightning.fabric")
     results = {k: [] for k in modules}
     env = dict(os.environ, PYTHONPATH=ROOT, **EAGER_ENV)
     for _ in range(repeats):
-        for name, module in modules.items():
-            out = subprocess.run([sys.executable, "-c", code.format(m=module)], env=env, capture_output=True, text=True, check=True)
-            results[name].append(float(out.stdout.strip().splitlines()[-1]) * 1e3)
+        for module in modules:
+            results[module].append(run_child("import", module, env=env) * 1e3)
     return results
+
+
+def import_child(module):
+    """Seconds to import `module` in this fresh interpreter, after torch (and the bench's own stdlib imports,
+    alike for every module)."""
+    import torch  # noqa: F401
+
+    start = time.perf_counter()
+    importlib.import_module(module)
+    report(time.perf_counter() - start)
 
 
 def ray_fit_times(rounds, rng, twin=True):
     """Comparison 6: wall time of a 2-worker CPU fit, seamless_tpu.TorchConfig vs Ray's stock gloo.
     Stock gloo runs as two independent variants (A/A); each round runs the three fits in random order.
     twin=False (a smoke run, whose one round judges nothing) leaves the A/A twin out: 40 s less."""
-    code = r'''
-import os, sys, tempfile, time, json
-import ray, torch
-from ray.train import RunConfig, ScalingConfig
-kind = sys.argv[1]
-def loop(config):
-    import time, json, torch
+    env = dict(os.environ, PYTHONPATH=ROOT, RAY_AUTH_MODE="disabled", RAY_TRAIN_ENABLE_PRINT_PATCH="0")
+    results = {"seamless": [], "ray_gloo": [], **({"ray_gloo" + AA: []} if twin else {})}
+    for _ in range(rounds):
+        for kind in rng.sample(list(results), len(results)):
+            results[kind].append(run_child("ray-fit", kind.split()[0], env=env))
+    return results
+
+
+def ray_fit_loop(config):
+    """The training function both fits run on each Ray worker: 50 steps of a linear model."""
+    import torch
+
     import seamless_tpu as st
+
     first = time.time()
     model = torch.nn.Linear(64, 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = st.SeamlessTPUTrainer(model)
     x, y = trainer.to_device(torch.randn(64, 64), torch.randint(0, 10, (64,)))
     for _ in range(50):
-        opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
     with open(config["out"], "a") as f:
         f.write(json.dumps({"train_start": first, "train_end": time.time()}) + "\n")
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
-out = tempfile.mktemp()
-start = time.time()
-if kind == "seamless":
+
+
+def ray_fit_child(kind):
+    """One 2-worker CPU fit on a fresh local cluster, through seamless_tpu's TorchConfig ("seamless") or
+    Ray's stock gloo backend ("ray_gloo"): reports its fit, time to the first step, and training seconds."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+
     import seamless_tpu as st
-    trainer = st.TorchTrainer(loop, train_loop_config={"out": out}, torch_config=st.TorchConfig(), scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=tempfile.mkdtemp()))
-else:
-    from ray.train.torch import TorchConfig, TorchTrainer
-    trainer = TorchTrainer(loop, train_loop_config={"out": out}, torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=2), run_config=RunConfig(storage_path=tempfile.mkdtemp()))
-fit_start = time.time()
-trainer.fit()
-end = time.time()
-spans = [json.loads(l) for l in open(out)]
-print("RESULT", json.dumps({"fit_s": end - fit_start, "to_first_step_s": min(s["train_start"] for s in spans) - fit_start,
-                            "train_s": max(s["train_end"] for s in spans) - min(s["train_start"] for s in spans)}))
-ray.shutdown()
-'''
-    env = dict(os.environ, PYTHONPATH=ROOT, RAY_AUTH_MODE="disabled", RAY_TRAIN_ENABLE_PRINT_PATCH="0")
-    results = {"seamless": [], "ray_gloo": [], **({"ray_gloo" + AA: []} if twin else {})}
-    for _ in range(rounds):
-        for kind in rng.sample(list(results), len(results)):
-            out = subprocess.run([sys.executable, "-c", code, kind.split()[0]], env=env, capture_output=True, text=True, timeout=600)
-            found = child.result(out.stdout, required=False)
-            if out.returncode or found is None:
-                raise RuntimeError(f"ray fit ({kind}) failed:\n{out.stderr[-3000:]}")
-            results[kind].append(found)
-    return results
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    out = tempfile.mktemp()
+    if kind == "seamless":
+        trainer_class, config = st.TorchTrainer, st.TorchConfig()
+    else:
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        trainer_class, config = TorchTrainer, TorchConfig(backend="gloo")
+    trainer = trainer_class(ray_fit_loop, train_loop_config={"out": out}, torch_config=config,
+                            scaling_config=ScalingConfig(num_workers=2),
+                            run_config=RunConfig(storage_path=tempfile.mkdtemp()))
+    fit_start = time.time()
+    trainer.fit()
+    end = time.time()
+    with open(out) as f:
+        spans = [json.loads(line) for line in f]
+    report({"fit_s": end - fit_start, "to_first_step_s": min(s["train_start"] for s in spans) - fit_start,
+            "train_s": max(s["train_end"] for s in spans) - min(s["train_start"] for s in spans)})
+    ray.shutdown()
 
 
 def fsdp_vs_ddp(warm, rounds, steps, repeats, checkpoint_reps, rng):
@@ -621,7 +642,7 @@ def tp_section(tp, s):
     md += ["", f"- A/A floor (ddp against itself): {fmt(floor)}. Step times on XLA:CPU, where collectives are memory copies: "
            "they say nothing about a TPU's interconnect; report only.", "",
            "### Collectives in the compiled steady-state step (count, result bytes on one device)", ""]
-    ops = [op for op in COLLECTIVES if any(op in p["collectives"] for p in profiles.values())]
+    ops = [op for op in hlo.COLLECTIVES if any(op in p["collectives"] for p in profiles.values())]
     if ops:
         md += ["| variant | " + " | ".join(ops) + " |", "|---" * (len(ops) + 1) + "|"]
         for name in TP_VARIANTS:
@@ -743,7 +764,7 @@ def fsdp_section(fsdp, s):
     md += ["", "### Step time, fsdp / ddp (same rounds method; ddp is the baseline, with its A/A twin)", "",
            f"- {step}", "", *RUN_TABLE, *run_rows(rows)]
 
-    ops = [op for op in (COLLECTIVES[0], PARAM_GATHER, *COLLECTIVES[1:]) if any(op in p["collectives"] for p in strategies.values())]
+    ops = [op for op in (hlo.COLLECTIVES[0], hlo.PARAM_GATHER, *hlo.COLLECTIVES[1:]) if any(op in p["collectives"] for p in strategies.values())]
     md += ["", "### Collectives in the compiled steady-state step (count, result bytes on one device)", "",
            "From the partitioned, optimized HLO that XLA:CPU dumps (`--xla_dump_to`). The partitioner (GSPMD) is the one TPUs use; "
            "a TPU backend may still combine or rewrite collectives differently.", ""]
@@ -752,11 +773,11 @@ def fsdp_section(fsdp, s):
         for k, p in strategies.items():
             c = p["collectives"]
             cells = [f"{c[op][0]} ({mb(c[op][1])})" if op in c else "0" for op in ops]
-            total = [v for op, v in c.items() if op in COLLECTIVES]  # PARAM_GATHER is part of all-gather: not added twice
+            total = [v for op, v in c.items() if op in hlo.COLLECTIVES]  # PARAM_GATHER is part of all-gather: not added twice
             md.append(f"| {k} | " + " | ".join(cells) + f" | {sum(n for n, _ in total)} ({mb(sum(b for _, b in total))}) |")
     else:
         md.append("- no HLO dump was found")
-    gathers = {k: (p["collectives"].get("all-gather", (0, 0)), p["collectives"].get(PARAM_GATHER, (0, 0)))
+    gathers = {k: (p["collectives"].get("all-gather", (0, 0)), p["collectives"].get(hlo.PARAM_GATHER, (0, 0)))
                for k, p in strategies.items()}
     collectives = ("all-gathers per step (count, MB per device; of which a parameter's shape): " +
                    ", ".join(f"{k} {n}, {b / 1e6:.1f} ({pn}, {pb / 1e6:.3f})" for k, ((n, b), (pn, pb)) in gathers.items()))
@@ -915,38 +936,39 @@ def render_ray(ray_times, s):
     return md + ["", f"- {line}"], [line]
 
 
-RULE_COST = """
-import time, torch, seamless_tpu as st
-st.get_device()
-model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
-st.SeamlessTPUTrainer(model)
-p, n = next(model.parameters()), 200000
-t = time.perf_counter()
-for _ in range(n):
-    st._before_forward(model, (), {})  # the common path: nothing to cut
-forward = (time.perf_counter() - t) / n
-st._STATE.cuts.no_grad_forward = False
-t = time.perf_counter()
-for _ in range(n):
-    st._saw_backward(p)
-print(forward * 1e6, (time.perf_counter() - t) / n * 1e6)
-"""
-
-
 def run_accumulate(s):
     """Compile seconds and graph counts of tests/loops.py accumulate K (8-layer MLP, AdamW) for K in 1, 4,
     16 (1 and 16 in a smoke run), each in fresh processes, alternating; and the iteration rule's own cost
     per forward and per parameter per backward, timed in isolation."""
-    env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla", PYTHONPATH=TESTS_PATH)
     runs = {(loop, k): [] for loop in ("accumulate", "accumulate_lm") for k in ((1, 16) if s.smoke else (1, 4, 16))}
     for _ in range(1 if s.smoke else 3):
         for loop, k in runs:
-            out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "loops.py"), loop, str(k)], env=env,
-                                 capture_output=True, text=True, timeout=600, check=True).stdout
-            runs[loop, k].append(child.result(out))
-    cost = subprocess.run([sys.executable, "-c", RULE_COST], env=env, capture_output=True, text=True, timeout=600, check=True)
-    forward_us, backward_us = map(float, cost.stdout.split())
+            runs[loop, k].append(run_script(["tests/loops.py", loop, k], env))
+    forward_us, backward_us = run_child("rule-cost", env=env)
     return {"runs": [[loop, k, rs] for (loop, k), rs in runs.items()], "forward_us": forward_us, "per_param_backward_us": backward_us}
+
+
+def rule_cost_child():
+    """Microseconds the iteration rule costs per forward (the common path: nothing to cut) and per parameter
+    per backward, each hook timed alone on an 8-layer MLP on XLA."""
+    import torch
+
+    import seamless_tpu as st
+
+    st.get_device()
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
+    st.SeamlessTPUTrainer(model)
+    param, n = next(model.parameters()), 200000
+    start = time.perf_counter()
+    for _ in range(n):
+        st._before_forward(model, (), {})
+    forward = (time.perf_counter() - start) / n
+    st._STATE.cuts.no_grad_forward = False
+    start = time.perf_counter()
+    for _ in range(n):
+        st._saw_backward(param)
+    report([forward * 1e6, (time.perf_counter() - start) / n * 1e6])
 
 
 def render_accumulate(result, s):
@@ -966,73 +988,83 @@ def render_accumulate(result, s):
     return md + ["", f"- {line}"], [line]
 
 
-SAVE_WHILE_TRAINING = """
-import json, random, statistics, sys, tempfile, time, torch, seamless_tpu as st
-import torch_xla.core.xla_model as xm
-rounds, steps = int(sys.argv[1]), 8
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(1152, 1152) for _ in range(16)])  # 85 MB, AdamW: a 255 MB checkpoint
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
-x = trainer.to_device(torch.randn(64, 1152))
-def step():
-    optimizer.zero_grad(); model(x).square().mean().backward(); optimizer.step()
-def block(save):
-    future = trainer.save_checkpoint(tempfile.mkdtemp(), blocking=False, model=model, optimizer=optimizer) if save else None
-    t = time.perf_counter()
-    for _ in range(steps):
-        step(); xm.wait_device_ops()
-    elapsed = time.perf_counter() - t
-    in_flight = future is not None and not future.done()
-    if future is not None:
-        future.result()
-    return elapsed, in_flight
-for _ in range(3):
-    step()
-blocking = []
-for _ in range(rounds):
-    d = tempfile.mkdtemp(); t = time.perf_counter()
-    trainer.save_checkpoint(d, model=model, optimizer=optimizer); blocking.append(time.perf_counter() - t)
-times = {"plain": [], "plain (A/A)": [], "save in flight": []}
-still = 0
-for r in range(rounds):
-    for name in random.Random(r).sample(sorted(times), len(times)):  # a new order each round
-        elapsed, in_flight = block(name == "save in flight")
-        times[name].append(elapsed / steps); still += in_flight
-print(json.dumps({"times": times, "blocking_save_s": statistics.median(blocking), "in_flight_blocks": still}))
-"""
+def save_while_training_child(rounds, steps=8):
+    """Step time of an 85 MB MLP (AdamW: a 255 MB checkpoint) under fsdp on XLA, in blocks of `steps`: plain,
+    plain again (A/A), and with an asynchronous save in flight, in a new order each round; and a blocking
+    save's seconds. Reports {"times": {variant: [s per step]}, "blocking_save_s", "in_flight_blocks"}."""
+    import torch
+    import torch_xla.core.xla_model as xm
 
-PREEMPT_TIME = """
-import os, signal, subprocess, sys, tempfile, time
-sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
-import child
-d = tempfile.mkdtemp()
-p = child.popen(["tests/preempt.py", "preemptible", d], env=child.env(SEAMLESS_TPU_DEVICE="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-while not os.path.exists(os.path.join(d, "ready-0")):
-    time.sleep(0.01)
-t = time.perf_counter(); p.send_signal(signal.SIGTERM); p.communicate(timeout=120)
-committed = os.path.exists(os.path.join(d, "ckpt", "LATEST"))
-print(time.perf_counter() - t, int(committed), p.returncode)
-"""
+    import seamless_tpu as st
+
+    rounds = int(rounds)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1152, 1152) for _ in range(16)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+    x = trainer.to_device(torch.randn(64, 1152))
+
+    def step():
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    def block(save):
+        future = save and trainer.save_checkpoint(tempfile.mkdtemp(), blocking=False, model=model, optimizer=optimizer)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+            xm.wait_device_ops()
+        elapsed = time.perf_counter() - start
+        in_flight = bool(future) and not future.done()
+        if future:
+            future.result()
+        return elapsed, in_flight
+
+    for _ in range(3):
+        step()
+    blocking = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        trainer.save_checkpoint(tempfile.mkdtemp(), model=model, optimizer=optimizer)
+        blocking.append(time.perf_counter() - start)
+    times, still = {"plain": [], "plain (A/A)": [], "save in flight": []}, 0
+    for r in range(rounds):
+        for name in random.Random(r).sample(sorted(times), len(times)):
+            elapsed, in_flight = block(name == "save in flight")
+            times[name].append(elapsed / steps)
+            still += in_flight
+    report({"times": times, "blocking_save_s": statistics.median(blocking), "in_flight_blocks": still})
+
+
+def preempt_time():
+    """[seconds from SIGTERM to exit, whether the checkpoint was committed, exit code] of tests/preempt.py's
+    preemptible loop on the CPU: the signal lands once it is training; it saves and exits 0."""
+    with tempfile.TemporaryDirectory() as d:
+        p = subprocess.Popen([sys.executable, "tests/preempt.py", "preemptible", d], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=TESTS_PATH, SEAMLESS_TPU_DEVICE="cpu"))
+        while not os.path.exists(os.path.join(d, "ready-0")) and p.poll() is None:
+            time.sleep(0.01)
+        start = time.perf_counter()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+        seconds, committed = time.perf_counter() - start, os.path.exists(os.path.join(d, "ckpt", "LATEST"))
+    if p.returncode:
+        raise RuntimeError(f"tests/preempt.py exited {p.returncode} after SIGTERM:\n{err.decode()[-3000:]}")
+    return [seconds, int(committed), p.returncode]
 
 
 def run_checkpoints(s):
     """Load cost (tests/load_cost.py: a 255 MB fsdp checkpoint on 4 XLA devices), step time with an
     asynchronous save in flight against plain blocks and the A/A floor, and SIGTERM to exit with a
     committed checkpoint (tests/preempt.py on the CPU)."""
-    env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla", PYTHONPATH=TESTS_PATH)
     load = {}
     with tempfile.TemporaryDirectory() as d:
         for phase in ("save", "warm", "fresh"):
-            out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "load_cost.py"), "fsdp4", phase, os.path.join(d, "c")],
-                                 env=env, capture_output=True, text=True, timeout=600, check=True).stdout
-            load[phase] = child.result(out)
-    out = subprocess.run([sys.executable, "-c", SAVE_WHILE_TRAINING, str(2 if s.smoke else 7)], env=env,
-                         capture_output=True, text=True, timeout=900, check=True).stdout
-    saving = json.loads(out.strip().splitlines()[-1])
-    cpu_env = dict(os.environ, PYTHONPATH=ROOT)
-    preempt = [list(map(float, subprocess.run([sys.executable, "-c", PREEMPT_TIME, ROOT], env=cpu_env, capture_output=True, text=True,
-                                              timeout=300, check=True).stdout.split())) for _ in range(1 if s.smoke else 3)]
+            load[phase] = run_script(["tests/load_cost.py", "fsdp4", phase, os.path.join(d, "c")], env)
+    saving = run_child("save-while-training", 2 if s.smoke else 7, env=env, timeout=900)
+    preempt = [preempt_time() for _ in range(1 if s.smoke else 3)]
     return {"load": load, "saving": saving, "preempt": preempt}
 
 
@@ -1068,6 +1100,7 @@ def preemption_rank(rounds, steps):
 
     import seamless_tpu as st
 
+    rounds, steps = int(rounds), int(steps)
     torch.set_num_threads(THREADS)
     torch.distributed.init_process_group("gloo")
     torch.manual_seed(0)
@@ -1100,7 +1133,7 @@ def preemption_rank(rounds, steps):
         for name in rng.sample(list(times), len(times)):
             times[name].append(block(name))
     if torch.distributed.get_rank() == 0:
-        print("RESULT " + json.dumps(times), flush=True)
+        report(times)
     torch.distributed.destroy_process_group()
 
 
@@ -1108,13 +1141,13 @@ def run_preemption(s):
     rounds, steps = (3, 20) if s.smoke else (40, 100)
     port = random.Random().randrange(20000, 40000)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", USE_TORCH_XLA="0")
-    procs = [subprocess.Popen([sys.executable, __file__, "--preemption-rank", f"{rounds},{steps}"], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "preemption-rank", str(rounds), str(steps)], cwd=ROOT,
                               env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("the preemption ranks failed:\n" + "\n".join(err[-2000:] for _, err in outs))
-    return child.result(outs[0][0])
+    return result(outs[0][0], "preemption rank 0")
 
 
 def render_preemption(times, s):
@@ -1144,6 +1177,8 @@ def run_fsdp(s):
     return fsdp_vs_ddp(s.warm, *s.block("transformer", True), s.repeats, 2 if s.smoke else 5, random.Random(0))
 
 
+CHILDREN = {"import": import_child, "ray-fit": ray_fit_child, "rule-cost": rule_cost_child,  # --child NAME ARGS
+            "save-while-training": save_while_training_child, "preemption-rank": preemption_rank}
 SECTIONS = {  # the order of a full run and of RESULTS.md
     "xla_spmd": Section("XLA SPMD on 4 devices: seamless_tpu vs hand-written torch_xla, step time",
                         step_time("xla_spmd_4dev", ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV, xla=True),
@@ -1217,13 +1252,13 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", choices=list(SECTIONS), metavar="NAME",
                    help=f"run these sections alone, of: {', '.join(SECTIONS)}; with --out, replace just them in that file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--preemption-rank", help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--workload", default="mlp", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.workload)
-    if args.preemption_rank:
-        return preemption_rank(*map(int, args.preemption_rank.split(",")))
+    if args.child:
+        return CHILDREN[args.child[0]](*args.child[1:])
     s = Settings(args.smoke)
     quiet = s.smoke or args.only  # a smoke run or sections alone must not overwrite the full results
     out = args.out or (None if quiet else os.path.join(ROOT, "bench", "RESULTS.md"))

@@ -1,5 +1,5 @@
-"""How tests start another Python: a subprocess or a Ray worker, with the repository root and tests/
-on its path and the environment the test asks for. A plain module, not a test module.
+"""How tests start another Python: a subprocess or a Ray worker, with the repository root, tests/ and bench/
+(hlo.py, the HLO reader) on its path and the environment the test asks for. A plain module, not a test module.
 
     out = child.run(["tests/scenarios.py", name], env=child.env(**child.XLA_ENV), timeout=300)
     proc = child.popen(["-c", code], env=child.env(drop=child.DEVICE_VARS))
@@ -18,7 +18,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PYTHONPATH = os.pathsep.join([ROOT, HERE])  # for subprocesses, and for Ray workers (runtime_env)
+PYTHONPATH = os.pathsep.join([ROOT, HERE, os.path.join(ROOT, "bench")])  # for subprocesses and Ray workers
 DEVICE_VARS = ("PJRT_DEVICE", "SEAMLESS_TPU_DEVICE")  # what picks the device: drop them for the default
 XLA_ON_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}  # real torch_xla on 4 virtual CPU devices
 XLA_ENV = dict(XLA_ON_CPU, SEAMLESS_TPU_DEVICE="xla", PYTHONUNBUFFERED="1")

@@ -1,0 +1,70 @@
+"""What XLA compiled, read from the HLO text it dumps (XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text ...).
+The benchmark and the tests (which find bench/ on their path) read it the same way.
+
+dot_flops_per_device(DIR) compares the last graph's dot FLOPs just before SPMD partitioning (the
+whole step) with just after it (one device's share), so later rewrites (a matrix-vector dot turned
+into a reduce) count on neither side: a mesh of N devices on which no device repeats another's work
+gives 1/N. step_collectives(DIR, shapes) counts the collectives of the last optimized graph.
+"""
+
+import glob
+import math
+import os
+import re
+
+DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spmd-partitioning"
+
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([0-9,]*)\]", re.M)
+DOT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[([0-9,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\), lhs_contracting_dims=\{([0-9,]*)\}", re.M)
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+PARAM_GATHER = "all-gather of a parameter's shape"
+COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")\(")
+SHAPE = re.compile(r"\b(f32|bf16|f16|f64|s32|s64|u32|pred)\[([0-9,]*)\]")
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "s64": 8, "u32": 4, "pred": 1}
+
+
+def dims(text):
+    return [int(d) for d in text.split(",") if d]
+
+
+def dot_flops(hlo):
+    """2 x output elements x contracted size, summed over every dot in an HLO module's text."""
+    shapes = {name: dims(shape) for name, shape in INSTRUCTION.findall(hlo)}
+    return sum(2 * math.prod(dims(out)) * math.prod(shapes[lhs][i] for i in dims(contracted))
+               for out, lhs, contracted in DOT.findall(hlo))
+
+
+def dot_flops_per_device(dump):
+    """(whole step's dot FLOPs, one device's, the ratio) for the graph with the most dot FLOPs that XLA
+    compiled into `dump` (the training step: the graphs that read losses back hold no dots)."""
+    best = (0, 0)
+    for before in glob.glob(os.path.join(dump, "module_*before_spmd-partitioning.txt")):
+        module = re.sub(r"\.[0-9]{4}\.spmd-partitioner\..*", "", before)  # module_0001.SyncTensorsGraph.122
+        after = glob.glob(glob.escape(module) + ".*.after_spmd-partitioning*.txt")
+        with open(before) as f, open(after[0]) as g:
+            best = max(best, (dot_flops(f.read()), dot_flops(g.read())))
+    assert best[0], f"no partitioned graph with a dot in {dump}: was XLA_FLAGS set before XLA started?"
+    return best[0], best[1], best[1] / best[0]
+
+
+def step_collectives(dump, param_shapes):
+    """Collectives in the last graph XLA compiled (the steady-state step), read from the
+    partitioned, optimized HLO that XLA_FLAGS=--xla_dump_to wrote: {op: (count, bytes)}, bytes being
+    each op's result on one device. "all-gather of a parameter's shape" counts the all-gathers whose
+    result has the shape of a whole parameter (or its transpose): FSDP's weight gathers; the other
+    all-gathers move activations."""
+    files = sorted(glob.glob(os.path.join(dump, "module_*after_optimizations.txt")))
+    if not files:
+        return {}
+    with open(files[-1]) as f:
+        hlo = f.read()
+    shapes = {tuple(s) for s in param_shapes} | {tuple(reversed(s)) for s in param_shapes}
+    found = {}
+    for shape, op in COLLECTIVE.findall(hlo):
+        parts = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in SHAPE.findall(shape)]
+        size = sum(DTYPE_BYTES[t] * math.prod(dims) for t, dims in parts)
+        keys = [op] + ([PARAM_GATHER] if op == "all-gather" and all(d in shapes for _, d in parts) else [])
+        for key in keys:
+            count, total = found.get(key, (0, 0))
+            found[key] = (count + 1, total + size)
+    return found
