@@ -85,7 +85,9 @@ def hygiene():
     st._reset_caches()
     assert not leaked, f"test leaked env vars: {leaked}"
     assert not warm and not left, f"warm caches: {warm}; process state left behind: {left}"
-    assert _torch_as_patched() == patched, f"torch still patched after _reset_caches(): {patched} -> {_torch_as_patched()}"
+    assert _torch_as_patched() == patched, (
+        f"torch still patched after _reset_caches(): {patched} -> {_torch_as_patched()}"
+    )
 
 
 @pytest.fixture

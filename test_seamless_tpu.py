@@ -114,7 +114,10 @@ def test_empty_pjrt_means_unset_when_activating(monkeypatch, fresh):
 
 def test_tpu_request_with_a_hint_but_no_chip_names_the_hint(monkeypatch, fresh):
     set_detection_env(monkeypatch, True, None, 0, "v5litepod-8", False, None)
-    with pytest.raises(RuntimeError, match=r"no TPU chip is visible.*TPU_ACCELERATOR_TYPE='v5litepod-8'.*names a TPU, but this host has no chip"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"no TPU chip is visible.*TPU_ACCELERATOR_TYPE='v5litepod-8'.*names a TPU, but this host has no chip",
+    ):
         st.get_device("tpu")
 
 
@@ -130,9 +133,14 @@ def test_tpu_chip_evidence(monkeypatch, tmp_path, fresh, layout, want):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     real_glob = st.glob.glob
-    monkeypatch.setattr(st.glob, "glob", lambda pattern: [p.replace(str(tmp_path), "") for p in real_glob(str(tmp_path) + pattern)])
+    monkeypatch.setattr(
+        st.glob, "glob", lambda pattern: [p.replace(str(tmp_path), "") for p in real_glob(str(tmp_path) + pattern)]
+    )
     real_open = open
-    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(str(tmp_path) + path if str(path).startswith("/sys") else path, *a, **k))
+    monkeypatch.setattr(
+        "builtins.open",
+        lambda path, *a, **k: real_open(str(tmp_path) + path if str(path).startswith("/sys") else path, *a, **k),
+    )
     what, count = st._tpu_chips()
     assert (what, count) == want
 
@@ -160,12 +168,16 @@ def test_no_torch_xla_errors_name_the_install_command(no_xla):
 def test_tpu_requested_without_a_tpu(fake, monkeypatch):
     monkeypatch.setattr(st, "_tpu_chip_count", lambda: 0)
     monkeypatch.setattr(st, "_initial_environ", lambda: {"PJRT_DEVICE": "CPU"})
-    with pytest.raises(RuntimeError, match=r"device 'tpu' was requested but no TPU chip is visible \(PJRT_DEVICE='CPU'"):
+    with pytest.raises(
+        RuntimeError, match=r"device 'tpu' was requested but no TPU chip is visible \(PJRT_DEVICE='CPU'"
+    ):
         st.get_device("tpu")
 
 
 def test_bad_kind_and_missing_gpu(cpu, monkeypatch):
-    with pytest.raises(ValueError, match=r"device must be one of .* or a torch.device string like 'cuda:0', got 'tpuu'"):
+    with pytest.raises(
+        ValueError, match=r"device must be one of .* or a torch.device string like 'cuda:0', got 'tpuu'"
+    ):
         st.get_device("tpuu")
     monkeypatch.setenv("SEAMLESS_TPU_DEVICE", "cudaa")
     with pytest.raises(ValueError, match=r"SEAMLESS_TPU_DEVICE must be one of .*got 'cudaa'"):
@@ -213,7 +225,12 @@ def test_trainer_cpu_extras(cpu, tmp_path):
         assert model(torch.ones(2, 10)).dtype == torch.bfloat16
     with st.SeamlessTPUTrainer(model).autocast():
         assert model(torch.ones(2, 10)).dtype == torch.float32
-    assert trainer.compile_stats() == {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
+    assert trainer.compile_stats() == {
+        "compiles": 0,
+        "cached_compiles": 0,
+        "executions": 0,
+        "device_to_host_transfers": 0,
+    }
     optimizer = torch.optim.Adam(model.parameters())
     path = trainer.save({"model": model, "optimizer": optimizer}, tmp_path / "ckpt.pt")
     loaded = torch.load(path)
@@ -222,7 +239,10 @@ def test_trainer_cpu_extras(cpu, tmp_path):
     assert [len(b[0]) for b in loader] == [4, 4, 2], "off XLA the last batch is kept unless asked"
     with pytest.raises(ValueError, match=r"precision must be one of \(None, 'fp32', 'bf16'\), got 'fp16'"):
         st.SeamlessTPUTrainer(model, precision="fp16")
-    with pytest.raises(ValueError, match=r"apply to XLA devices, or to several torch.distributed ranks, but the device is cpu in one process"):
+    with pytest.raises(
+        ValueError,
+        match=r"apply to XLA devices, or to several torch.distributed ranks, but the device is cpu in one process",
+    ):
         st.SeamlessTPUTrainer(model, xla_spmd_config={"mesh_shape": [1]})
 
 
@@ -305,7 +325,9 @@ def test_checkpoint_bad_input_names_the_key_or_path(tmp_path, cpu):
     with pytest.raises(KeyError, match=r"missing keys \['bias', 'weight'\], unexpected keys \['0.bias'"):
         trainer.load_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(10, 32))
     wider = torch.nn.Sequential(torch.nn.Linear(10, 33), torch.nn.ReLU(), torch.nn.Linear(33, 1))
-    with pytest.raises(ValueError, match=r"'0.weight' has shape \(32, 10\) in the checkpoint and \(33, 10\) in the model"):
+    with pytest.raises(
+        ValueError, match=r"'0.weight' has shape \(32, 10\) in the checkpoint and \(33, 10\) in the model"
+    ):
         trainer.load_checkpoint(tmp_path / "ckpt", model=wider)
     with pytest.raises(TypeError, match=r"'epoch' is a int. Plain values come back from the call"):
         trainer.load_checkpoint(tmp_path / "ckpt", model=model, epoch=0)
@@ -343,7 +365,10 @@ def test_checkpoint_of_an_optimizer_without_state_loads(tmp_path, cpu, optimizer
     """torch.distributed.checkpoint drops an empty 'state': plain SGD, or any optimizer saved before its
     first step, loaded with KeyError: 'state' from inside torch."""
     model = torch.nn.Linear(3, 2)
-    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adam_before_first_step": lambda p: torch.optim.Adam(p, lr=0.1)}[optimizer_kind]
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+        "adam_before_first_step": lambda p: torch.optim.Adam(p, lr=0.1),
+    }[optimizer_kind]
     optimizer = make(model.parameters())
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     if optimizer_kind == "sgd":
@@ -366,12 +391,18 @@ def test_checkpoint_restores_any_stateful_object_in_place(tmp_path, cpu):
     scaler.scale(torch.ones(()))  # the scaler's state starts at its first scale()
     scaler.update(512.0)
     counter.seen, counter.weights = 7, torch.tensor([1.0, 2.0])
-    trainer.save_checkpoint(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, counter=counter, epoch=3)
+    trainer.save_checkpoint(
+        tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, counter=counter, epoch=3
+    )
     model2, optimizer2, scheduler2, scaler2, counter2 = stateful_kit(1)
-    plain = trainer.load_checkpoint(tmp_path, model=model2, optimizer=optimizer2, scheduler=scheduler2, scaler=scaler2, counter=counter2)
+    plain = trainer.load_checkpoint(
+        tmp_path, model=model2, optimizer=optimizer2, scheduler=scheduler2, scaler=scaler2, counter=counter2
+    )
     assert plain == {"epoch": 3}
     assert scheduler2.state_dict() == scheduler.state_dict() and optimizer2.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
-    assert scaler2.get_scale() == 512.0 and counter2.seen == 7 and torch.equal(counter2.weights, torch.tensor([1.0, 2.0]))
+    assert (
+        scaler2.get_scale() == 512.0 and counter2.seen == 7 and torch.equal(counter2.weights, torch.tensor([1.0, 2.0]))
+    )
     assert torch.equal(model2.weight, model.weight)
     merged = st.consolidate_checkpoint(tmp_path)
     assert merged["scheduler"] == scheduler.state_dict() and merged["counter"]["seen"] == 7
@@ -404,7 +435,9 @@ def test_save_checkpoint_removes_only_what_it_wrote(tmp_path, cpu):
     trainer.save_checkpoint(tmp_path, model=model, epoch=2)
     left = sorted(os.listdir(tmp_path))
     assert first not in left, "our previous attempt is removed"
-    assert left == sorted(["HISTORY", "LATEST", (tmp_path / "LATEST").read_text(), "save-1-2", "step-3-4", "step-5000"]), left
+    assert left == sorted(
+        ["HISTORY", "LATEST", (tmp_path / "LATEST").read_text(), "save-1-2", "step-3-4", "step-5000"]
+    ), left
 
 
 def test_failed_checkpoint_write_raises_an_ordinary_exception_naming_the_path(tmp_path, cpu, monkeypatch):
@@ -426,7 +459,9 @@ def test_failed_checkpoint_write_raises_an_ordinary_exception_naming_the_path(tm
     monkeypatch.undo()
     assert isinstance(error, OSError) and "could not write the checkpoint" in str(error) and str(tmp_path) in str(error)
     assert "No space left on device" in str(error) and "Traceback" not in str(error)
-    assert trainer.load_checkpoint(tmp_path, model=model) == {"epoch": 1}, "the previous checkpoint is still the one loaded"
+    assert trainer.load_checkpoint(tmp_path, model=model) == {"epoch": 1}, (
+        "the previous checkpoint is still the one loaded"
+    )
 
 
 class CompileCounter:
@@ -579,7 +614,11 @@ def test_fsdp_errors(fake):
     with pytest.raises(ValueError, match=r"strategy must be one of .*got 'FSDP'"):
         st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="FSDP")
     with pytest.raises(ValueError, match=r"axis named 'fsdp', but xla_spmd_config has axes \('data', 'model'\)"):
-        st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="fsdp", xla_spmd_config={"mesh_shape": [2, 2], "axis_names": ["data", "model"]})
+        st.SeamlessTPUTrainer(
+            torch.nn.Linear(2, 2),
+            strategy="fsdp",
+            xla_spmd_config={"mesh_shape": [2, 2], "axis_names": ["data", "model"]},
+        )
     mesh = st.create_xla_mesh()  # ("data",): no fsdp axis
     with pytest.raises(ValueError, match=r"but the mesh passed as mesh= has axes \('data',\); name one axis 'fsdp'"):
         st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), strategy="fsdp", mesh=mesh)
@@ -602,8 +641,14 @@ def test_resharding_waits_for_data_a_running_step_still_computes(fake, monkeypat
             st.SeamlessTPUTrainer(model, optimizer, strategy="fsdp")
             assert fake.shardings[moment] == fake.shardings[model[0].weight] == "{devices=[4,1]0,1,2,3}"
         else:
-            st.SeamlessTPUTrainer(model, optimizer, xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN)
-            assert fake.shardings[moment] == fake.shardings[model[0].weight] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+            st.SeamlessTPUTrainer(
+                model, optimizer, xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN
+            )
+            assert (
+                fake.shardings[moment]
+                == fake.shardings[model[0].weight]
+                == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+            )
         assert fake.events.count(("wait_device_ops",)) == 1, (how, fake.events)
     xs = fake.modules["torch_xla.distributed.spmd"]
     broken = RuntimeError("Check failed: mesh mismatch")
@@ -635,7 +680,9 @@ def test_the_graph_is_cut_where_an_iteration_of_any_loop_ends(fake):
 
     assert cuts(lambda: [step() for _ in range(3)]) == 3, "the plain loop: its steps' syncs only"
     assert cuts(lambda: [step(forwards=2) for _ in range(3)]) == 3, "two forwards in one iteration stay one graph"
-    assert cuts(lambda: [step(k=3) for _ in range(2)]) == 2 * 4, "per step: 2 forwards after a backward, then before and after the step"
+    assert cuts(lambda: [step(k=3) for _ in range(2)]) == 2 * 4, (
+        "per step: 2 forwards after a backward, then before and after the step"
+    )
 
     def by_hand():
         for _ in range(3):
@@ -745,14 +792,17 @@ def test_fake_xla_multi_process_default_mesh_shards_batch_over_all_devices(monke
     monkeypatch.setattr(st, "_agreement_group", lambda: None)  # its 3 peers do not exist (real: test_real_xla.py)
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     trainer = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla")
-    assert (tuple(trainer.mesh.mesh_shape), trainer.mesh.axis_names) == ((16,), ("data",)), "no 'model' axis unless asked for"
+    assert (tuple(trainer.mesh.mesh_shape), trainer.mesh.axis_names) == ((16,), ("data",)), (
+        "no 'model' axis unless asked for"
+    )
     x = trainer.to_device(torch.ones(16, 10))
     assert sys.modules["torch_xla"]._XLAC._get_xla_sharding_spec(x).startswith("{devices=[16,1]")
 
 
 def test_fake_xla_explicit_model_axis_keeps_batch_on_data(fake):
-    trainer = st.SeamlessTPUTrainer(scenarios.mlp(), xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2},
-                                    tp_plan=scenarios.MLP_PLAN)
+    trainer = st.SeamlessTPUTrainer(
+        scenarios.mlp(), xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN
+    )
     assert st._STATE.batch_sharding.axes == ("data",)
     assert scenarios.sharding(trainer.to_device(torch.ones(4, 10))) == scenarios.SPEC_DATA_OF_2X2
 
@@ -762,7 +812,9 @@ def test_model_parallel_size_builds_the_2d_mesh_in_one_line(fake, strategy, name
     trainer = st.SeamlessTPUTrainer(scenarios.mlp(), strategy=strategy, xla_spmd_config={"model_parallel_size": 2},
                                     tp_plan=scenarios.MLP_PLAN)
     assert (tuple(trainer.mesh.mesh_shape), tuple(trainer.mesh.axis_names)) == ((2, 2), names)
-    assert trainer.layout.batch.axes == names[:1], "tensor-parallel groups get the same batch: it splits over the other axis"
+    assert trainer.layout.batch.axes == names[:1], (
+        "tensor-parallel groups get the same batch: it splits over the other axis"
+    )
     split = {n for n, p in trainer.model.named_parameters() if fake.shardings.get(p)}
     # the plan's weights over 'model'; with fsdp the rest too (the 1-feature output bias: XLA pads)
     assert split == {"0.weight", "0.bias", "2.weight"} | ({"2.bias"} if strategy == "fsdp" else set()), split
@@ -770,43 +822,79 @@ def test_model_parallel_size_builds_the_2d_mesh_in_one_line(fake, strategy, name
 
 def test_a_model_axis_without_a_plan_is_refused_before_any_work(fake):
     model = scenarios.mlp()
-    with pytest.raises(ValueError, match=r"the mesh's 'model' axis has size 2, but there is no tensor-parallel plan, so the 2 "
-                                         r"devices of each 'model' row would compute the same thing. Pass tp_plan= .* or drop the axis"):
+    with pytest.raises(
+        ValueError,
+        match=r"the mesh's 'model' axis has size 2, but there is no tensor-parallel plan, so the 2 "
+        r"devices of each 'model' row would compute the same thing. Pass tp_plan= "
+        r".* or drop the axis",
+    ):
         st.SeamlessTPUTrainer(model, xla_spmd_config={"data_parallel_size": 2, "model_parallel_size": 2})
     assert model[0].weight.device.type == "cpu" and not fake.shardings.get(model[0].weight), "nothing moved or sharded"
 
 
-@pytest.mark.parametrize("plan,error,match", [
-    ({"layers.*.fc": "colwise"}, ValueError, r"tp_plan entry 'layers.\*.fc' matches no module of Sequential \(names look like \['0', '1', '2'\]"),
-    ({"0": "columnwise"}, ValueError, r"tp_plan\['0'\] = 'columnwise' is not a style seamless_tpu knows; use one of"),
-    ({"1": "colwise"}, ValueError, r"tp_plan splits '1' \(colwise\), a torch.nn.modules.activation.ReLU; colwise and rowwise split the "
-                                   r"weights of torch.nn.Linear and torch.nn.Embedding modules \(or a peft tuner layer's base_layer\) "
-                                   r"only: leave this module out of the plan"),
-    ({"2": "colwise"}, ValueError, r"tp_plan splits 2.weight \(shape \(1, 32\)\) along dim 0 over the 'model' axis of size 2, which does not divide 1"),
-    (["0", "colwise"], TypeError, r"tp_plan must be a dict of module-name pattern -> style"),
-])
+@pytest.mark.parametrize(
+    "plan,error,match",
+    [
+        (
+            {"layers.*.fc": "colwise"},
+            ValueError,
+            r"tp_plan entry 'layers.\*.fc' matches no module of Sequential \(names look like \['0', '1', '2'\]",
+        ),
+        (
+            {"0": "columnwise"},
+            ValueError,
+            r"tp_plan\['0'\] = 'columnwise' is not a style seamless_tpu knows; use one of",
+        ),
+        (
+            {"1": "colwise"},
+            ValueError,
+            r"tp_plan splits '1' \(colwise\), a torch.nn.modules.activation.ReLU; colwise and rowwise split the "
+            r"weights of torch.nn.Linear and torch.nn.Embedding modules \(or a peft tuner "
+            r"layer's base_layer\) "
+            r"only: leave this module out of the plan",
+        ),
+        (
+            {"2": "colwise"},
+            ValueError,
+            r"tp_plan splits 2.weight \(shape \(1, 32\)\) along dim 0 over the 'model' axis of size 2, which does "
+            r"not divide 1",
+        ),
+        (["0", "colwise"], TypeError, r"tp_plan must be a dict of module-name pattern -> style"),
+    ],
+)
 def test_a_bad_plan_names_the_entry_before_any_work(fake, plan, error, match):
     with pytest.raises(error, match=match):
         st.SeamlessTPUTrainer(scenarios.mlp(), xla_spmd_config={"model_parallel_size": 2}, tp_plan=plan)
 
 
 def test_a_plan_needs_a_model_axis(fake):
-    with pytest.raises(ValueError, match=r"tp_plan splits weights over a 'model' mesh axis, and this trainer's mesh has none"):
+    with pytest.raises(
+        ValueError, match=r"tp_plan splits weights over a 'model' mesh axis, and this trainer's mesh has none"
+    ):
         st.SeamlessTPUTrainer(scenarios.mlp(), tp_plan=scenarios.MLP_PLAN)
 
 
 def test_a_plan_in_one_cpu_process_is_not_silently_ignored(no_xla):
-    with pytest.raises(ValueError, match=r"tp_plan splits weights over a 'model' mesh axis, and this trainer's mesh has none"):
+    with pytest.raises(
+        ValueError, match=r"tp_plan splits weights over a 'model' mesh axis, and this trainer's mesh has none"
+    ):
         st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu", tp_plan=scenarios.MLP_PLAN)
-    with pytest.raises(ValueError, match=r"apply to XLA devices, or to several torch.distributed ranks, but the device is cpu in one process"):
-        st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu", xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN)
+    with pytest.raises(
+        ValueError,
+        match=r"apply to XLA devices, or to several torch.distributed ranks, but the device is cpu in one process",
+    ):
+        st.SeamlessTPUTrainer(
+            scenarios.mlp(), device="cpu", xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN
+        )
 
 
 def test_torch_parallel_styles_are_accepted_by_name(fake):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     model = scenarios.mlp()
-    st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2}, tp_plan={"0": ColwiseParallel(), "2": RowwiseParallel()})
+    st.SeamlessTPUTrainer(
+        model, xla_spmd_config={"model_parallel_size": 2}, tp_plan={"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
     assert fake.shardings.get(model[0].weight) and fake.shardings.get(model[2].weight)
 
 
@@ -814,8 +902,14 @@ def in_order_model():
     """Standard layers built in the order they are registered (MultiheadAttention initialises its
     out_proj child, then its own weights: children first, as _materialize replays it)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(20, 16), torch.nn.LayerNorm(16), torch.nn.MultiheadAttention(16, 2, batch_first=True),
-                               torch.nn.Conv1d(4, 4, 3), torch.nn.BatchNorm1d(4), torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(
+        torch.nn.Embedding(20, 16),
+        torch.nn.LayerNorm(16),
+        torch.nn.MultiheadAttention(16, 2, batch_first=True),
+        torch.nn.Conv1d(4, 4, 3),
+        torch.nn.BatchNorm1d(4),
+        torch.nn.Linear(16, 3),
+    )
 
 
 def test_a_meta_model_off_xla_gets_a_cpu_builds_weights_and_keeps_its_parameter_objects(cpu):
@@ -826,7 +920,9 @@ def test_a_meta_model_off_xla_gets_a_cpu_builds_weights_and_keeps_its_parameter_
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # made on the meta parameters
     untouched = torch.get_rng_state()
     st.SeamlessTPUTrainer(model, device="cpu")
-    assert torch.equal(torch.get_rng_state(), untouched), "the modules drew from a copy of the RNG; the loop's is as it was"
+    assert torch.equal(torch.get_rng_state(), untouched), (
+        "the modules drew from a copy of the RNG; the loop's is as it was"
+    )
     assert all(a is b for a, b in zip(params, model.parameters()))
     for (k, v), (_, w) in zip(model.state_dict().items(), on_cpu.state_dict().items()):
         assert v.device.type == "cpu" and torch.equal(v, w), k
@@ -845,7 +941,10 @@ def test_a_meta_module_without_reset_parameters_is_refused_with_the_fix(cpu):
 
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(3, 3), Scaled())
-    with pytest.raises(ValueError, match=r"meta tensors \['scale'\] of Scaled: it has no reset_parameters\(\).*build the model on the CPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"meta tensors \['scale'\] of Scaled: it has no reset_parameters\(\).*build the model on the CPU",
+    ):
         st.SeamlessTPUTrainer(model, device="cpu")
 
 
@@ -916,7 +1015,9 @@ def test_a_meta_transformers_model_follows_its_own_initialisation(cpu):
     assert torch.equal(rotary.inv_freq, reference.model.rotary_emb.inv_freq)
     weights = torch.cat([m.weight.flatten() for m in model.modules() if isinstance(m, torch.nn.Linear)])
     assert abs(weights.std().item() - model.config.initializer_range) < 0.002, weights.std()
-    assert all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in model.modules() if "RMSNorm" in type(m).__name__)
+    assert all(
+        torch.equal(m.weight, torch.ones_like(m.weight)) for m in model.modules() if "RMSNorm" in type(m).__name__
+    )
     ids = torch.randint(0, workloads.LM_VOCAB, (2, 8))
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
 
@@ -933,13 +1034,19 @@ class HFLike(torch.nn.Module):
         super().__init__()
         self.config = types.SimpleNamespace(base_model_tp_plan={"layers.*.up": "colwise", "layers.*.down": "rowwise"})
         self.model = torch.nn.Module()
-        self.model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"up": torch.nn.Linear(4, 8), "down": torch.nn.Linear(8, 4)})])
+        self.model.layers = torch.nn.ModuleList(
+            [torch.nn.ModuleDict({"up": torch.nn.Linear(4, 8), "down": torch.nn.Linear(8, 4)})]
+        )
         self.lm_head = torch.nn.Linear(4, 6)
 
 
 def test_a_transformers_model_brings_its_own_plan(fake):
     model = HFLike()
-    assert st._model_tp_plan(model) == {"model.layers.*.up": "colwise", "model.layers.*.down": "rowwise", "lm_head": "colwise_gather_output"}
+    assert st._model_tp_plan(model) == {
+        "model.layers.*.up": "colwise",
+        "model.layers.*.down": "rowwise",
+        "lm_head": "colwise_gather_output",
+    }
     model._tp_plan = {"model.layers.*.up": "colwise"}  # transformers 5: the merged plan on the instance
     assert st._model_tp_plan(model) == {"model.layers.*.up": "colwise"}
     del model._tp_plan
@@ -964,29 +1071,46 @@ def lora_qwen3(peft, target_modules=("q_proj", "v_proj")):
     """A tiny transformers Qwen3 with peft LoRA (on q_proj and v_proj: as users fine-tune)."""
     import workloads
 
-    return peft.get_peft_model(workloads.tiny_lm(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                                   target_modules=list(target_modules), task_type="CAUSAL_LM"))
+    return peft.get_peft_model(
+        workloads.tiny_lm(),
+        peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(target_modules), task_type="CAUSAL_LM"
+        ),
+    )
 
 
 def test_a_peft_model_brings_the_plan_of_the_model_it_wraps(peft, fake):
     """The plan is the inner transformers model's, under the wrapper's path; a planned LoRA layer splits its
     base_layer as planned, and its B (colwise) or A (rowwise) as the base, so the adapters' work splits too."""
     model = lora_qwen3(peft)
-    assert st._model_tp_plan(model) == {f"base_model.model.{k}": v for k, v in st._model_tp_plan(model.get_base_model()).items()}
+    assert st._model_tp_plan(model) == {
+        f"base_model.model.{k}": v for k, v in st._model_tp_plan(model.get_base_model()).items()
+    }
     trainer = st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2})
     out, inward = (fake._sharding_text(trainer.mesh, spec) for spec in (("model", None), (None, "model")))
     attn = model.base_model.model.model.layers[0].self_attn
     for lora, spec in ((attn.q_proj, out), (attn.v_proj, out)):
-        assert fake.shardings.get(lora.base_layer.weight) == spec and fake.shardings.get(lora.lora_B["default"].weight) == spec
-        assert not fake.shardings.get(lora.lora_A["default"].weight), "A of a colwise layer reads the whole input: replicated"
+        assert (
+            fake.shardings.get(lora.base_layer.weight) == spec
+            and fake.shardings.get(lora.lora_B["default"].weight) == spec
+        )
+        assert not fake.shardings.get(lora.lora_A["default"].weight), (
+            "A of a colwise layer reads the whole input: replicated"
+        )
     assert fake.shardings.get(attn.k_proj.weight) == out and fake.shardings.get(attn.o_proj.weight) == inward
 
 
 def test_a_rowwise_lora_layer_splits_its_a_as_the_base(peft, fake):
     model = lora_qwen3(peft, ["o_proj"])
     trainer = st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2})
-    o_proj, inward = model.base_model.model.model.layers[1].self_attn.o_proj, fake._sharding_text(trainer.mesh, (None, "model"))
-    assert fake.shardings.get(o_proj.base_layer.weight) == inward and fake.shardings.get(o_proj.lora_A["default"].weight) == inward
+    o_proj, inward = (
+        model.base_model.model.model.layers[1].self_attn.o_proj,
+        fake._sharding_text(trainer.mesh, (None, "model")),
+    )
+    assert (
+        fake.shardings.get(o_proj.base_layer.weight) == inward
+        and fake.shardings.get(o_proj.lora_A["default"].weight) == inward
+    )
     assert not fake.shardings.get(o_proj.lora_B["default"].weight)
 
 
@@ -999,14 +1123,22 @@ class Linear(torch.nn.Module):
 
 
 def test_a_peft_plan_error_names_the_full_class_and_the_wrappers_path(peft, fake):
-    with pytest.raises(ValueError, match=r"tp_plan entry 'model.layers.\*.self_attn.q_proj' matches no module of PeftModelForCausalLM .*"
-                                         r"; it names a module of the model the peft wrapper holds: write "
-                                         r"'base_model.model.model.layers.\*.self_attn.q_proj'"):
+    with pytest.raises(
+        ValueError,
+        match=r"tp_plan entry 'model.layers.\*.self_attn.q_proj' matches no module of PeftModelForCausalLM .*"
+        r"; it names a module of the model the peft wrapper holds: write "
+        r"'base_model.model.model.layers.\*.self_attn.q_proj'",
+    ):
         st.SeamlessTPUTrainer(lora_qwen3(peft), xla_spmd_config={"model_parallel_size": 2},
                               tp_plan={"model.layers.*.self_attn.q_proj": "colwise"})
-    with pytest.raises(ValueError, match=rf"tp_plan splits '0' \(colwise\), a {re.escape(__name__)}.Linear; colwise and rowwise split "
-                                         r"the weights of torch.nn.Linear and torch.nn.Embedding modules"):
-        st.SeamlessTPUTrainer(torch.nn.Sequential(Linear()), xla_spmd_config={"model_parallel_size": 2}, tp_plan={"0": "colwise"})
+    with pytest.raises(
+        ValueError,
+        match=rf"tp_plan splits '0' \(colwise\), a {re.escape(__name__)}.Linear; colwise and rowwise split "
+        r"the weights of torch.nn.Linear and torch.nn.Embedding modules",
+    ):
+        st.SeamlessTPUTrainer(
+            torch.nn.Sequential(Linear()), xla_spmd_config={"model_parallel_size": 2}, tp_plan={"0": "colwise"}
+        )
 
 
 def test_a_planned_peft_layer_off_xla_is_refused_with_the_fixes(peft, no_xla, monkeypatch):
@@ -1014,17 +1146,31 @@ def test_a_planned_peft_layer_off_xla_is_refused_with_the_fixes(peft, no_xla, mo
     would meet the adapters' whole one), is refused before any work; a plan that leaves them out is built."""
     monkeypatch.setattr(st, "_torch_dist_ranks", lambda: (4, 0))
     model, config = lora_qwen3(peft), {"model_parallel_size": 2}
-    fixes = (r"off XLA, torch's parallelize_module splits torch.nn.Linear and torch.nn.Embedding modules only, .* Run on XLA "
-             r"\(tensor parallelism works through peft there\), merge the adapters first \(model.merge_and_unload\(\)\), or leave the "
-             r"adapted modules out of tp_plan")
+    fixes = (
+        r"off XLA, torch's parallelize_module splits torch.nn.Linear and torch.nn.Embedding modules only, .* Run on "
+        r"XLA "
+        r"\(tensor parallelism works through peft there\), merge the adapters first "
+        r"\(model.merge_and_unload\(\)\), or leave the "
+        r"adapted modules out of tp_plan"
+    )
     q_proj = "base_model.model.model.layers.*.self_attn.q_proj"
-    with pytest.raises(NotImplementedError, match=rf"tp_plan\['{re.escape(q_proj)}'\] = 'colwise' plans 'base_model.model.model.layers.0."
-                                                  rf"self_attn.q_proj', a peft tuner layer \(peft.tuners.lora.layer.Linear\); {fixes}"):
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"tp_plan\['{re.escape(q_proj)}'\] = 'colwise' plans 'base_model.model.model.layers.0."
+        r"self_attn.q_proj', a peft tuner layer "
+        rf"\(peft.tuners.lora.layer.Linear\); {fixes}",
+    ):
         st._tp_layout(model, None, None, config, "fsdp", True)
-    with pytest.raises(NotImplementedError, match=r"plans 'base_model.model.model.layers.0.self_attn.q_proj.base_layer', the base_layer "
-                                                  rf"of a peft tuner layer \(peft.tuners.lora.layer.Linear\); {fixes}"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"plans 'base_model.model.model.layers.0.self_attn.q_proj.base_layer', the base_layer "
+        rf"of a peft tuner layer \(peft.tuners.lora.layer.Linear\); {fixes}",
+    ):
         st._tp_layout(model, {q_proj + ".base_layer": "colwise"}, None, config, "fsdp", True)
-    mlp = {"base_model.model.model.layers.*.mlp.up_proj": "colwise", "base_model.model.model.layers.*.mlp.down_proj": "rowwise"}
+    mlp = {
+        "base_model.model.model.layers.*.mlp.up_proj": "colwise",
+        "base_model.model.model.layers.*.mlp.down_proj": "rowwise",
+    }
     planned, styles, ranks = st._tp_layout(model, mlp, None, config, "fsdp", True)
     assert planned == {} and sorted(styles) == sorted(mlp) and ranks == {"fsdp": 2, "model": 2}
 
@@ -1072,22 +1218,29 @@ def test_explicit_spmd_config_wins(config, shape, names):
     assert st.mesh_shape_for(4, 1, xla_spmd_config=config) == (shape, names)
 
 
-@pytest.mark.parametrize("config,error,text", [
-    ({"mesh_shape": [2, 3]}, ValueError, "mesh_shape (2, 3) holds 6 devices but the runtime has 4"),
-    ({"data_parallel_size": 3, "model_parallel_size": 2}, ValueError, "3 x 2 != 4 devices"),
-    ({"data_parallel_size": 3}, ValueError, "data_parallel_size x model_parallel_size must equal the device count"),
-    ({"mesh_shape": [2, 2], "axis_names": ["data"]}, ValueError, "1 names ('data',) for mesh_shape (2, 2)"),
-    ({"mesh_shape": [2, 2], "axis_names": ["x", "x"]}, ValueError, "unique non-empty strings, got ('x', 'x')"),
-    ({"mesh_shape": [0, 4]}, ValueError, "mesh_shape entry must be a positive int, got 0"),
-    ({"mesh_shape": [-2, -2]}, ValueError, "must be a positive int, got -2"),
-    ({"mesh_shape": [2.0, 2]}, TypeError, "mesh_shape entry must be an int, got 2.0"),
-    ({"mesh_shape": "2x2"}, TypeError, "mesh_shape must be a list of positive ints, got '2x2'"),
-    ({"mesh_shape": [2, 2], "data_parallel_size": 4}, ValueError, "contradicts itself: data_parallel_size=4, but mesh_shape (2, 2)"),
-    ({"mesh_shape": [2, 2], "data_parallel_size": 4, "model_parallel_size": 2}, ValueError, "data_parallel_size=4"),
-    ({"mesh_shape": [2, 2, 1]}, ValueError, "a 3-D mesh_shape needs explicit axis_names"),
-    ({"partitioning_mode": "auto"}, ValueError, "unknown keys ['partitioning_mode']; valid keys are"),
-    ({"data_parallel_size": True}, TypeError, "data_parallel_size must be an int, got True"),
-])
+@pytest.mark.parametrize(
+    "config,error,text",
+    [
+        ({"mesh_shape": [2, 3]}, ValueError, "mesh_shape (2, 3) holds 6 devices but the runtime has 4"),
+        ({"data_parallel_size": 3, "model_parallel_size": 2}, ValueError, "3 x 2 != 4 devices"),
+        ({"data_parallel_size": 3}, ValueError, "data_parallel_size x model_parallel_size must equal the device count"),
+        ({"mesh_shape": [2, 2], "axis_names": ["data"]}, ValueError, "1 names ('data',) for mesh_shape (2, 2)"),
+        ({"mesh_shape": [2, 2], "axis_names": ["x", "x"]}, ValueError, "unique non-empty strings, got ('x', 'x')"),
+        ({"mesh_shape": [0, 4]}, ValueError, "mesh_shape entry must be a positive int, got 0"),
+        ({"mesh_shape": [-2, -2]}, ValueError, "must be a positive int, got -2"),
+        ({"mesh_shape": [2.0, 2]}, TypeError, "mesh_shape entry must be an int, got 2.0"),
+        ({"mesh_shape": "2x2"}, TypeError, "mesh_shape must be a list of positive ints, got '2x2'"),
+        (
+            {"mesh_shape": [2, 2], "data_parallel_size": 4},
+            ValueError,
+            "contradicts itself: data_parallel_size=4, but mesh_shape (2, 2)",
+        ),
+        ({"mesh_shape": [2, 2], "data_parallel_size": 4, "model_parallel_size": 2}, ValueError, "data_parallel_size=4"),
+        ({"mesh_shape": [2, 2, 1]}, ValueError, "a 3-D mesh_shape needs explicit axis_names"),
+        ({"partitioning_mode": "auto"}, ValueError, "unknown keys ['partitioning_mode']; valid keys are"),
+        ({"data_parallel_size": True}, TypeError, "data_parallel_size must be an int, got True"),
+    ],
+)
 def test_bad_spmd_config(config, error, text):
     with pytest.raises(error) as info:
         st.mesh_shape_for(4, 1, xla_spmd_config=config)
@@ -1105,18 +1258,43 @@ def test_bad_counts(args, error, text):
 
 
 # 16x16x16: a full v4 pod (4096 chips); the size limit must let real slices through.
-@pytest.mark.parametrize("topology,dims", [("2x2", (2, 2)), ("2x2x1", (2, 2, 1)), ("4x4x4", (4, 4, 4)), ("4x4x8", (4, 4, 8)),
-                                           ("16x16x16", (16, 16, 16)), ("1x1", (1, 1))])
+@pytest.mark.parametrize(
+    "topology,dims",
+    [
+        ("2x2", (2, 2)),
+        ("2x2x1", (2, 2, 1)),
+        ("4x4x4", (4, 4, 4)),
+        ("4x4x8", (4, 4, 8)),
+        ("16x16x16", (16, 16, 16)),
+        ("1x1", (1, 1)),
+    ],
+)
 def test_parse_topology(topology, dims):
     assert st.parse_topology(topology) == dims
 
 
-@pytest.mark.parametrize("topology,error", [
-    ("2", ValueError), ("2x", ValueError), ("x2", ValueError), ("2x0", ValueError), ("0x2", ValueError), ("2*2", ValueError),
-    ("", ValueError), ("1x2x3x4", ValueError), ("2x2x2x2", ValueError), (" 2x2", ValueError), ("-2x2", ValueError),
-    ("2x2\n", ValueError), ("4x4x4\n", ValueError), ("100000x100000", ValueError),
-    (4, TypeError), (None, TypeError), ((2, 2), TypeError),
-])
+@pytest.mark.parametrize(
+    "topology,error",
+    [
+        ("2", ValueError),
+        ("2x", ValueError),
+        ("x2", ValueError),
+        ("2x0", ValueError),
+        ("0x2", ValueError),
+        ("2*2", ValueError),
+        ("", ValueError),
+        ("1x2x3x4", ValueError),
+        ("2x2x2x2", ValueError),
+        (" 2x2", ValueError),
+        ("-2x2", ValueError),
+        ("2x2\n", ValueError),
+        ("4x4x4\n", ValueError),
+        ("100000x100000", ValueError),
+        (4, TypeError),
+        (None, TypeError),
+        ((2, 2), TypeError),
+    ],
+)
 def test_bad_topology(topology, error):
     """The error says what a topology looks like and names the value it got."""
     with pytest.raises(error, match=r"topology .*got") as info:
@@ -1124,10 +1302,14 @@ def test_bad_topology(topology, error):
     assert repr(topology) in str(info.value)
 
 
-@pytest.mark.parametrize("topology", ["1" * 5000, "1" * 5000 + "x2", "2x" + "9" * 5000, "2x2x" + "0" * 4400 + "1", "100000x1"])
+@pytest.mark.parametrize(
+    "topology", ["1" * 5000, "1" * 5000 + "x2", "2x" + "9" * 5000, "2x2x" + "0" * 4400 + "1", "100000x1"]
+)
 def test_topology_digits_are_bounded_before_conversion(topology):
     """More digits than any slice has: our rule, not Python's int-conversion limit (4300 digits)."""
-    with pytest.raises(ValueError, match=r"topology must look like 'AxB' or 'AxBxC' with positive ints of at most 5 digits") as info:
+    with pytest.raises(
+        ValueError, match=r"topology must look like 'AxB' or 'AxBxC' with positive ints of at most 5 digits"
+    ) as info:
         st.parse_topology(topology)
     assert "Exceeds the limit" not in str(info.value) and len(str(info.value)) < 400, "the value is shown truncated"
 
@@ -1337,8 +1519,9 @@ def test_ray_backend_with_fake_worker_group(fake, monkeypatch):
         groups.clear()
         backend.on_start(group, config)
         port = group.envs[0]["MASTER_PORT"]
-        assert sorted((k["rank"], a, k["init_method"], k["world_size"], k["timeout"].total_seconds()) for a, k in groups) == [
-            (rank, ("gloo",), f"tcp://10.0.0.1:{port}", 2, 60.0) for rank in (0, 1)], "a CPU group for checkpoints"
+        assert sorted(
+            (k["rank"], a, k["init_method"], k["world_size"], k["timeout"].total_seconds()) for a, k in groups
+        ) == [(rank, ("gloo",), f"tcp://10.0.0.1:{port}", 2, 60.0) for rank in (0, 1)], "a CPU group for checkpoints"
         assert group.envs[0]["TPU_WORKER_ID"] == "0" and group.envs[1]["TPU_WORKER_ID"] == "7"
         assert group.envs[0]["PJRT_DEVICE"] == "TPU" and group.envs[1]["PJRT_DEVICE"] == "CPU"
         for rank in (0, 1):
@@ -1415,8 +1598,14 @@ def test_a_layout_is_decided_for_every_case_without_placing_anything(monkeypatch
     layout = st._plan_layout(model, device, None, args.get("xla_spmd_config"), args.get("strategy", "ddp"),
                              args.get("tp_plan"))
     want = dict(LAYOUT_CASES[case], meta=meta)
-    got = dict(kind=layout.kind, mesh=layout.mesh and dict(st._axis_sizes(layout.mesh)),
-               batch=layout.batch and layout.batch.axes, planned=len(layout.planned), wrap=layout.wrap, meta=layout.meta_built)
+    got = dict(
+        kind=layout.kind,
+        mesh=layout.mesh and dict(st._axis_sizes(layout.mesh)),
+        batch=layout.batch and layout.batch.axes,
+        planned=len(layout.planned),
+        wrap=layout.wrap,
+        meta=layout.meta_built,
+    )
     got.update({k: getattr(layout, k) for k in ("rank_axes", "data_ranks") if k in want})
     assert got == want, layout
     assert {p.device.type for p in model.parameters()} == {"meta" if meta else "cpu"}, "nothing moved"

@@ -2,8 +2,9 @@
 
     ./dev.sh bench                      # every section: writes bench/RESULTS.md and bench/step_times.png
     ./dev.sh bench --smoke              # a few steps of every section (CI); writes nothing unless --out is given
-    ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd, eager_cpu,
-                                        # compiles, overhead, imports, ray, fsdp, accumulate, preemption, tp); writes nothing unless --out is given
+    ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd,
+                                        # eager_cpu, compiles, overhead, imports, ray, fsdp, accumulate,
+                                        # preemption, tp); writes nothing unless --out is given
 
 RESULTS.md holds one block per section (between <!-- bench:NAME --> and <!-- /bench:NAME -->), whose
 first line names the commit it ran at and the command that runs it alone. A write to --out replaces
@@ -102,17 +103,32 @@ def build(workload):
 
     torch.manual_seed(0)
     if workload == "mlp":
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 10),
+        )
         x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
 
         def loss_fn(m, x, y):
             return torch.nn.functional.cross_entropy(m(x), y)
-    elif workload == "lm":  # a transformers Qwen3 from a config (random weights, nothing downloaded), with its own TP plan
+    elif workload == "lm":  # a transformers Qwen3 from a config (random weights, nothing downloaded), its TP plan
         import transformers
 
-        config = transformers.Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                          num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=256,
-                                          attn_implementation="eager", use_cache=False)
+        config = transformers.Qwen3Config(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            max_position_embeddings=256,
+            attn_implementation="eager",
+            use_cache=False,
+        )
         model = transformers.AutoModelForCausalLM.from_config(config)
         x = torch.randint(0, 2048, (8, 128))
         y = x.clone()
@@ -120,7 +136,9 @@ def build(workload):
         def loss_fn(m, x, y):
             return m(input_ids=x, labels=y).loss
     else:
-        layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, dropout=0.0, batch_first=True)
+        layer = torch.nn.TransformerEncoderLayer(
+            d_model=256, nhead=4, dim_feedforward=1024, dropout=0.0, batch_first=True
+        )
         model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         x, y = torch.randn(16, 128, 256), torch.randn(16, 128, 256)
 
@@ -216,7 +234,10 @@ class Variant:
         if self.metrics is None:
             return {}
         transfers = self.metrics.metric_data("TransferFromDeviceTime")
-        return {"compiles": self.metrics.counter_value("UncachedCompile") or 0, "transfers": transfers[0] if transfers else 0}
+        return {
+            "compiles": self.metrics.counter_value("UncachedCompile") or 0,
+            "transfers": transfers[0] if transfers else 0,
+        }
 
 
 def compiles_over_epochs(name, samples=70, batch=8, epochs=3):
@@ -293,8 +314,11 @@ def profile(variant, dump):
     dots = None
     if dump and glob.glob(os.path.join(dump, "*spmd-partitioning*")):
         dots = hlo.dot_flops_per_device(dump)
-    return {"bytes": variant.trainer.memory_stats(variant.optimizer), "collectives": hlo.step_collectives(dump, shapes) if dump else {},
-            "dot_flops": dots}
+    return {
+        "bytes": variant.trainer.memory_stats(variant.optimizer),
+        "collectives": hlo.step_collectives(dump, shapes) if dump else {},
+        "dot_flops": dots,
+    }
 
 
 def tree_bytes(path):
@@ -510,11 +534,24 @@ def compare(title, workload, names, baseline, env, warm, rounds, steps, repeats,
             ratios = [t / b for t, b in zip(times[n], times[baseline])]
             transfers = [d.get("transfers") for d in deltas[n] if "transfers" in d]
             compiles = [d.get("compiles") for d in deltas[n] if "compiles" in d]
-            rows.append({"comparison": title, "workload": workload, "run": repeat + 1, "variant": n, "baseline": n == baseline,
-                         "median_ms": s["median"] * 1e3, "iqr_ms": s["iqr"] * 1e3, "round_ratios": ratios,
-                         "ratio": interval(ratios), "load": load, "samples_ms": [t * 1e3 for t in times[n]],
-                         "transfers_per_step": (sum(transfers) / (len(transfers) * steps)) if transfers else None,
-                         "compiles_in_steady_state": sum(compiles) if compiles else None, "after": replies.get(n, {})})
+            rows.append(
+                {
+                    "comparison": title,
+                    "workload": workload,
+                    "run": repeat + 1,
+                    "variant": n,
+                    "baseline": n == baseline,
+                    "median_ms": s["median"] * 1e3,
+                    "iqr_ms": s["iqr"] * 1e3,
+                    "round_ratios": ratios,
+                    "ratio": interval(ratios),
+                    "load": load,
+                    "samples_ms": [t * 1e3 for t in times[n]],
+                    "transfers_per_step": (sum(transfers) / (len(transfers) * steps)) if transfers else None,
+                    "compiles_in_steady_state": sum(compiles) if compiles else None,
+                    "after": replies.get(n, {}),
+                }
+            )
     return rows
 
 
@@ -609,7 +646,9 @@ def fsdp_vs_ddp(warm, rounds, steps, repeats, checkpoint_reps, rng):
     checkpoint = f"checkpoint {checkpoint_reps}"
     rows = compare(FSDP, "transformer", ["shim", "shim_fsdp"], "shim", dict(XLA_ENV, **{DUMP_HLO: "1"}),
                    warm, rounds, steps, repeats, rng, after=("profile", checkpoint))
-    profiles = {r["variant"]: {**r["after"]["profile"], "checkpoint": r["after"][checkpoint]} for r in rows if r["after"]}
+    profiles = {
+        r["variant"]: {**r["after"]["profile"], "checkpoint": r["after"][checkpoint]} for r in rows if r["after"]
+    }
     return {"rows": rows, "profiles": profiles}
 
 
@@ -617,19 +656,36 @@ def tensor_parallel(warm, rounds, steps, repeats, rng):
     """ddp, fsdp, tensor parallel and 2-D on XLA with 4 devices and the transformers LM (its own plan):
     step time in rounds (ddp is the baseline, with its A/A twin); then each worker's per-device bytes,
     the dot FLOPs one device holds (from the HLO around the SPMD partitioner) and its step's collectives."""
-    rows = compare(TP, "lm", list(TP_VARIANTS), "shim", dict(XLA_ENV, **{DUMP_HLO: "spmd"}), warm, rounds, steps, repeats, rng,
-                   after=("profile",))
+    rows = compare(
+        TP,
+        "lm",
+        list(TP_VARIANTS),
+        "shim",
+        dict(XLA_ENV, **{DUMP_HLO: "spmd"}),
+        warm,
+        rounds,
+        steps,
+        repeats,
+        rng,
+        after=("profile",),
+    )
     return {"rows": rows, "profiles": {r["variant"]: r["after"]["profile"] for r in rows if r["after"]}}
 
 
 def tp_section(tp, s):
     """Markdown lines of the tensor-parallel section, and its headline lines."""
     rows, profiles = tp["rows"], tp["profiles"]
-    md = ["All through `SeamlessTPUTrainer(model, ...)` with the plain loop and AdamW; the tensor-parallel variants use the "
-          "model's own plan (`config.base_model_tp_plan` and the head's). A tiny Qwen3 (4 layers, hidden 256, vocab 2048), "
-          "batch 8 x 128 tokens.", "",
-          "| variant | params + AdamW bytes per device / replica | dot FLOPs on one device / whole step | step time / ddp [95% interval] |",
-          "|---|---|---|---|"]
+    md = [
+        "All through `SeamlessTPUTrainer(model, ...)` with the plain loop and AdamW; the tensor-parallel variants "
+        "use the "
+        "model's own plan (`config.base_model_tp_plan` and the head's). A tiny Qwen3 (4 layers, hidden 256, vocab "
+        "2048), "
+        "batch 8 x 128 tokens.",
+        "",
+        "| variant | params + AdamW bytes per device / replica | dot FLOPs on one device / whole step | step time "
+        "/ ddp [95% interval] |",
+        "|---|---|---|---|",
+    ]
     floor = pooled(rows, TP, "lm", "shim" + AA)
     headline = []
     for name in TP_VARIANTS:
@@ -638,16 +694,27 @@ def tp_section(tp, s):
         dots = "" if not p.get("dot_flops") else f"{p['dot_flops'][2]:.3f}"
         step = "1 (baseline)" if name == "shim" else fmt(pooled(rows, TP, "lm", name))
         md.append(f"| {TP_NAMES[name]} | {memory:.3f} | {dots} | {step} |")
-        headline.append(f"{TP_NAMES[name]}: {memory:.3f} of the bytes, {dots or '?'} of the dot FLOPs per device, step {step}")
-    md += ["", f"- A/A floor (ddp against itself): {fmt(floor)}. Step times on XLA:CPU, where collectives are memory copies: "
-           "they say nothing about a TPU's interconnect; report only.", "",
-           "### Collectives in the compiled steady-state step (count, result bytes on one device)", ""]
+        headline.append(
+            f"{TP_NAMES[name]}: {memory:.3f} of the bytes, {dots or '?'} of the dot FLOPs per device, step {step}"
+        )
+    md += [
+        "",
+        f"- A/A floor (ddp against itself): {fmt(floor)}. Step times on XLA:CPU, where collectives are memory copies: "
+        "they say nothing about a TPU's interconnect; report only.",
+        "",
+        "### Collectives in the compiled steady-state step (count, result bytes on one device)",
+        "",
+    ]
     ops = [op for op in hlo.COLLECTIVES if any(op in p["collectives"] for p in profiles.values())]
     if ops:
         md += ["| variant | " + " | ".join(ops) + " |", "|---" * (len(ops) + 1) + "|"]
         for name in TP_VARIANTS:
             c = profiles[name]["collectives"]
-            md.append(f"| {TP_NAMES[name]} | " + " | ".join(f"{c[op][0]} ({mb(c[op][1])})" if op in c else "0" for op in ops) + " |")
+            md.append(
+                f"| {TP_NAMES[name]} | "
+                + " | ".join(f"{c[op][0]} ({mb(c[op][1])})" if op in c else "0" for op in ops)
+                + " |"
+            )
     md += ["", *RUN_TABLE, *run_rows(rows)]
     return md, headline
 
@@ -675,7 +742,7 @@ def chart(rows, path):
         key = (r["comparison"], r["workload"])
         if key not in groups:
             groups.append(key)
-    fig, axes = plt.subplots(1, len(groups), figsize=(max(10, 5 * len(groups)), 4.5), squeeze=False)  # the title needs 10 in
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(10, 5 * len(groups)), 4.5), squeeze=False)  # title: 10 in
     for ax, key in zip(axes[0], groups):
         sel = [r for r in rows if (r["comparison"], r["workload"]) == key]
         labels = [f"{r['variant']}\nrun {r['run']}" for r in sel]
@@ -685,7 +752,11 @@ def chart(rows, path):
         ax.set_xticks(range(1, len(sel) + 1), labels, fontsize=7, rotation=45, ha="right")
         ax.set_title(f"{key[0]}: {key[1]}", fontsize=9)
         ax.set_ylabel("ms per step (one point per block)")
-    fig.suptitle("seamless_tpu step time per variant (random-order rounds, 2-core shared machine; grey: baseline and its A/A twin)", fontsize=10)
+    fig.suptitle(
+        "seamless_tpu step time per variant (random-order rounds, 2-core shared machine; grey: baseline and its A/A "
+        "twin)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -696,29 +767,42 @@ def fmt(stats):
 
 def pooled(rows, comparison, workload, variant):
     """Both runs' rounds together: each round's ratio is still paired within its own run."""
-    return interval([x for r in rows if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)
-                     for x in r["round_ratios"]])
+    return interval(
+        [
+            x
+            for r in rows
+            if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)
+            for x in r["round_ratios"]
+        ]
+    )
 
 
 def header(title, smoke, elapsed, load):
     v = versions()
     return [f"# {title}{' (smoke run)' if smoke else ''}", "",
             f"- date: {datetime.date.today().isoformat()}; wall time {elapsed / 60:.1f} min",
-            f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; torch threads pinned to {THREADS}",
-            f"- load (1-minute average, os.getloadavg): {load[0]:.2f} at the start, {load[1]:.2f} at the end; per section in its "
+            f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; torch threads pinned "
+            f"to {THREADS}",
+            f"- load (1-minute average, os.getloadavg): {load[0]:.2f} at the start, {load[1]:.2f} at the end; per "
+            "section in its "
             "commit line, per comparison run in its table",
             "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
-            "- method: each variant in its own process, plus a second, independent baseline process (A/A: the noise floor); "
+            "- method: each variant in its own process, plus a second, independent baseline process (A/A: the noise "
+            "floor); "
             "after warm-up, rounds of one short block per variant in random order; ratio = median over rounds of "
-            "(variant block / baseline block, same round), [95% bootstrap interval over rounds]; every comparison run twice (run 1, run 2)",
+            "(variant block / baseline block, same round), [95% bootstrap interval over rounds]; every comparison "
+            "run twice (run 1, run 2)",
             "- verdict: met when the interval's upper end is under the target, missed when its lower end is over it, "
             "otherwise not resolved at this noise",
             "- sections: each names the commit it ran at and the command that runs it alone; "
             "`./dev.sh bench --only NAME --out bench/RESULTS.md` replaces that section and keeps the others"]
 
 
-RUN_TABLE = ["| comparison | workload | run | variant | median ms/step | IQR ms | ratio [95% interval] | load before→after | device->host transfers/step | compiles in steady state |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+RUN_TABLE = [
+    "| comparison | workload | run | variant | median ms/step | IQR ms | ratio [95% interval] | load before→after | "
+    "device->host transfers/step | compiles in steady state |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
 
 
 def run_rows(rows):
@@ -731,7 +815,10 @@ def run_rows(rows):
         ratio = "1 (baseline)" if r["baseline"] else fmt(r["ratio"])
         t = "" if r["transfers_per_step"] is None else f"{r['transfers_per_step']:.2f}"
         c = "" if r["compiles_in_steady_state"] is None else str(r["compiles_in_steady_state"])
-        md.append(f"| {r['comparison']} | {r['workload']} | {r['run']} | {r['variant']} | {r['median_ms']:.3f} | {r['iqr_ms']:.3f} | {ratio} | {load_cell} | {t} | {c} |")
+        md.append(
+            f"| {r['comparison']} | {r['workload']} | {r['run']} | {r['variant']} | {r['median_ms']:.3f} | "
+            f"{r['iqr_ms']:.3f} | {ratio} | {load_cell} | {t} | {c} |"
+        )
     return md
 
 
@@ -746,15 +833,28 @@ def fsdp_section(fsdp, s):
     per_device = {k: max(p["bytes"]["per_device"]) for k, p in strategies.items()}
     ratio = per_device["fsdp"] / per_device["ddp"]
     judged = "met" if ratio <= FSDP_MEMORY_TARGET else "missed"  # a count of bytes, not a timing: no interval
-    md = ["Both through `SeamlessTPUTrainer(model, strategy=...)`, the optimizer made before the trainer, the plain loop.", "",
-          "### Parameter + optimizer-state bytes per device (after the timed rounds; `trainer.memory_stats(optimizer)`, "
-          "counted from the shapes of each tensor's shards)", "",
-          "| strategy | bytes on each device | one whole replica | per device / replica |", "|---|---|---|---|"]
+    md = [
+        "Both through `SeamlessTPUTrainer(model, strategy=...)`, the optimizer made before the trainer, the plain "
+        "loop.",
+        "",
+        "### Parameter + optimizer-state bytes per device (after the timed rounds; "
+        "`trainer.memory_stats(optimizer)`, "
+        "counted from the shapes of each tensor's shards)",
+        "",
+        "| strategy | bytes on each device | one whole replica | per device / replica |",
+        "|---|---|---|---|",
+    ]
     for k, p in strategies.items():
         b = p["bytes"]
-        cells = f"{len(b['per_device'])} × {b['per_device'][0]:,}" if len(set(b["per_device"])) == 1 else ", ".join(f"{x:,}" for x in b["per_device"])
+        cells = (
+            f"{len(b['per_device'])} × {b['per_device'][0]:,}"
+            if len(set(b["per_device"])) == 1
+            else ", ".join(f"{x:,}" for x in b["per_device"])
+        )
         md.append(f"| {k} | {cells} | {b['replica']:,} | {max(b['per_device']) / b['replica']:.3f} |")
-    memory = f"fsdp / ddp per-device parameter + AdamW-state bytes = {ratio:.3f}; target <= {FSDP_MEMORY_TARGET}: {judged}"
+    memory = (
+        f"fsdp / ddp per-device parameter + AdamW-state bytes = {ratio:.3f}; target <= {FSDP_MEMORY_TARGET}: {judged}"
+    )
     md += ["", f"- {memory} (an exact count, no interval)"]
 
     stats, floor = pooled(rows, FSDP, "transformer", "shim_fsdp"), pooled(rows, FSDP, "transformer", "shim" + AA)
@@ -764,46 +864,69 @@ def fsdp_section(fsdp, s):
     md += ["", "### Step time, fsdp / ddp (same rounds method; ddp is the baseline, with its A/A twin)", "",
            f"- {step}", "", *RUN_TABLE, *run_rows(rows)]
 
-    ops = [op for op in (hlo.COLLECTIVES[0], hlo.PARAM_GATHER, *hlo.COLLECTIVES[1:]) if any(op in p["collectives"] for p in strategies.values())]
+    ops = [
+        op
+        for op in (hlo.COLLECTIVES[0], hlo.PARAM_GATHER, *hlo.COLLECTIVES[1:])
+        if any(op in p["collectives"] for p in strategies.values())
+    ]
     md += ["", "### Collectives in the compiled steady-state step (count, result bytes on one device)", "",
-           "From the partitioned, optimized HLO that XLA:CPU dumps (`--xla_dump_to`). The partitioner (GSPMD) is the one TPUs use; "
+           "From the partitioned, optimized HLO that XLA:CPU dumps (`--xla_dump_to`). The partitioner (GSPMD) is the "
+           "one TPUs use; "
            "a TPU backend may still combine or rewrite collectives differently.", ""]
     if ops:
         md += ["| strategy | " + " | ".join(ops) + " | all |", "|---" * (len(ops) + 2) + "|"]
         for k, p in strategies.items():
             c = p["collectives"]
             cells = [f"{c[op][0]} ({mb(c[op][1])})" if op in c else "0" for op in ops]
-            total = [v for op, v in c.items() if op in hlo.COLLECTIVES]  # PARAM_GATHER is part of all-gather: not added twice
-            md.append(f"| {k} | " + " | ".join(cells) + f" | {sum(n for n, _ in total)} ({mb(sum(b for _, b in total))}) |")
+            total = [
+                v for op, v in c.items() if op in hlo.COLLECTIVES
+            ]  # PARAM_GATHER is part of all-gather: not added twice
+            md.append(
+                f"| {k} | " + " | ".join(cells) + f" | {sum(n for n, _ in total)} ({mb(sum(b for _, b in total))}) |"
+            )
     else:
         md.append("- no HLO dump was found")
     gathers = {k: (p["collectives"].get("all-gather", (0, 0)), p["collectives"].get(hlo.PARAM_GATHER, (0, 0)))
                for k, p in strategies.items()}
-    collectives = ("all-gathers per step (count, MB per device; of which a parameter's shape): " +
-                   ", ".join(f"{k} {n}, {b / 1e6:.1f} ({pn}, {pb / 1e6:.3f})" for k, ((n, b), (pn, pb)) in gathers.items()))
+    collectives = "all-gathers per step (count, MB per device; of which a parameter's shape): " + ", ".join(
+        f"{k} {n}, {b / 1e6:.1f} ({pn}, {pb / 1e6:.3f})" for k, ((n, b), (pn, pb)) in gathers.items()
+    )
 
     md += ["", "### Checkpoints (one process holds all 4 devices, so bytes per process = bytes written)", "",
-           "| strategy | call | first call s | median s [min–max] of the other calls | bytes written | files |", "|---|---|---|---|---|---|"]
+           "| strategy | call | first call s | median s [min–max] of the other calls | bytes written | files "
+           "|", "|---|---|---|---|---|---|"]
     for k, p in strategies.items():
         ck = p["checkpoint"]
         for call, secs in ck["seconds"].items():
             rest = secs[1:] or secs
             size, files = ck["written"].get(call, ("", ""))
-            md.append(f"| {k} | `{call}` | {secs[0]:.3f} | {statistics.median(rest):.3f} [{min(rest):.3f}–{max(rest):.3f}] ({len(rest)}) | "
-                      f"{'' if size == '' else f'{size:,}'} | {files} |")
+            md.append(
+                f"| {k} | `{call}` | {secs[0]:.3f} | {statistics.median(rest):.3f} [{min(rest):.3f}–{max(rest):.3f}] "
+                f"({len(rest)}) | "
+                f"{'' if size == '' else f'{size:,}'} | {files} |"
+            )
     md += ["", "After the first load of each kind, per-device bytes (as above) and the next training step. The sharded "
            "checkpoint is loaded first, so the step after the one-file load may find its graph compiled already.", ""]
     for k, p in strategies.items():
         for call, r in p["checkpoint"]["resume"].items():
             replica = r["after_load"]["replica"]
-            md.append(f"- {k}, right after `{call}`: {max(r['after_load']['per_device']) / replica:.3f} of a replica per device; "
-                      f"after the next step {max(r['after_next_step']['per_device']) / replica:.3f}; that step compiled "
-                      f"{r['compiles_in_next_step']} new graph(s)")
+            md.append(
+                f"- {k}, right after `{call}`: {max(r['after_load']['per_device']) / replica:.3f} of a replica per "
+                "device; "
+                f"after the next step {max(r['after_next_step']['per_device']) / replica:.3f}; that step "
+                "compiled "
+                f"{r['compiles_in_next_step']} new graph(s)"
+            )
     ck = strategies["fsdp"]["checkpoint"]
     med = {call: statistics.median(secs[1:] or secs) for call, secs in ck["seconds"].items()}
-    checkpoint = (f"fsdp checkpoints (median s): save_checkpoint {med['save_checkpoint']:.3f} ({mb(ck['written']['save_checkpoint'][0])} in "
-                  f"{ck['written']['save_checkpoint'][1]} files), load_checkpoint {med['load_checkpoint']:.3f}; trainer.save "
-                  f"{med['save']:.3f} ({mb(ck['written']['save'][0])}, 1 file), torch.load + load_state_dict {med['torch.load + load_state_dict']:.3f}")
+    checkpoint = (
+        f"fsdp checkpoints (median s): save_checkpoint {med['save_checkpoint']:.3f} "
+        f"({mb(ck['written']['save_checkpoint'][0])} in "
+        f"{ck['written']['save_checkpoint'][1]} files), load_checkpoint {med['load_checkpoint']:.3f}; "
+        "trainer.save "
+        f"{med['save']:.3f} ({mb(ck['written']['save'][0])}, 1 file), torch.load + load_state_dict "
+        f"{med['torch.load + load_state_dict']:.3f}"
+    )
     return md, [memory, step, collectives, checkpoint]
 
 
@@ -864,8 +987,15 @@ def render_step_time(result, s):
         target = TARGETS.get((comparison, variant))
         # A smoke run's few rounds prove the code runs; they cannot judge a 2% target.
         judged = "no verdict (smoke)" if s.smoke and target else verdict(stats[1], stats[2], target)
-        md.append(f"| {comparison} | {workload} | {variant} | {fmt(stats)} | {fmt(floor)} | {'' if target is None else f'≤ {target}'} | {judged} |")
-        runs = [r["ratio"][0] for r in rows if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)]
+        md.append(
+            f"| {comparison} | {workload} | {variant} | {fmt(stats)} | {fmt(floor)} | "
+            f"{'' if target is None else f'≤ {target}'} | {judged} |"
+        )
+        runs = [
+            r["ratio"][0]
+            for r in rows
+            if (r["comparison"], r["workload"], r["variant"]) == (comparison, workload, variant)
+        ]
         line = (f"{comparison} {workload}: {variant} / {BASE_NAMES[base]} = {fmt(stats)} "
                 f"(runs {', '.join(f'{x:.3f}' for x in runs)}); A/A floor {fmt(floor)}")
         headline.append(line + (f"; target <= {target}: {judged}" if target else ""))
@@ -874,8 +1004,16 @@ def render_step_time(result, s):
         if r["transfers_per_step"] is not None and not r["variant"].endswith(AA):
             transfers[r["variant"]] = max(transfers.get(r["variant"], 0.0), r["transfers_per_step"])
     if transfers:
-        headline.append("device->host transfers per steady step: " + ", ".join(f"{k} {v:.2f}" for k, v in transfers.items()))
-    md += ["", "### Step time per run (ratio = median over rounds of variant block / baseline block)", "", *RUN_TABLE, *run_rows(rows)]
+        headline.append(
+            "device->host transfers per steady step: " + ", ".join(f"{k} {v:.2f}" for k, v in transfers.items())
+        )
+    md += [
+        "",
+        "### Step time per run (ratio = median over rounds of variant block / baseline block)",
+        "",
+        *RUN_TABLE,
+        *run_rows(rows),
+    ]
     return md, headline
 
 
@@ -896,7 +1034,10 @@ def render_compiles(compiles, s):
     md, headline = [], []
     for name, counts in compiles.items():
         warm = counts[min(1, len(counts) - 1)]
-        md.append(f"- {name}: {len(counts)} steps, UncachedCompile after step 2 = {warm}, at the end = {counts[-1]} (growth after warm-up: {counts[-1] - warm})")
+        md.append(
+            f"- {name}: {len(counts)} steps, UncachedCompile after step 2 = {warm}, at the end = {counts[-1]} "
+            f"(growth after warm-up: {counts[-1] - warm})"
+        )
         headline.append(f"compiles after warm-up over 3 epochs: {name} +{counts[-1] - warm}")
     return md, headline
 
@@ -910,16 +1051,25 @@ def render_overhead(overhead, s):
           "hook (one process: a flag read) and the rebinding hook of FSDP2 and tensor parallelism (a parameter count); "
           "on XLA also `_before_xla_step` and `_after_xla_step`, with `torch_xla.sync` replaced by a no-op, so no "
           "device work is timed.", ""]
-    md += [f"- {label}: {o['us_per_step']:.2f} us per optimizer step; global optimizer hooks installed: {o['global_optimizer_hooks']}"
-           for label, o in overhead.items()]
-    return md, ["shim's own work per step: " + ", ".join(f"{k} {o['us_per_step']:.2f} us ({o['global_optimizer_hooks']} global hooks)"
-                                                         for k, o in overhead.items())]
+    md += [
+        f"- {label}: {o['us_per_step']:.2f} us per optimizer step; global optimizer hooks installed: "
+        f"{o['global_optimizer_hooks']}"
+        for label, o in overhead.items()
+    ]
+    return md, [
+        "shim's own work per step: "
+        + ", ".join(
+            f"{k} {o['us_per_step']:.2f} us ({o['global_optimizer_hooks']} global hooks)" for k, o in overhead.items()
+        )
+    ]
 
 
 def render_imports(imports, s):
     md = ["| module | median | min | max |", "|---|---|---|---|"]
     md += [f"| {name} | {statistics.median(v):.1f} | {min(v):.1f} | {max(v):.1f} |" for name, v in imports.items()]
-    return md, ["import after torch (median ms): " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in imports.items())]
+    return md, [
+        "import after torch (median ms): " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in imports.items())
+    ]
 
 
 def render_ray(ray_times, s):
@@ -929,10 +1079,17 @@ def render_ray(ray_times, s):
             md.append(f"| {kind} | {i + 1} | {r['fit_s']:.1f} | {r['to_first_step_s']:.1f} | {r['train_s']:.2f} |")
     fit = {k: [r["fit_s"] for r in runs] for k, runs in ray_times.items()}
     stats = interval([a / b for a, b in zip(fit["seamless"], fit["ray_gloo"])])
-    floor = fmt(interval([a / b for a, b in zip(fit["ray_gloo" + AA], fit["ray_gloo"])])) if "ray_gloo" + AA in fit else "not run (smoke)"
-    line = (f"ray 2-worker fit: seamless / stock gloo = {fmt(stats)} ({len(fit['seamless'])} round{'s' if len(fit['seamless']) != 1 else ''}; median "
-            f"{statistics.median(fit['seamless']):.1f} s vs {statistics.median(fit['ray_gloo']):.1f} s); "
-            f"A/A floor {floor}; report only (no target)")
+    floor = (
+        fmt(interval([a / b for a, b in zip(fit["ray_gloo" + AA], fit["ray_gloo"])]))
+        if "ray_gloo" + AA in fit
+        else "not run (smoke)"
+    )
+    line = (
+        f"ray 2-worker fit: seamless / stock gloo = {fmt(stats)} ({len(fit['seamless'])} "
+        f"round{'s' if len(fit['seamless']) != 1 else ''}; median "
+        f"{statistics.median(fit['seamless']):.1f} s vs {statistics.median(fit['ray_gloo']):.1f} s); "
+        f"A/A floor {floor}; report only (no target)"
+    )
     return md + ["", f"- {line}"], [line]
 
 
@@ -946,7 +1103,11 @@ def run_accumulate(s):
         for loop, k in runs:
             runs[loop, k].append(run_script(["tests/loops.py", loop, k], env))
     forward_us, backward_us = run_child("rule-cost", env=env)
-    return {"runs": [[loop, k, rs] for (loop, k), rs in runs.items()], "forward_us": forward_us, "per_param_backward_us": backward_us}
+    return {
+        "runs": [[loop, k, rs] for (loop, k), rs in runs.items()],
+        "forward_us": forward_us,
+        "per_param_backward_us": backward_us,
+    }
 
 
 def rule_cost_child():
@@ -973,8 +1134,11 @@ def rule_cost_child():
 
 def render_accumulate(result, s):
     runs = {(loop, k): rs for loop, k, rs in result["runs"]}
-    md = ["| model | k (backwards per step) | graphs compiled | device->host reads per step | compile s (median) | ratio to k=1 |",
-          "|---|---|---|---|---|---|"]
+    md = [
+        "| model | k (backwards per step) | graphs compiled | device->host reads per step | compile s (median) | "
+        "ratio to k=1 |",
+        "|---|---|---|---|---|---|",
+    ]
     ratios = {}
     for (loop, k), rs in runs.items():
         median, base = (statistics.median(r["compile_s"] for r in runs[loop, n]) for n in (k, 1))
@@ -983,7 +1147,8 @@ def render_accumulate(result, s):
         md.append(f"| {name} | {k} | {rs[0]['compiles'][-1]} | {reads} | {median:.2f} | {median / base:.2f} |")
         ratios[loop] = median / base
     line = (f"accumulation compile time k=16 / k=1: MLP {ratios['accumulate']:.2f}, LM {ratios['accumulate_lm']:.2f} "
-            f"({len(runs['accumulate', 1])} run(s) each; target 1.5); the iteration rule costs {result['forward_us']:.2f} us per "
+            f"({len(runs['accumulate', 1])} run(s) each; target 1.5); the iteration rule costs "
+            f"{result['forward_us']:.2f} us per "
             f"forward and {result['per_param_backward_us']:.2f} us per parameter per backward")
     return md + ["", f"- {line}"], [line]
 
@@ -1041,8 +1206,13 @@ def preempt_time():
     """[seconds from SIGTERM to exit, whether the checkpoint was committed, exit code] of tests/preempt.py's
     preemptible loop on the CPU: the signal lands once it is training; it saves and exits 0."""
     with tempfile.TemporaryDirectory() as d:
-        p = subprocess.Popen([sys.executable, "tests/preempt.py", "preemptible", d], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=TESTS_PATH, SEAMLESS_TPU_DEVICE="cpu"))
+        p = subprocess.Popen(
+            [sys.executable, "tests/preempt.py", "preemptible", d],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=TESTS_PATH, SEAMLESS_TPU_DEVICE="cpu"),
+        )
         while not os.path.exists(os.path.join(d, "ready-0")) and p.poll() is None:
             time.sleep(0.01)
         start = time.perf_counter()
@@ -1069,25 +1239,46 @@ def run_checkpoints(s):
 
 
 def render_checkpoints(result, s):
-    md = ["| load (255 MB fsdp checkpoint, 4 XLA devices) | bytes read / checkpoint | peak growth / checkpoint | written |",
-          "|---|---|---|---|"]
-    for phase, what in (("warm", "into a trained trainer"), ("fresh", "into a new model and optimizer (beyond the state it makes)")):
+    md = [
+        "| load (255 MB fsdp checkpoint, 4 XLA devices) | bytes read / checkpoint | peak growth / checkpoint | "
+        "written |",
+        "|---|---|---|---|",
+    ]
+    for phase, what in (
+        ("warm", "into a trained trainer"),
+        ("fresh", "into a new model and optimizer (beyond the state it makes)"),
+    ):
         r = result["load"][phase]
         grown = r["rss_peak"] - (r["rss_before"] if phase == "warm" else max(r["rss_before"], r["rss_after"]))
         md.append(f"| {what} | {r['read'] / r['checkpoint']:.3f} | {grown / r['checkpoint']:.3f} | {r['written']} B |")
     times = result["saving"]["times"]
     base = statistics.median(times["plain"])
     ratio, floor = statistics.median(times["save in flight"]) / base, statistics.median(times["plain (A/A)"]) / base
-    md += ["", "| step time (85 MB MLP, AdamW, fsdp, 8-step blocks) | median s/step | ratio to plain |", "|---|---|---|"]
-    md += [f"| {name} | {statistics.median(ts):.4f} | {statistics.median(ts) / base:.3f} |" for name, ts in times.items()]
+    md += [
+        "",
+        "| step time (85 MB MLP, AdamW, fsdp, 8-step blocks) | median s/step | ratio to plain |",
+        "|---|---|---|",
+    ]
+    md += [
+        f"| {name} | {statistics.median(ts):.4f} | {statistics.median(ts) / base:.3f} |" for name, ts in times.items()
+    ]
     seconds = statistics.median(p[0] for p in result["preempt"])
-    line = (f"checkpoints: load reads {result['load']['warm']['read'] / result['load']['warm']['checkpoint']:.2f}x the checkpoint; "
-            f"step time with an async save in flight {ratio:.2f}x plain (A/A {floor:.2f}x; a blocking save takes "
-            f"{result['saving']['blocking_save_s']:.2f} s; {result['saving']['in_flight_blocks']} blocks ended with the save still "
-            f"writing); SIGTERM to exit with a committed checkpoint {seconds:.2f} s")
-    md += ["", f"- SIGTERM to exit 0 with the checkpoint committed (tests/preempt.py, CPU, includes the next step and the save): "
-           f"{', '.join(f'{p[0]:.2f} s' for p in result['preempt'])}; committed: {all(p[1] for p in result['preempt'])}",
-           f"- {line}"]
+    line = (
+        f"checkpoints: load reads {result['load']['warm']['read'] / result['load']['warm']['checkpoint']:.2f}x the "
+        "checkpoint; "
+        f"step time with an async save in flight {ratio:.2f}x plain (A/A {floor:.2f}x; a blocking save takes "
+        f"{result['saving']['blocking_save_s']:.2f} s; {result['saving']['in_flight_blocks']} blocks ended with "
+        "the save still "
+        f"writing); SIGTERM to exit with a committed checkpoint {seconds:.2f} s"
+    )
+    md += [
+        "",
+        "- SIGTERM to exit 0 with the checkpoint committed (tests/preempt.py, CPU, includes the next step and the "
+        "save): "
+        f"{', '.join(f'{p[0]:.2f} s' for p in result['preempt'])}; committed: "
+        f"{all(p[1] for p in result['preempt'])}",
+        f"- {line}",
+    ]
     return md, [line]
 
 
@@ -1141,9 +1332,17 @@ def run_preemption(s):
     rounds, steps = (3, 20) if s.smoke else (40, 100)
     port = random.Random().randrange(20000, 40000)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", USE_TORCH_XLA="0")
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "preemption-rank", str(rounds), str(steps)], cwd=ROOT,
-                              env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--child", "preemption-rank", str(rounds), str(steps)],
+            cwd=ROOT,
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("the preemption ranks failed:\n" + "\n".join(err[-2000:] for _, err in outs))
@@ -1180,24 +1379,50 @@ def run_fsdp(s):
 CHILDREN = {"import": import_child, "ray-fit": ray_fit_child, "rule-cost": rule_cost_child,  # --child NAME ARGS
             "save-while-training": save_while_training_child, "preemption-rank": preemption_rank}
 SECTIONS = {  # the order of a full run and of RESULTS.md
-    "xla_spmd": Section("XLA SPMD on 4 devices: seamless_tpu vs hand-written torch_xla, step time",
-                        step_time("xla_spmd_4dev", ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV, xla=True),
-                        render_step_time, charted=True),
-    "eager_cpu": Section("Eager CPU: seamless_tpu, accelerate and Fabric vs plain PyTorch, step time",
-                         step_time("eager_cpu", ["plain", "shim", "accelerate", "fabric"], "plain", EAGER_ENV, xla=False),
-                         render_step_time, charted=True),
-    "compiles": Section("Compilations over 3 epochs (70 samples, batch 8: the last batch has 6)", run_compiles, render_compiles),
+    "xla_spmd": Section(
+        "XLA SPMD on 4 devices: seamless_tpu vs hand-written torch_xla, step time",
+        step_time("xla_spmd_4dev", ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV, xla=True),
+        render_step_time,
+        charted=True,
+    ),
+    "eager_cpu": Section(
+        "Eager CPU: seamless_tpu, accelerate and Fabric vs plain PyTorch, step time",
+        step_time("eager_cpu", ["plain", "shim", "accelerate", "fabric"], "plain", EAGER_ENV, xla=False),
+        render_step_time,
+        charted=True,
+    ),
+    "compiles": Section(
+        "Compilations over 3 epochs (70 samples, batch 8: the last batch has 6)", run_compiles, render_compiles
+    ),
     "overhead": Section("The shim's own work per step (timed in isolation)", run_overhead, render_overhead),
-    "imports": Section("Import cost after torch (fresh interpreters, ms)", lambda s: import_cost(3 if s.smoke else 7), render_imports),
-    "ray": Section("Ray Train: 2-worker CPU fit (s), random order per round, stock gloo twice (A/A)",
-                   lambda s: ray_fit_times(1 if s.smoke else 3, random.Random(0), twin=not s.smoke), render_ray),
-    "fsdp": Section("strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", run_fsdp, fsdp_section, charted=True),
-    "accumulate": Section("Gradient accumulation on XLA: compile time against k (ratio to k=1)", run_accumulate, render_accumulate),
-    "checkpoints": Section("Checkpoints on XLA: load cost, step time during an async save, SIGTERM to a saved exit",
-                           run_checkpoints, render_checkpoints),
-    "preemption": Section("Preemption agreement per step on 2 gloo ranks (A/A method)", run_preemption, render_preemption),
-    "tp": Section("Tensor parallelism on XLA (4 devices, a transformers LM with its own plan): ddp, fsdp, TP, 2-D",
-                  run_tp, tp_section, charted=True),
+    "imports": Section(
+        "Import cost after torch (fresh interpreters, ms)", lambda s: import_cost(3 if s.smoke else 7), render_imports
+    ),
+    "ray": Section(
+        "Ray Train: 2-worker CPU fit (s), random order per round, stock gloo twice (A/A)",
+        lambda s: ray_fit_times(1 if s.smoke else 3, random.Random(0), twin=not s.smoke),
+        render_ray,
+    ),
+    "fsdp": Section(
+        "strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", run_fsdp, fsdp_section, charted=True
+    ),
+    "accumulate": Section(
+        "Gradient accumulation on XLA: compile time against k (ratio to k=1)", run_accumulate, render_accumulate
+    ),
+    "checkpoints": Section(
+        "Checkpoints on XLA: load cost, step time during an async save, SIGTERM to a saved exit",
+        run_checkpoints,
+        render_checkpoints,
+    ),
+    "preemption": Section(
+        "Preemption agreement per step on 2 gloo ranks (A/A method)", run_preemption, render_preemption
+    ),
+    "tp": Section(
+        "Tensor parallelism on XLA (4 devices, a transformers LM with its own plan): ddp, fsdp, TP, 2-D",
+        run_tp,
+        tp_section,
+        charted=True,
+    ),
 }
 
 
@@ -1215,7 +1440,9 @@ def commit():
     def git(*args):
         return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()
     try:
-        return git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain", "--untracked-files=no") else "")
+        return git("rev-parse", "--short", "HEAD") + (
+            " (dirty)" if git("status", "--porcelain", "--untracked-files=no") else ""
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
 
@@ -1223,7 +1450,8 @@ def commit():
 def provenance(name, at, smoke, alone, elapsed, load):
     """The line under a section's heading: what ran it, and how to run it again."""
     return (f"commit {at} · `./dev.sh bench --only {name}{' --smoke' if smoke else ''}` · "
-            f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min, load {load[0]:.2f}→{load[1]:.2f} (1-minute average)"
+            f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min, load {load[0]:.2f}→{load[1]:.2f} "
+            "(1-minute average)"
             + ("" if alone else " · ran in a full `./dev.sh bench`"))
 
 
@@ -1246,11 +1474,18 @@ def write_sections(path, new, header_block):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few steps of everything, for CI")
-    p.add_argument("--out", default=None, help="Markdown results (default: bench/RESULTS.md, none in --smoke or --only)")
+    p.add_argument(
+        "--out", default=None, help="Markdown results (default: bench/RESULTS.md, none in --smoke or --only)"
+    )
     p.add_argument("--png", default=None, help="chart (default: bench/step_times.png, none in --smoke or --only)")
     p.add_argument("--skip-ray", action="store_true", help="leave the ray section out")
-    p.add_argument("--only", nargs="+", choices=list(SECTIONS), metavar="NAME",
-                   help=f"run these sections alone, of: {', '.join(SECTIONS)}; with --out, replace just them in that file")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(SECTIONS),
+        metavar="NAME",
+        help=f"run these sections alone, of: {', '.join(SECTIONS)}; with --out, replace just them in that file",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--workload", default="mlp", help=argparse.SUPPRESS)
@@ -1276,9 +1511,19 @@ def main(argv=None):
         blocks[name] = block(name, [f"## {section.heading}", "", line, "", *md])
         headline += lines
     elapsed, load = time.time() - started, (load_before, os.getloadavg()[0])
-    headline.append(f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end; wall time {elapsed / 60:.1f} min "
-                    f"({', '.join(f'{name} {t:.0f} s' for name, t in took.items())})")
-    print("\n".join([f"seamless_tpu benchmark{' --only ' + ' '.join(names) if args.only else ''}{' (smoke)' if s.smoke else ''}", *headline]))
+    headline.append(
+        f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end; wall time {elapsed / 60:.1f} min "
+        f"({', '.join(f'{name} {t:.0f} s' for name, t in took.items())})"
+    )
+    print(
+        "\n".join(
+            [
+                "seamless_tpu "
+                f"benchmark{' --only ' + ' '.join(names) if args.only else ''}{' (smoke)' if s.smoke else ''}",
+                *headline,
+            ]
+        )
+    )
     if out:
         # the header describes a whole run: sections alone keep the one there, or write it where none is
         header_block = block("header", header("seamless_tpu benchmark results", s.smoke, elapsed, load))

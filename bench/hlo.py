@@ -15,7 +15,10 @@ import re
 DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spmd-partitioning"
 
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([0-9,]*)\]", re.M)
-DOT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[([0-9,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\), lhs_contracting_dims=\{([0-9,]*)\}", re.M)
+DOT = re.compile(
+    r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[([0-9,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\), lhs_contracting_dims=\{([0-9,]*)\}",
+    re.M,
+)
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 PARAM_GATHER = "all-gather of a parameter's shape"
 COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")\(")

@@ -64,7 +64,8 @@ def check(directory, result, stderr):
     assert result == {"consolidated": 2, "loaded": 3, "asked": "[Errno 28] No space left on device",
                       "attempts_after_failure": 1, "bad_path": "NotADirectoryError"}, result
     assert re.search(r"save_checkpoint\(\.\.\., blocking=False\) to '.*save-[0-9]+-[0-9]+' failed, and nothing asked "
-                     r"its Future: OSError: \[Errno 28\] No space left on device\. That attempt was removed", stderr), stderr
+                     r"its Future: OSError: \[Errno 28\] No space left on device\. That attempt was "
+                     r"removed", stderr), stderr
     assert attempts(directory) and len(attempts(directory)) == 1, os.listdir(directory)
     assert st.consolidate_checkpoint(directory)["epoch"] == 3
 

@@ -57,7 +57,10 @@ class Heads(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.trunk, self.heads = torch.nn.Linear(4, 8), torch.nn.ModuleList([torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)])
+        self.trunk, self.heads = (
+            torch.nn.Linear(4, 8),
+            torch.nn.ModuleList([torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)]),
+        )
 
     def forward(self, x, head=0):
         return self.heads[head](torch.tanh(self.trunk(x)))
@@ -75,7 +78,9 @@ def full_batch(step, world, micro):
 
 
 def flat(model):
-    return torch.cat([getattr(p, "full_tensor", lambda p=p: p)().detach().reshape(-1) for p in model.parameters()]).tolist()
+    return torch.cat(
+        [getattr(p, "full_tensor", lambda p=p: p)().detach().reshape(-1) for p in model.parameters()]
+    ).tolist()
 
 
 def sync_loop(model, optimizer, call, rank, world, head_of, accumulate=1, evaluate=False, steps=4):
@@ -106,7 +111,9 @@ def eager_loop(world, head_of, accumulate=1, steps=4):
     for step in range(steps):
         for micro in range(accumulate):
             x, y = full_batch(step, world, micro)
-            loss = sum(F.mse_loss(model(x[4 * r:4 * r + 4], head_of(r, step)), y[4 * r:4 * r + 4]) for r in range(world))
+            loss = sum(
+                F.mse_loss(model(x[4 * r : 4 * r + 4], head_of(r, step)), y[4 * r : 4 * r + 4]) for r in range(world)
+            )
             (loss / world / accumulate).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         optimizer.step()
@@ -166,7 +173,11 @@ class Repeated(torch.nn.Module):
     def __init__(self):
         super().__init__()
         blk = torch.nn.Linear(8, 8)
-        self.inp, self.blocks, self.out = torch.nn.Linear(4, 8), torch.nn.ModuleList([blk, blk, blk]), torch.nn.Linear(8, 1)
+        self.inp, self.blocks, self.out = (
+            torch.nn.Linear(4, 8),
+            torch.nn.ModuleList([blk, blk, blk]),
+            torch.nn.Linear(8, 1),
+        )
 
     def forward(self, x, head=0):
         x = self.inp(x)
@@ -211,11 +222,18 @@ def checkpoint_objects(out_dir):
         scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
         scaler.scale(torch.ones(()))
         scheduler.step()
-        trainer.save_checkpoint(directory, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, epoch=1)
+        trainer.save_checkpoint(
+            directory, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, epoch=1
+        )
         model2, optimizer2 = heads_model()
         trainer2 = st.SeamlessTPUTrainer(model2, device="cpu", strategy=strategy)
-        scheduler2, scaler2 = torch.optim.lr_scheduler.StepLR(optimizer2, step_size=1, gamma=0.5), torch.amp.GradScaler("cpu")
-        plain = trainer2.load_checkpoint(directory, model=model2, optimizer=optimizer2, scheduler=scheduler2, scaler=scaler2)
+        scheduler2, scaler2 = (
+            torch.optim.lr_scheduler.StepLR(optimizer2, step_size=1, gamma=0.5),
+            torch.amp.GradScaler("cpu"),
+        )
+        plain = trainer2.load_checkpoint(
+            directory, model=model2, optimizer=optimizer2, scheduler=scheduler2, scaler=scaler2
+        )
         seen[strategy] = {"epoch": plain["epoch"], "lr": optimizer2.param_groups[0]["lr"], "scale": scaler2.get_scale(),
                           "scheduler_epoch": scheduler2.last_epoch}
         fsync = os.fsync
@@ -289,11 +307,17 @@ def tensor_parallel(out_dir):
         F.mse_loss(eager(x), y).backward()
         eager_opt.step()
         eager_opt.zero_grad()
-    seen = {"weights_diff": max(abs(a - b) for a, b in zip(flat(model), flat(eager))),
-            "split": [tuple(p.to_local().shape) for p in model.parameters()],
-            "batches": [b.tolist() for b in trainer.prepare_data_loader(torch.utils.data.DataLoader(list(range(16)), batch_size=2))]}
+    seen = {
+        "weights_diff": max(abs(a - b) for a, b in zip(flat(model), flat(eager))),
+        "split": [tuple(p.to_local().shape) for p in model.parameters()],
+        "batches": [
+            b.tolist() for b in trainer.prepare_data_loader(torch.utils.data.DataLoader(list(range(16)), batch_size=2))
+        ],
+    }
     try:
-        st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu", xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN)
+        st.SeamlessTPUTrainer(
+            scenarios.mlp(), device="cpu", xla_spmd_config={"model_parallel_size": 2}, tp_plan=scenarios.MLP_PLAN
+        )
     except NotImplementedError as e:
         seen["ddp_error"] = str(e)
     return seen
@@ -313,7 +337,9 @@ def tensor_parallel_llama(out_dir):
             st.SeamlessTPUTrainer(model, device="cpu", strategy="fsdp", xla_spmd_config={"model_parallel_size": 2})
         losses[name] = []
         for step in range(6):
-            ids = torch.randint(0, workloads.LM_VOCAB, (4, workloads.LM_SEQ), generator=torch.Generator().manual_seed(step))
+            ids = torch.randint(
+                0, workloads.LM_VOCAB, (4, workloads.LM_SEQ), generator=torch.Generator().manual_seed(step)
+            )
             part = ids[2 * data_rank:2 * data_rank + 2] if name == "tp" else ids
             loss = model(input_ids=part, labels=part).loss
             loss.backward()
@@ -333,9 +359,14 @@ def loaders(out_dir):
     trainer = st.SeamlessTPUTrainer(torch.nn.Linear(1, 1), device="cpu")
     data = list(range(16))
     own = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=1)
-    seen = {"own_sampler": [x for b in trainer.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=2, sampler=own))
-                            for x in b.tolist()],
-            "unbatched": [int(x) for x in trainer.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=None))]}
+    seen = {
+        "own_sampler": [
+            x
+            for b in trainer.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=2, sampler=own))
+            for x in b.tolist()
+        ],
+        "unbatched": [int(x) for x in trainer.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=None))],
+    }
     return seen
 
 
@@ -423,8 +454,11 @@ def meta_fsdp2(out_dir):
 
     def build():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Embedding(4096, 1024), torch.nn.LayerNorm(1024),
-                                   *[torch.nn.Linear(1024, 4096) if i % 2 == 0 else torch.nn.Linear(4096, 1024) for i in range(8)])
+        return torch.nn.Sequential(
+            torch.nn.Embedding(4096, 1024),
+            torch.nn.LayerNorm(1024),
+            *[torch.nn.Linear(1024, 4096) if i % 2 == 0 else torch.nn.Linear(4096, 1024) for i in range(8)],
+        )
 
     def digests(state):
         return {k: hashlib.sha1(v.numpy().tobytes()).hexdigest() for k, v in state.items()}
@@ -442,9 +476,15 @@ def meta_fsdp2(out_dir):
     params = dict(model.named_parameters())
     seen["bytes"] = sum(p.numel() * p.element_size() for p in params.values())
     seen["local_bytes"] = sum(p.to_local().numel() * p.element_size() for p in params.values())
-    seen["largest_module"] = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
-    seen["all_dtensor"] = all(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params.values())
-    seen["meta"] = digests({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()})
+    seen["largest_module"] = max(
+        sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules()
+    )
+    seen["all_dtensor"] = all(
+        type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params.values()
+    )
+    seen["meta"] = digests(
+        {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    )
     before = model[-1].weight.full_tensor()
     model(torch.arange(4).reshape(2, 2)).sum().backward()
     optimizer.step()

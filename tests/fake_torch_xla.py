@@ -19,8 +19,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 FAKE_API = {
     "torch_xla": ("device", "devices", "device_count", "sync"),
-    "torch_xla.runtime": ("use_spmd", "is_spmd", "global_runtime_device_count", "process_count", "process_index", "device_type",
-                          "get_master_ip"),
+    "torch_xla.runtime": (
+        "use_spmd",
+        "is_spmd",
+        "global_runtime_device_count",
+        "process_count",
+        "process_index",
+        "device_type",
+        "get_master_ip",
+    ),
     "torch_xla.core.xla_model": ("send_cpu_data_to_device", "wait_device_ops"),
     "torch_xla.distributed.spmd": ("Mesh", "ShardingSpec", "mark_sharding", "set_global_mesh", "get_global_mesh"),
     "torch_xla.distributed.parallel_loader": ("MpDeviceLoader",),
@@ -57,8 +64,10 @@ class FakeXLA:
     def _settled(self, tensor):
         """torch_xla refuses to reshard data that a running step is still computing."""
         if id(tensor) in self.running:
-            raise RuntimeError("Check failed: (xtensor->CurrentDataHandle() && xtensor->CurrentDataHandle()->HasValue()) || "
-                               "device_data_node != nullptr: Cannot shard tensor. Data does not present on any device.")
+            raise RuntimeError(
+                "Check failed: (xtensor->CurrentDataHandle() && xtensor->CurrentDataHandle()->HasValue()) || "
+                "device_data_node != nullptr: Cannot shard tensor. Data does not present on any device."
+            )
         return True
 
     def _count(self, name, n=1):
@@ -122,12 +131,19 @@ class FakeXLA:
         xlac = types.SimpleNamespace(
             _xla_get_spmd_config_is_locked=lambda: fx.locked,  # stays locked once SPMD is on
             _get_xla_sharding_spec=lambda t: fx.shardings.get(t, ""),
-            _get_xla_tensor_debug_info=lambda t: "XLATensor {\nIR: None\nXLAData: None\n}\n",  # every tensor is data here
+            _get_xla_tensor_debug_info=lambda t: (
+                "XLATensor {\nIR: None\nXLAData: None\n}\n"
+            ),  # every tensor is data here
             # torch_xla returns an OpSharding object (None without one); its text stands in for it here
             _get_xla_op_sharding=lambda t: fx.shardings.get(t),
             _xla_mark_sharding=lambda t, op_sharding: fx._settled(t) and fx.shardings.__setitem__(t, op_sharding),
         )
-        torch_xla.device, torch_xla.devices, torch_xla.device_count, torch_xla.sync = device, devices, device_count, sync
+        torch_xla.device, torch_xla.devices, torch_xla.device_count, torch_xla.sync = (
+            device,
+            devices,
+            device_count,
+            sync,
+        )
         torch_xla._XLAC = xlac
 
         def use_spmd(auto: bool = False):
@@ -184,7 +200,9 @@ class FakeXLA:
 
         def mark_sharding(t, mesh, partition_spec):
             if len(t.shape) != len(partition_spec):
-                raise AssertionError(f"Partition spec length ({len(partition_spec)}) should be equal to the input rank ({len(t.shape)}).")
+                raise AssertionError(
+                    f"Partition spec length ({len(partition_spec)}) should be equal to the input rank ({len(t.shape)})."
+                )
             fx._settled(t)
             fx.events.append(("mark_sharding", tuple(t.shape), tuple(partition_spec)))
             fx.shardings[t] = fx._sharding_text(mesh, partition_spec)
@@ -247,7 +265,10 @@ class FakeXLA:
         torch_xla.runtime, torch_xla.core, torch_xla.distributed, torch_xla.debug = runtime, core, distributed, debug
         core.xla_model, distributed.spmd, distributed.parallel_loader, debug.metrics = xm, spmd, pl, metrics
         torch_xla.utils, utils.checkpoint = utils, checkpoint
-        return {m.__name__: m for m in (torch_xla, runtime, core, xm, distributed, spmd, pl, debug, metrics, utils, checkpoint)}
+        return {
+            m.__name__: m
+            for m in (torch_xla, runtime, core, xm, distributed, spmd, pl, debug, metrics, utils, checkpoint)
+        }
 
     def install(self, monkeypatch):
         for name, module in self.modules.items():

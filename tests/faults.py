@@ -80,7 +80,8 @@ def held_commit(gate):
 
 
 def failing_commit(error, *, after=0.0):
-    """Each commit raises `error` after `after` seconds: a full disk, a lost mount, found once every shard is written."""
+    """Each commit raises `error` after `after` seconds: a full disk, a lost mount, found once every shard is
+    written."""
 
     def make(commit):
         def failing(*args):

@@ -64,14 +64,26 @@ def main():
     trainer.load_checkpoint(DIRECTORY, model=net, optimizer=optimizer)
     st._sync_if_xla()
     report = {
-        "checkpoint": sum(e.stat().st_size for e in os.scandir(st._committed_attempt(DIRECTORY)) if e.name.endswith(".distcp")),
-        "read": io("rchar") - before["read"], "written": io("wchar") - before["written"],
-        "rss_before": before["rss"], "rss_peak": child.kib("VmHWM"), "rss_after": child.kib("VmRSS"),
+        "checkpoint": sum(
+            e.stat().st_size for e in os.scandir(st._committed_attempt(DIRECTORY)) if e.name.endswith(".distcp")
+        ),
+        "read": io("rchar") - before["read"],
+        "written": io("wchar") - before["written"],
+        "rss_before": before["rss"],
+        "rss_peak": child.kib("VmHWM"),
+        "rss_after": child.kib("VmRSS"),
     }
     saved = st.consolidate_checkpoint(DIRECTORY)
-    report["bitwise"] = all(torch.equal(getattr(v, "full_tensor", lambda: v)().cpu(), saved["model"][k]) for k, v in net.state_dict().items())
-    report["adam_bitwise"] = all(torch.equal(getattr(v, "full_tensor", lambda: v)().cpu(), saved["optimizer"]["state"][i][k])
-                                 for i, p in enumerate(net.parameters()) for k, v in optimizer.state[p].items() if k != "step")
+    report["bitwise"] = all(
+        torch.equal(getattr(v, "full_tensor", lambda: v)().cpu(), saved["model"][k])
+        for k, v in net.state_dict().items()
+    )
+    report["adam_bitwise"] = all(
+        torch.equal(getattr(v, "full_tensor", lambda: v)().cpu(), saved["optimizer"]["state"][i][k])
+        for i, p in enumerate(net.parameters())
+        for k, v in optimizer.state[p].items()
+        if k != "step"
+    )
     child.report(report)
 
 

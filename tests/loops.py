@@ -56,7 +56,9 @@ def accumulate(k, lm=False):
         import workloads
 
         model = workloads.tiny_lm()
-        data = [torch.randint(0, workloads.LM_VOCAB, (workloads.LM_BATCH, workloads.LM_SEQ), generator=g) for _ in range(k)]
+        data = [
+            torch.randint(0, workloads.LM_VOCAB, (workloads.LM_BATCH, workloads.LM_SEQ), generator=g) for _ in range(k)
+        ]
         data = [(ids, ids) for ids in data]
     else:
         model = mlp()
@@ -82,7 +84,11 @@ class RNNModel(torch.nn.Module):
 
     def __init__(self, ntoken=50, ninp=16, nhid=16, nlayers=2):
         super().__init__()
-        self.encoder, self.rnn, self.decoder = torch.nn.Embedding(ntoken, ninp), torch.nn.LSTM(ninp, nhid, nlayers), torch.nn.Linear(nhid, ntoken)
+        self.encoder, self.rnn, self.decoder = (
+            torch.nn.Embedding(ntoken, ninp),
+            torch.nn.LSTM(ninp, nhid, nlayers),
+            torch.nn.Linear(nhid, ntoken),
+        )
         self.nlayers, self.nhid = nlayers, nhid
 
     def forward(self, inputs, hidden):
@@ -163,7 +169,9 @@ def lbfgs():
     # full, each inner iteration is a new graph (the script's default of 100 means 100 graphs)
     optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2, history_size=1)
     trainer = st.SeamlessTPUTrainer(model)
-    wave = torch.sin(torch.arange(8 * 5, dtype=torch.float64).view(8, 5) / 4.0 + torch.arange(8.0, dtype=torch.float64)[:, None])
+    wave = torch.sin(
+        torch.arange(8 * 5, dtype=torch.float64).view(8, 5) / 4.0 + torch.arange(8.0, dtype=torch.float64)[:, None]
+    )
     x, y = trainer.to_device(wave[:, :-1], wave[:, 1:])
     losses, compiles, transfers = [], [], []
     for _ in range(STEPS):
@@ -351,7 +359,7 @@ def main(name, *args):
         import torch_xla.debug.metrics as met
 
         compile_s = (met.metric_data("CompileTime") or (0, 0))[1] / 1e9
-    child.report({"losses": torch.stack([l.float() for l in losses]).cpu().tolist(),
+    child.report({"losses": torch.stack([loss.float() for loss in losses]).cpu().tolist(),
                   "compiles": compiles, "transfers": transfers, "compile_s": compile_s,
                   "epochs": epochs[0] if epochs else None, "warnings": caught.messages})
 

@@ -2,7 +2,8 @@
 
     python tests/meta_init.py cpu DIR     # build on the CPU (seed 0), save a checkpoint; print each tensor's digest
     python tests/meta_init.py meta DIR    # build on meta (seed 0), trainer, one forward; digests and memory
-    python tests/meta_init.py load DIR    # build on meta, trainer, load DIR's checkpoint (no compile); never initialised
+    python tests/meta_init.py load DIR    # build on meta, trainer, load DIR's checkpoint (no compile); never
+                                          # initialised
 
 The model: an embedding, 6 pre-norm blocks (LayerNorm, MultiheadAttention, a 4x MLP) at width 1024 and
 a head: 309 MB of float32, 50 MB in each block. Run 'cpu' with SEAMLESS_TPU_DEVICE=cpu and the others on
@@ -36,7 +37,9 @@ class Block(torch.nn.Module):
 
 def build():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(4096, WIDTH), *[Block(WIDTH) for _ in range(BLOCKS)], torch.nn.Linear(WIDTH, 256))
+    return torch.nn.Sequential(
+        torch.nn.Embedding(4096, WIDTH), *[Block(WIDTH) for _ in range(BLOCKS)], torch.nn.Linear(WIDTH, 256)
+    )
 
 
 def digests(model):
@@ -54,7 +57,9 @@ def main(phase, directory):
             model = build()
         resets = []
         for cls in (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm):
-            cls.reset_parameters = (lambda f: lambda self: (resets.append(type(self).__name__), f(self))[1])(cls.reset_parameters)
+            cls.reset_parameters = (lambda f: lambda self: (resets.append(type(self).__name__), f(self))[1])(
+                cls.reset_parameters
+            )
         trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")  # on XLA: lays the model out, computes nothing
         report["rss_before"] = child.kib("VmRSS")  # the XLA runtime is up
         with open("/proc/self/clear_refs", "w") as f:
@@ -66,15 +71,22 @@ def main(phase, directory):
 
             compiles = met.counter_value("UncachedCompile") or 0
             report["epoch"] = trainer.load_checkpoint(directory, model=model)["epoch"]
-            report["load_compiles"], report["rss_load_peak"] = (met.counter_value("UncachedCompile") or 0) - compiles, child.kib("VmHWM")
+            report["load_compiles"], report["rss_load_peak"] = (
+                (met.counter_value("UncachedCompile") or 0) - compiles,
+                child.kib("VmHWM"),
+            )
             model(trainer.to_device(torch.zeros(4, 8, dtype=torch.long)))
         st._sync_if_xla()
         report.update(rss_peak=child.kib("VmHWM"), rss_after=child.kib("VmRSS"), resets=len(resets))
         import torch_xla
 
-        report["sharded"] = all(torch_xla._XLAC._get_xla_sharding_spec(p).startswith("{devices=[") for p in model.parameters())
+        report["sharded"] = all(
+            torch_xla._XLAC._get_xla_sharding_spec(p).startswith("{devices=[") for p in model.parameters()
+        )
     report["bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    report["largest_module"] = max(sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in model.modules())
+    report["largest_module"] = max(
+        sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in model.modules()
+    )
     report["digests"] = digests(model)
     child.report(report)
 

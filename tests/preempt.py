@@ -49,23 +49,34 @@ def run(mode, directory, world, signal_rank=None, env=None, signals=1):
     committing). Each process's report."""
     port = free_port()
     base = child.env(**{"SEAMLESS_TPU_DEVICE": "cpu", **(env or {})})
-    envs = [dict(base, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) if world > 1 else dict(base)
-            for r in range(world)]
+    envs = [
+        dict(base, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if world > 1
+        else dict(base)
+        for r in range(world)
+    ]
     if signal_rank is not None:
         envs[signal_rank][SIGNALLED] = "1"
-    procs = [child.popen(["tests/preempt.py", mode, directory], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for e in envs]
+    procs = [
+        child.popen(
+            ["tests/preempt.py", mode, directory], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for e in envs
+    ]
     try:
         if signal_rank is not None:
             deadline = time.monotonic() + 120
             flags = ["saving-0"] if mode == "saving" else [f"ready-{r}" for r in range(world)]
             while not all(os.path.exists(os.path.join(directory, f)) for f in flags):
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"the run never wrote {flags}"
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+                    f"the run never wrote {flags}"
+                )
                 time.sleep(0.05)
             for i in range(signals):
                 procs[signal_rank].send_signal(signal.SIGTERM)
                 if i + 1 < signals:
-                    time.sleep(0.2)  # two signals, not one: a second sent before the first is handled would merge with it
+                    # two signals, not one: a second sent before the first is handled would merge with it
+                    time.sleep(0.2)
             open(os.path.join(directory, "signalled"), "w").close()  # sent: the held commit may end
         outs = [p.communicate(timeout=180) for p in procs]
     finally:
@@ -105,7 +116,9 @@ def main(mode, directory):
         optimizer.step()
         losses.append(loss.detach())
         if mode == "saving" and step == 5:  # a periodic save, which the signals interrupt
-            with faults.slow_commit(started=os.path.join(directory, "saving-0"), until=os.path.join(directory, "signalled")):
+            with faults.slow_commit(
+                started=os.path.join(directory, "saving-0"), until=os.path.join(directory, "signalled")
+            ):
                 trainer.save_checkpoint(os.path.join(directory, "ckpt"), model=model, optimizer=optimizer, step=step,
                                         rng=torch.get_rng_state())
         if mode in ("preemptible", "saving"):

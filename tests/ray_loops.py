@@ -58,7 +58,17 @@ def ddp_cpu(config):
             optimizer.step()
             epoch += idx.tolist()
         seen.append(epoch)
-    dump(config, f"ddp_{rank}", {"device_type": st.device_type(), "replicated_in_place": trainer.model is model and callable(getattr(model, "set_requires_gradient_sync", None)), "seen": seen, "weights": weights(model)})
+    dump(
+        config,
+        f"ddp_{rank}",
+        {
+            "device_type": st.device_type(),
+            "replicated_in_place": trainer.model is model
+            and callable(getattr(model, "set_requires_gradient_sync", None)),
+            "seen": seen,
+            "weights": weights(model),
+        },
+    )
 
 
 def xla_plain_loop(config):
@@ -120,7 +130,12 @@ def crash_resume(config):
         for step, (x, y) in enumerate(loader):
             if epoch == start and step < skip:
                 continue
-            if (config.get("crash") or config.get("preempt")) and epoch == 2 and step == STEPS // 2 and rank == last_rank:
+            if (
+                (config.get("crash") or config.get("preempt"))
+                and epoch == 2
+                and step == STEPS // 2
+                and rank == last_rank
+            ):
                 marker = os.path.join(config["out"], "crashed")
                 if not os.path.exists(marker):
                     open(marker, "w").close()
@@ -138,7 +153,9 @@ def crash_resume(config):
                 directory = os.path.join(config["out"], f"ckpt_{epoch}_preempted")
                 trainer.save_checkpoint(directory, model=model, optimizer=optimizer, epoch=epoch, batches=step + 1,
                                         rng=torch.get_rng_state())
-                ray.train.report({"epoch": epoch, "loss": float(loss)}, checkpoint=ray.train.Checkpoint.from_directory(directory))
+                ray.train.report(
+                    {"epoch": epoch, "loss": float(loss)}, checkpoint=ray.train.Checkpoint.from_directory(directory)
+                )
                 append(config, "preempted", {"rank": rank, "pid": os.getpid(), "at": [epoch, step + 1]})
                 return
         metrics = {"epoch": epoch, "loss": float(loss)}
@@ -166,4 +183,8 @@ class RecordReports(ray.train.UserCallback):
         self.out = out
 
     def after_report(self, run_context, metrics, checkpoint):
-        append({"out": self.out}, "reports", {"epochs": [m["epoch"] for m in metrics], "checkpoint": checkpoint is not None})
+        append(
+            {"out": self.out},
+            "reports",
+            {"epochs": [m["epoch"] for m in metrics], "checkpoint": checkpoint is not None},
+        )

@@ -79,7 +79,10 @@ def spmd_first_one_sync_per_step_shard_by_rank():
     xr = sys.modules["torch_xla.runtime"]
     locked_at_use_spmd, syncs = [], []
     real_use_spmd, real_sync = xr.use_spmd, torch_xla.sync
-    xr.use_spmd = lambda *a, **k: (locked_at_use_spmd.append(torch_xla._XLAC._xla_get_spmd_config_is_locked()), real_use_spmd(*a, **k))[1]
+    xr.use_spmd = lambda *a, **k: (
+        locked_at_use_spmd.append(torch_xla._XLAC._xla_get_spmd_config_is_locked()),
+        real_use_spmd(*a, **k),
+    )[1]
     torch_xla.sync = lambda *a, **k: (syncs.append(1), real_sync(*a, **k))[1]
     try:
         model = mlp()
@@ -106,7 +109,9 @@ def spmd_first_one_sync_per_step_shard_by_rank():
             optimizer.zero_grad()
             for _ in range(2):
                 F.mse_loss(model(x)[:, 0], y).backward()
-            assert len(syncs) == before + 1, f"accumulation step {step}: the second forward did not cut the first micro-batch"
+            assert len(syncs) == before + 1, (
+                f"accumulation step {step}: the second forward did not cut the first micro-batch"
+            )
             optimizer.step()
             assert len(syncs) == before + 3, f"accumulation step {step} synced {len(syncs) - before} times"
     finally:
@@ -140,7 +145,10 @@ class Encoded(collections.UserDict):
 
 def encode(samples):
     """A collate_fn (module-level: loader workers pickle it)."""
-    return Encoded({"x": torch.stack([x for x, _ in samples]), "y": torch.stack([y for _, y in samples])}, encodings=["e"] * len(samples))
+    return Encoded(
+        {"x": torch.stack([x for x, _ in samples]), "y": torch.stack([y for _, y in samples])},
+        encodings=["e"] * len(samples),
+    )
 
 
 def own_to_mappings_are_sharded():
@@ -170,9 +178,15 @@ def hand_moved_batch_warns_once():
     with Warnings() as caught:
         model(x.to(trainer.device))
         model(x.to(trainer.device))
-    assert len(caught.messages) == 1 and "(8, 10) reaches the model replicated" in caught.messages[0] and "4x the work" in caught.messages[0], caught.messages
+    assert (
+        len(caught.messages) == 1
+        and "(8, 10) reaches the model replicated" in caught.messages[0]
+        and "4x the work" in caught.messages[0]
+    ), caught.messages
     guards = [h for h in model._forward_pre_hooks.values() if "_watch_inputs" in h.__qualname__]
-    assert guards == [] and len(model._forward_pre_hooks) == 1, "the guard removes itself after its first forwards (the iteration cut stays)"
+    assert guards == [] and len(model._forward_pre_hooks) == 1, (
+        "the guard removes itself after its first forwards (the iteration cut stays)"
+    )
 
 
 def _refused(call, error, text):
@@ -356,8 +370,18 @@ def fsdp_places_existing_optimizer_state():
         trainer = st.SeamlessTPUTrainer(model, optimizer, strategy="fsdp")
         for p in model.parameters():
             moments = [v for v in optimizer.state[p].values() if v.dim()]
-            assert len(moments) == 2 and sharding(p).startswith("{devices=["), (warmup, tuple(p.shape), sharding(p), len(moments))
-            assert all(sharding(v) == sharding(p) for v in moments), (warmup, tuple(p.shape), sharding(p), [sharding(v) for v in moments])
+            assert len(moments) == 2 and sharding(p).startswith("{devices=["), (
+                warmup,
+                tuple(p.shape),
+                sharding(p),
+                len(moments),
+            )
+            assert all(sharding(v) == sharding(p) for v in moments), (
+                warmup,
+                tuple(p.shape),
+                sharding(p),
+                [sharding(v) for v in moments],
+            )
         if hasattr(_xla()._XLAC, "_get_local_shards"):  # the fake lists no shards: bytes are the real run's
             held = trainer.memory_stats(optimizer)
             ratio = max(held["per_device"]) / held["replica"]
@@ -413,7 +437,12 @@ def reshards_what_a_running_step_still_computes():
             if how == "fsdp":
                 st.SeamlessTPUTrainer(model, optimizer, strategy="fsdp")
             else:
-                st.SeamlessTPUTrainer(model, optimizer, xla_spmd_config={"model_parallel_size": 2}, tp_plan={"0": "colwise", "1": "rowwise"})
+                st.SeamlessTPUTrainer(
+                    model,
+                    optimizer,
+                    xla_spmd_config={"model_parallel_size": 2},
+                    tp_plan={"0": "colwise", "1": "rowwise"},
+                )
             split = list(model.parameters()) if how == "fsdp" else [model[0].weight, model[0].bias, model[1].weight]
             assert all(sharding(p).startswith("{devices=[") for p in split), (how, [sharding(p) for p in split])
             got, expected = (torch.cat([p.detach().cpu().flatten() for p in m.parameters()]) for m in (model, want))
@@ -479,8 +508,12 @@ def run_steps(model, optimizer, x, y, steps, autocast=None):
 def assert_close(got, want, tol, what):
     """The one closeness check of every tier: `got` and `want` (tensors, on any device, or lists of numbers) hold
     as many values, and none is more than `tol` away from its twin. Prints the largest difference and returns it."""
-    got, want = (v.detach().cpu().double().flatten() if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64).flatten()
-                 for v in (got, want))
+    got, want = (
+        v.detach().cpu().double().flatten()
+        if isinstance(v, torch.Tensor)
+        else torch.tensor(v, dtype=torch.float64).flatten()
+        for v in (got, want)
+    )
     assert got.numel() == want.numel(), f"{what}: {got.numel()} values vs {want.numel()}"
     diff = (got - want).abs().max().item() if got.numel() else 0.0
     print(f"{what}: max |diff| {diff:.3g} (tol {tol}) over {got.numel()} values")
@@ -545,7 +578,10 @@ def mesh_2d_model_parallel_matches_eager():
     trainer = st.SeamlessTPUTrainer(model, xla_spmd_config=config, tp_plan=MLP_PLAN)
     assert tuple(trainer.mesh.mesh_shape) == (2, 2)
     by_model_rows = "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"  # dim 0 over "model", whole on "data"
-    assert sharding(model[0].weight) == by_model_rows and sharding(model[0].bias) == "{devices=[2,2]0,2,1,3 last_tile_dim_replicate}"
+    assert (
+        sharding(model[0].weight) == by_model_rows
+        and sharding(model[0].bias) == "{devices=[2,2]0,2,1,3 last_tile_dim_replicate}"
+    )
     assert sharding(model[2].weight) == "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}", "rowwise: dim 1 over model"
     x, y = trainer.to_device(*data())
     assert sharding(x) == SPEC_DATA_OF_2X2, "model parallelism asked for: the batch goes over 'data' only"
@@ -561,7 +597,8 @@ def no_device_repeats_another_devices_dots():
     import hlo
 
     dump = tempfile.mkdtemp()
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(dump)}".strip()  # before XLA starts
+    # before XLA starts
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(dump)}".strip()
     model = mlp()
     optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
     trainer = st.SeamlessTPUTrainer(model, xla_spmd_config={"model_parallel_size": 2}, tp_plan=MLP_PLAN)
@@ -652,7 +689,9 @@ def dropout_resumes_bitwise():
 
     def build(seed):
         torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(10, 32), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+        )
         optimizer = OPTIMIZERS["adam"](model.parameters())
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return model, optimizer, scheduler, st.SeamlessTPUTrainer(model)
@@ -679,7 +718,9 @@ def dropout_resumes_bitwise():
     model, optimizer, scheduler, trainer = build(1)  # other weights, and the RNG moved on by other steps
     run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 2)
     restored = Ema(None)
-    assert trainer.load_checkpoint(tmp, model=model, optimizer=optimizer, scheduler=scheduler, ema=restored) == {"epoch": 3}
+    assert trainer.load_checkpoint(tmp, model=model, optimizer=optimizer, scheduler=scheduler, ema=restored) == {
+        "epoch": 3
+    }
     assert torch.equal(restored.value, torch.arange(8.0)), "a user object's XLA tensor comes back (on the CPU)"
     assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == 0.005, "the scheduler restored in place"
     resumed = run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4)
@@ -689,7 +730,9 @@ def dropout_resumes_bitwise():
     xm.set_rng_state(seed_at_start)
     run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 3)
     scheduler.step()
-    assert torch.equal(run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4), uninterrupted), "the save moved the XLA RNG"
+    assert torch.equal(run_steps(model, optimizer, *trainer.to_device(x_cpu, y_cpu), 4), uninterrupted), (
+        "the save moved the XLA RNG"
+    )
 
 
 def unfreezing_recompiles_once_without_warning():
@@ -754,15 +797,20 @@ def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):
     for name, p in model.named_parameters():
         if p.dim() == 2:
             spec = sharding(p)
-            assert spec.startswith("{devices=[") and sorted(spec.split("]")[1].rstrip("}").split(",")) == ["0", "1", "2", "3"] \
-                and ("4,1]" in spec or "1,4]" in spec), f"{name} is not split over all 4 devices: {spec}"
-    return torch.stack([l.cpu() for l in losses]), max(held["per_device"]), held["replica"], compiles, transfers
+            assert (
+                spec.startswith("{devices=[")
+                and sorted(spec.split("]")[1].rstrip("}").split(",")) == ["0", "1", "2", "3"]
+                and ("4,1]" in spec or "1,4]" in spec)
+            ), f"{name} is not split over all 4 devices: {spec}"
+    return torch.stack([loss.cpu() for loss in losses]), max(held["per_device"]), held["replica"], compiles, transfers
 
 
 def transformer(seed=0):
     torch.manual_seed(seed)
     layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=256, dropout=0.0, batch_first=True)
-    return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), torch.nn.Linear(64, 64))
+    return torch.nn.Sequential(
+        torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False), torch.nn.Linear(64, 64)
+    )
 
 
 def fsdp_matches_eager_with_quarter_memory():
@@ -790,7 +838,10 @@ def fsdp_matches_eager_with_quarter_memory():
         got, per_device, replicated, compiles, transfers = fsdp_step_memory_and_losses(build(), make_batch, loss_fn, 20)
         assert_close(got, torch.stack(want), 1e-5, f"fsdp {name} vs eager")
         ratio = per_device / replicated
-        print(f"fsdp {name}: per-device params+optimizer state {per_device} of {replicated} bytes replicated = {ratio:.3f}")
+        print(
+            f"fsdp {name}: per-device params+optimizer state {per_device} of {replicated} bytes replicated = "
+            f"{ratio:.3f}"
+        )
         assert ratio <= (0.30 if name == "transformer" else 0.5), f"{name}: ratio {ratio:.3f}"
         assert compiles[2] == compiles[-1], f"compiles grew after warm-up: {compiles}"
         assert transfers[2] == transfers[-1], f"device->host transfers per step: {transfers}"

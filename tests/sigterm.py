@@ -132,7 +132,9 @@ def main(phase, directory):
                 probe(torch.randn(4, 10)).sum().backward()
                 probe_optimizer.step()
             if trainer.preempted:
-                trainer.save_checkpoint(os.path.join(directory, "ckpt"), model=model, step=step) if phase != "slice" else None
+                trainer.save_checkpoint(
+                    os.path.join(directory, "ckpt"), model=model, step=step
+                ) if phase != "slice" else None
                 stopped = step
                 break
             if step == 3 and phase in ("between", "probe", "slice"):

@@ -541,12 +541,16 @@ def test_a_distributed_sampler_the_user_set_is_kept(monkeypatch, world, shuffle,
         parts.append(read_as_rank(monkeypatch, loader, rank, world)[0])
         assert parts[-1] == [DATA[i] for i in sampler], f"rank {rank} must read its sampler's share as given"
     seen = sorted(x for part in parts for x in part)
-    assert set(seen) == set(DATA) and len(seen) == world * -(-len(DATA) // world), "every sample, padded as DistributedSampler pads"
+    assert set(seen) == set(DATA) and len(seen) == world * -(-len(DATA) // world), (
+        "every sample, padded as DistributedSampler pads"
+    )
 
 
 def test_a_distributed_sampler_for_another_world_is_an_error(monkeypatch):
     loader = DataLoader(DATA, batch_size=BATCH, sampler=DistributedSampler(DATA, num_replicas=4, rank=1))
-    with pytest.raises(ValueError, match=r"num_replicas=4, rank=1, but this process is rank 0 of 2; build it with those values"):
+    with pytest.raises(
+        ValueError, match=r"num_replicas=4, rank=1, but this process is rank 0 of 2; build it with those values"
+    ):
         read_as_rank(monkeypatch, loader, 0, 2)
 
 
@@ -587,7 +591,10 @@ def test_iterable_dataset_with_one_rank(monkeypatch, drop_last):
 
 @pytest.mark.parametrize("n,drop_last", [(12, False), (11, False), (11, True)], ids=["even", "odd", "odd_drop_last"])
 def test_iterable_dataset_is_split_between_ranks(monkeypatch, n, drop_last):
-    parts = [read_as_rank(monkeypatch, DataLoader(Stream(n), batch_size=BATCH), r, drop_last=drop_last)[0] for r in range(WORLD)]
+    parts = [
+        read_as_rank(monkeypatch, DataLoader(Stream(n), batch_size=BATCH), r, drop_last=drop_last)[0]
+        for r in range(WORLD)
+    ]
     seen = parts[0] + parts[1]
     assert len(seen) == len(set(seen)) and set(seen) <= set(range(n)), f"ranks overlap or invent samples: {parts}"
     missing = set(range(n)) - set(seen)

@@ -176,7 +176,9 @@ def test_vendored_copy_imports_without_torch_xla_or_ray(tmp_path):
     """)
     path = os.pathsep.join([str(tmp_path), child.HERE])
     out = child.run(["-c", code], env=child.env(drop=child.DEVICE_VARS, path=path), cwd=tmp_path, timeout=120)
-    assert child.result(out.stdout) == {"device_type": "cpu", "module": "myproj._vendor.seamless_tpu"}, out.stderr[-2000:]
+    assert child.result(out.stdout) == {"device_type": "cpu", "module": "myproj._vendor.seamless_tpu"}, out.stderr[
+        -2000:
+    ]
 
 
 def test_async_saves_readers_wait_failures_leave_nothing_and_the_exit_reports_the_unasked_one(tmp_path, no_xla):
@@ -191,8 +193,10 @@ def test_async_saves_readers_wait_failures_leave_nothing_and_the_exit_reports_th
 def run_ranks(case, tmp_path, world=2):
     """Every rank of tests/dist_ranks.py CASE on CPU (gloo); what each saw."""
     env = child.env(SEAMLESS_TPU_DEVICE="cpu")
-    outs = child.run_together([(["tests/dist_ranks.py", case, rank, world, tmp_path / "store", tmp_path], env) for rank in range(world)],
-                              timeout=120)
+    outs = child.run_together(
+        [(["tests/dist_ranks.py", case, rank, world, tmp_path / "store", tmp_path], env) for rank in range(world)],
+        timeout=120,
+    )
     return [child.result(out) for out in outs]
 
 
@@ -203,15 +207,23 @@ def test_gradients_are_averaged_in_backward_whichever_object_the_loop_calls(tmp_
     like one process on the whole batch, and like torch's own DDP."""
     ranks = run_ranks("grad_sync", tmp_path, world)
     for name, seen in ranks[0].items():
-        assert seen["norms_diff"] <= 1e-5, f"{name}: clip_grad_norm_ saw a local gradient (norms off by {seen['norms_diff']:.3g})"
+        assert seen["norms_diff"] <= 1e-5, (
+            f"{name}: clip_grad_norm_ saw a local gradient (norms off by {seen['norms_diff']:.3g})"
+        )
         assert seen["weights_diff"] <= 1e-5, f"{name}: weights off eager by {seen['weights_diff']:.3g}"
         assert all(other[name]["weights"] == seen["weights"] for other in ranks[1:]), f"{name}: the ranks diverged"
 
 
 def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):
     rank0, rank1 = run_ranks("save_errors", tmp_path)
-    assert rank0["missing_dir"].startswith("FileNotFoundError: cannot save to") and "does not exist" in rank0["missing_dir"]
-    assert rank1["missing_dir"].startswith("RuntimeError: trainer.save(") and "failed on process 0: FileNotFoundError" in rank1["missing_dir"]
+    assert (
+        rank0["missing_dir"].startswith("FileNotFoundError: cannot save to")
+        and "does not exist" in rank0["missing_dir"]
+    )
+    assert (
+        rank1["missing_dir"].startswith("RuntimeError: trainer.save(")
+        and "failed on process 0: FileNotFoundError" in rank1["missing_dir"]
+    )
     assert "pickle" in rank0["unpicklable"].lower() and "failed on process 0" in rank1["unpicklable"]
     assert rank0["ok_exists"] and rank1["ok_exists"], "after a failed save the ranks still save together"
 
@@ -229,7 +241,11 @@ def test_checkpoint_objects_and_a_full_disk_on_real_ranks(tmp_path):
     for strategy in ("ddp", "fsdp"):
         for rank, seen in enumerate(ranks):
             got = seen[strategy]
-            assert (got["epoch"], got["lr"], got["scale"], got["scheduler_epoch"]) == (1, 0.05, 64.0, 1), (strategy, rank, got)
+            assert (got["epoch"], got["lr"], got["scale"], got["scheduler_epoch"]) == (1, 0.05, 64.0, 1), (
+                strategy,
+                rank,
+                got,
+            )
             assert got["disk_full"] is not None and "No space left on device" in got["disk_full"], (strategy, rank, got)
             assert got["after"] == 1, "the previous checkpoint is still the committed one"
         assert "could not write the checkpoint" in ranks[1][strategy]["disk_full"]
@@ -257,8 +273,13 @@ def test_tensor_parallel_on_four_gloo_ranks_matches_eager(tmp_path):
         # 0.weight (32, 10): 32 rows over model (2) then fsdp (2); 2.weight (1, 32): 32 columns over model,
         # its 1 row over fsdp (FSDP2 gives one rank the row, the other none)
         assert seen["split"][0] == [8, 10] and seen["split"][2] == [1 - rank // 2, 16], seen["split"]
-        assert "with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains wrong weights" in seen["ddp_error"]
-    assert ranks[0]["batches"] == ranks[1]["batches"] and ranks[2]["batches"] == ranks[3]["batches"], "one batch per model group"
+        assert (
+            "with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains wrong weights"
+            in seen["ddp_error"]
+        )
+    assert ranks[0]["batches"] == ranks[1]["batches"] and ranks[2]["batches"] == ranks[3]["batches"], (
+        "one batch per model group"
+    )
     seen = [x for r in (ranks[0], ranks[2]) for b in r["batches"] for x in b]
     assert sorted(seen) == list(range(16)), "the data groups split the data"
 
@@ -268,7 +289,9 @@ def test_loaders_on_real_ranks_read_every_sample_once(tmp_path, world):
     ranks = run_ranks("loaders", tmp_path, world)
     for kind in ("own_sampler", "unbatched"):
         seen = [x for r in ranks for x in r[kind]]
-        assert set(seen) == set(range(16)) and len(seen) == world * -(-16 // world), f"{kind}: {[r[kind] for r in ranks]}"
+        assert set(seen) == set(range(16)) and len(seen) == world * -(-16 // world), (
+            f"{kind}: {[r[kind] for r in ranks]}"
+        )
 
 
 def test_user_ddp_is_not_wrapped_again(tmp_path):
@@ -341,7 +364,9 @@ def test_example_accumulating_k_batches_trains_like_a_k_times_larger_batch():
         return [line.split("  ")[:2] for line in out.splitlines() if line.startswith("epoch ")]  # loss, accuracy
 
     whole = epochs("--batch-size", 32)
-    assert len(whole) == 2 and whole == epochs("--batch-size", 16, "--accumulate", 2) == epochs("--batch-size", 8, "--accumulate", 4)
+    assert len(whole) == 2 and whole == epochs("--batch-size", 16, "--accumulate", 2) == epochs(
+        "--batch-size", 8, "--accumulate", 4
+    )
 
 
 def test_example_preempted_by_sigterm_resumes_mid_epoch_like_an_uninterrupted_run(tmp_path):
@@ -374,11 +399,21 @@ def test_example_tpu_without_a_tpu_prints_no_traceback(fresh):
     assert out.stderr.strip().splitlines()[-1].startswith("example_train.py: error: ")
 
 
-@pytest.mark.parametrize("flags,error", [
-    (["--device", "cpu", "--tp", "2"], "--tp 2 splits layers over an XLA mesh; the device here is cpu (use --tpu or --device xla)"),
-    (["--ray", "--tp", "2"], "--tp 2 on Ray CPU/GPU workers runs torch's tensor parallelism then FSDP2: it needs --strategy fsdp and --num-workers a multiple of 2"),
-    (["--ray", "--tp", "2", "--strategy", "fsdp", "--num-workers", "3"], "and --num-workers a multiple of 2"),
-])
+@pytest.mark.parametrize(
+    "flags,error",
+    [
+        (
+            ["--device", "cpu", "--tp", "2"],
+            "--tp 2 splits layers over an XLA mesh; the device here is cpu (use --tpu or --device xla)",
+        ),
+        (
+            ["--ray", "--tp", "2"],
+            "--tp 2 on Ray CPU/GPU workers runs torch's tensor parallelism then FSDP2: it needs --strategy fsdp and "
+            "--num-workers a multiple of 2",
+        ),
+        (["--ray", "--tp", "2", "--strategy", "fsdp", "--num-workers", "3"], "and --num-workers a multiple of 2"),
+    ],
+)
 def test_example_tp_outside_xla_is_a_usage_error(flags, error):
     out = child.run(["example_train.py", *flags], env=child.env(drop=child.DEVICE_VARS), timeout=300, check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.strip().endswith(error), out.stderr
@@ -415,10 +450,15 @@ def test_sigterm_twice_during_a_save_lets_it_commit_then_saves_at_the_next_step(
     (tmp_path / "run").mkdir()
     stopped = preempt.run("saving", tmp_path / "run", world, signal_rank=world - 1, signals=2)
     at = stopped[0]["stopped_at"]
-    assert [r["stopped_at"] for r in stopped] == [at] * world and (at == 6 if world == 1 else 6 <= at <= 6 + 32), stopped
+    assert [r["stopped_at"] for r in stopped] == [at] * world and (at == 6 if world == 1 else 6 <= at <= 6 + 32), (
+        stopped
+    )
     resumed = preempt.run("resume", tmp_path / "run", world)
     for rank in range(world):
-        assert resumed[rank]["start"] == at + 1 and stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"], rank
+        assert (
+            resumed[rank]["start"] == at + 1
+            and stopped[rank]["losses"] + resumed[rank]["losses"] == want[rank]["losses"]
+        ), rank
 
 
 @pytest.mark.parametrize("phase, at", [("step", 3), ("between", 4)])

@@ -25,14 +25,16 @@ needs_xla = child.requires("torch_xla")
 # "thread": a fit() stuck inside Ray's C++ never returns to the interpreter, so SIGALRM would never
 # fire; this method dumps every stack and ends pytest instead, so CI fails instead of hanging.
 # fresh: the driver builds seamless_tpu's Ray classes, which warms the module's import cache.
+EXAMPLE = os.path.join(child.ROOT, "example_train.py")
+RAY_FSDP = "--ray --num-workers 2 --epochs 2 --strategy fsdp".split()  # the example on 2 Ray CPU workers, FSDP2
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300, method="thread"), pytest.mark.usefixtures("fresh")]
 
 
 def test_example_ray_two_workers_fsdp2_with_checkpoints(tmp_path):
     """Runs first, before this module's cluster exists: the example starts its own. With
     --strategy fsdp the 2 CPU workers run FSDP2, and both write their shards into one checkpoint."""
-    out = child.run([os.path.join(child.ROOT, "example_train.py"), "--ray", "--num-workers", "2", "--epochs", "2", "--strategy", "fsdp",
-                     "--checkpoint-dir", "ckpt"], env=child.env(**child.RAY_ENV), cwd=tmp_path, timeout=240)
+    out = child.run([EXAMPLE, *RAY_FSDP, "--checkpoint-dir", "ckpt"], env=child.env(**child.RAY_ENV), cwd=tmp_path,
+                    timeout=240)
     text = out.stdout + out.stderr
     finals = dict(re.findall(r"worker (\d) final loss ([0-9.]+)", text))
     assert set(finals) == {"0", "1"}, text[-4000:]  # each its own last batch's loss
@@ -47,10 +49,9 @@ def test_example_ray_two_workers_tensor_parallel():
     """--tp 2 on 2 CPU workers: one tensor-parallel group (torch's TP over gloo, then FSDP2 over a data
     dimension of 1) reads every batch, so both workers end with the single-process CPU run's loss."""
     env = child.env(**child.RAY_ENV)
-    single = child.run([os.path.join(child.ROOT, "example_train.py"), "--device", "cpu", "--epochs", "2"], env=env, timeout=240)
+    single = child.run([EXAMPLE, "--device", "cpu", "--epochs", "2"], env=env, timeout=240)
     want = re.findall(r"final loss ([0-9.]+)", single.stdout)[-1]
-    out = child.run([os.path.join(child.ROOT, "example_train.py"), "--ray", "--num-workers", "2", "--epochs", "2", "--strategy", "fsdp",
-                     "--tp", "2"], env=env, timeout=240)
+    out = child.run([EXAMPLE, *RAY_FSDP, "--tp", "2"], env=env, timeout=240)
     finals = dict(re.findall(r"worker (\d) final loss ([0-9.]+)", out.stdout + out.stderr))
     assert finals == {"0": want, "1": want}, (finals, want)
 
@@ -86,10 +87,16 @@ def fit(loop, tmp_path, trainer_cls=None, worker_env=None, config=None, failures
 
     wait_for_free_cpus()
     (tmp_path / "out").mkdir(exist_ok=True)
-    run = RunConfig(storage_path=str(tmp_path / "ray"), worker_runtime_env={"env_vars": worker_env or {}},
-                    failure_config=FailureConfig(max_failures=failures), callbacks=[RecordReports(str(tmp_path / "out"))])
+    run = RunConfig(
+        storage_path=str(tmp_path / "ray"),
+        worker_runtime_env={"env_vars": worker_env or {}},
+        failure_config=FailureConfig(max_failures=failures),
+        callbacks=[RecordReports(str(tmp_path / "out"))],
+    )
     trainer_cls = trainer_cls or st.TorchTrainer
-    trainer = trainer_cls(loop, train_loop_config={"out": str(tmp_path / "out"), **(config or {})}, run_config=run, **kwargs)
+    trainer = trainer_cls(
+        loop, train_loop_config={"out": str(tmp_path / "out"), **(config or {})}, run_config=run, **kwargs
+    )
     return trainer.fit()
 
 
@@ -159,9 +166,20 @@ def test_use_tpu_routes_to_the_xla_backend(cluster, tmp_path):
 def test_use_tpu_without_the_tpus_fails_at_once(cluster, tmp_path, workers, per_worker, topology):
     """The cluster has 4 TPU: asking for more used to wait forever inside Ray; now fit() refuses at once."""
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=rf"asks for num_workers={workers} x {per_worker} TPU = 8 TPU, but the Ray cluster has 4"):
-        fit(lambda: None, tmp_path, scaling_config=ScalingConfig(num_workers=workers, use_tpu=True, topology=topology,
-                                                                  accelerator_type="TPU-V6E", resources_per_worker={"TPU": per_worker}))
+    with pytest.raises(
+        RuntimeError, match=rf"asks for num_workers={workers} x {per_worker} TPU = 8 TPU, but the Ray cluster has 4"
+    ):
+        fit(
+            lambda: None,
+            tmp_path,
+            scaling_config=ScalingConfig(
+                num_workers=workers,
+                use_tpu=True,
+                topology=topology,
+                accelerator_type="TPU-V6E",
+                resources_per_worker={"TPU": per_worker},
+            ),
+        )
     assert time.monotonic() - start < 60
 
 
@@ -191,7 +209,9 @@ def assert_resumed(crashed, clean, tol):
     assert epochs == list(range(EPOCHS)), f"each epoch reported exactly once (as registered by Ray): {epochs}"
     assert all(len(set(r["epochs"])) == 1 and r["checkpoint"] for r in reports)
     starts = read_lines(crashed, "starts")
-    assert len({s["pid"] for s in starts}) == len(starts) == 2 * len(read_lines(clean, "starts")), "a new group was started"
+    assert len({s["pid"] for s in starts}) == len(starts) == 2 * len(read_lines(clean, "starts")), (
+        "a new group was started"
+    )
     got, want = read(crashed, "final")["weights"], read(clean, "final")["weights"]
     diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
     assert diff <= tol, f"resumed weights differ from an uninterrupted run by {diff}"
@@ -200,10 +220,16 @@ def assert_resumed(crashed, clean, tol):
 
 def test_topology_contradiction_fails_before_workers_start():
     with pytest.raises(ValueError, match=r"num_workers=2 x TPU per worker=4 = 8 chips, but topology '2x2' has 4 chips"):
-        st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E"))
+        st.TorchTrainer(
+            lambda: None,
+            scaling_config=ScalingConfig(num_workers=2, use_tpu=True, topology="2x2", accelerator_type="TPU-V6E"),
+        )
     with pytest.raises(ValueError, match=r"topology '4x4' has 16 chips"):
-        st.TorchTrainer(lambda: None, torch_config=st.TorchConfig(backend="xla_tpu"),
-                        scaling_config=ScalingConfig(num_workers=1, use_tpu=True, topology="4x4", resources_per_worker={"TPU": 4}))
+        st.TorchTrainer(
+            lambda: None,
+            torch_config=st.TorchConfig(backend="xla_tpu"),
+            scaling_config=ScalingConfig(num_workers=1, use_tpu=True, topology="4x4", resources_per_worker={"TPU": 4}),
+        )
 
 
 def test_use_gpu_and_use_tpu_still_rejected():
@@ -217,7 +243,10 @@ def test_torch_config_routing_and_validation():
     assert st.TorchConfig(backend="xla_tpu").backend_cls is st._XlaSpmdBackend
     assert st.TorchConfig(backend="xla").backend_cls is st._XlaSpmdBackend
     assert st.TorchConfig(backend="gloo").backend_cls.__bases__ == (_TorchBackend,), "Ray's, plus the SIGTERM handler"
-    assert st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)).backend_config.backend_cls is st._RayTorchBackend
+    assert (
+        st.TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)).backend_config.backend_cls
+        is st._RayTorchBackend
+    )
     assert st.TorchConfig().train_func_context is ray.train.torch.TorchConfig().train_func_context
     with pytest.raises(ValueError, match=r"xla_spmd_config needs backend='xla_tpu', got backend='gloo'"):
         st.TorchConfig(backend="gloo", xla_spmd_config={"mesh_shape": [4]})
@@ -257,7 +286,9 @@ def test_sharded_checkpoint_crash_and_resume_fsdp2_cpu(fsdp2_clean, tmp_path):
     directory and reports it; after a worker dies the run resumes through load_checkpoint."""
     crashed = crash_run(tmp_path, "crashed", **dict(FSDP2_CPU, config={**FSDP2_CPU["config"], "crash": True}))
     assert_resumed(crashed, fsdp2_clean, tol=0.0)
-    assert read(fsdp2_clean, "final")["model"] == "FSDPSequential", "fully_shard made the user's own module an FSDP module"
+    assert read(fsdp2_clean, "final")["model"] == "FSDPSequential", (
+        "fully_shard made the user's own module an FSDP module"
+    )
 
 
 def test_sigterm_on_one_worker_saves_on_both_at_one_step_and_ray_resumes_there(fsdp2_clean, tmp_path):
@@ -274,7 +305,9 @@ def test_sigterm_on_one_worker_saves_on_both_at_one_step_and_ray_resumes_there(f
     assert [s["at"] for s in starts] == [[0, 0], [0, 0], [2, STEPS // 2 + 2], [2, STEPS // 2 + 2]], starts
     assert stops[1]["pid"] in {s["pid"] for s in starts[:2]}, "the signalled worker lived on to save"
     assert len({s["pid"] for s in starts}) == 4, "Ray restarted the group"
-    assert [r["epochs"][0] for r in read_lines(run, "reports")] == [0, 1, 2, 2, 3, 4], "the preemption's report registered"
+    assert [r["epochs"][0] for r in read_lines(run, "reports")] == [0, 1, 2, 2, 3, 4], (
+        "the preemption's report registered"
+    )
     got, want = read(run, "final")["weights"], read(fsdp2_clean, "final")["weights"]
     assert got == want, "the resumed run ends bitwise where the uninterrupted one ends"
 

@@ -48,14 +48,26 @@ def test_two_host_slice_runs_the_xla_backend(tmp_path):
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
         try:
             for worker_id in range(2):
-                resources = {"TPU": 4, "accelerator_type:TPU-V4": 1, **({"TPU-v4-16-head": 1} if worker_id == 0 else {})}
-                cluster.add_node(num_cpus=2, resources=resources, labels={**LABELS, "ray.io/tpu-worker-id": str(worker_id)})
+                resources = {
+                    "TPU": 4,
+                    "accelerator_type:TPU-V4": 1,
+                    **({"TPU-v4-16-head": 1} if worker_id == 0 else {}),
+                }
+                cluster.add_node(
+                    num_cpus=2, resources=resources, labels={**LABELS, "ray.io/tpu-worker-id": str(worker_id)}
+                )
             ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": child.PYTHONPATH}})
             (tmp_path / "out").mkdir()
             scaling = ScalingConfig(num_workers=2, use_tpu=True, topology="2x2x2", accelerator_type="TPU-V4")
             assert scaling.num_tpus_per_worker == 4
-            st.TorchTrainer(report_env, train_loop_config={"out": str(tmp_path / "out")}, scaling_config=scaling,
-                            run_config=RunConfig(storage_path=str(tmp_path / "ray"), worker_runtime_env={"env_vars": child.XLA_ON_CPU})).fit()
+            st.TorchTrainer(
+                report_env,
+                train_loop_config={"out": str(tmp_path / "out")},
+                scaling_config=scaling,
+                run_config=RunConfig(
+                    storage_path=str(tmp_path / "ray"), worker_runtime_env={"env_vars": child.XLA_ON_CPU}
+                ),
+            ).fit()
         finally:
             ray.shutdown()
             cluster.shutdown()

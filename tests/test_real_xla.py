@@ -81,9 +81,13 @@ def example_cpu_loss():
 
 # --tp 2: the hidden layers split over a model axis; the 1-D labels then split on one axis of a 2-D
 # mesh and replicated on the other, which torch_xla 2.9 cannot send from the host already split.
-@pytest.mark.parametrize("flags", [[], ["--tp", "2"], ["--tp", "2", "--strategy", "fsdp"]], ids=["ddp", "tp2", "tp2_fsdp"])
+@pytest.mark.parametrize(
+    "flags", [[], ["--tp", "2"], ["--tp", "2", "--strategy", "fsdp"]], ids=["ddp", "tp2", "tp2_fsdp"]
+)
 def test_example_xla_matches_cpu(example_cpu_loss, flags):
-    out = python(["example_train.py", "--device", "xla", "--max-steps", "30", "--epochs", "1", *flags], child.XLA_ON_CPU)
+    out = python(
+        ["example_train.py", "--device", "xla", "--max-steps", "30", "--epochs", "1", *flags], child.XLA_ON_CPU
+    )
     assert "compiles" in out
     loss = float(re.findall(r"final loss ([0-9.]+)", out)[-1])
     assert abs(loss - example_cpu_loss) < 1e-4, (loss, example_cpu_loss)
@@ -124,7 +128,7 @@ LAYOUT_ENV = {
     "eager": {"SEAMLESS_TPU_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"},
 }
 ON_XLA = ("fsdp4", "ddp4", "fsdp2", "tp2x2", "dp2fsdp2")  # reshard.py reports user_sharding_kept for these
-SHARDED = ("fsdp4", "fsdp2", "gloo2", "tp2x2", "dp2fsdp2")  # strategy="fsdp": reshard.py reports whether the load sharded them again
+SHARDED = ("fsdp4", "fsdp2", "gloo2", "tp2x2", "dp2fsdp2")  # strategy="fsdp": reshard.py says if the load split them
 
 
 def reshard_side(layout, phase, directory):
@@ -135,9 +139,12 @@ def reshard_side(layout, phase, directory):
 
 def two_gloo_ranks(phase, directory):
     """torch's FSDP2 on 2 CPU ranks (gloo), as torchrun or Ray would start them; rank 0's report."""
-    env = child.env(SEAMLESS_TPU_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(preempt.free_port()), WORLD_SIZE="2")
-    outs = child.run_together([(["tests/reshard.py", "gloo2", phase, directory], dict(env, RANK=str(rank))) for rank in range(2)],
-                              timeout=300)
+    env = child.env(
+        SEAMLESS_TPU_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(preempt.free_port()), WORLD_SIZE="2"
+    )
+    outs = child.run_together(
+        [(["tests/reshard.py", "gloo2", phase, directory], dict(env, RANK=str(rank))) for rank in range(2)], timeout=300
+    )
     reports = [child.result(out) for out in outs]
     assert reports[0]["losses"] == reports[1]["losses"], "both ranks report the whole batch's loss"
     return reports[0]
@@ -171,8 +178,12 @@ def test_checkpoint_reshards_on_load(saved_in, saved_as, loaded_as):
     loaded = reshard_side(loaded_as, "load", directory)
     assert loaded["bitwise"] and loaded["epoch"] == 10
     # reshard.py reports each check where it applies and only there: a report that is missing fails.
-    assert loaded.get("sharded") is (True if loaded_as in SHARDED else None), "fsdp parameters and their optimizer state are sharded again after loading"
-    assert loaded.get("user_sharding_kept") is (True if loaded_as in ON_XLA else None), "a weight the user sharded keeps that layout, and so does its Adam state"
+    assert loaded.get("sharded") is (True if loaded_as in SHARDED else None), (
+        "fsdp parameters and their optimizer state are sharded again after loading"
+    )
+    assert loaded.get("user_sharding_kept") is (True if loaded_as in ON_XLA else None), (
+        "a weight the user sharded keeps that layout, and so does its Adam state"
+    )
     assert not (loaded_as in ("eager", "gloo2") and loaded["torch_xla_imported"])
     diff = max(abs(a - b) for a, b in zip(saved["losses"], loaded["losses"]))
     assert diff <= 1e-5, f"resumed {loaded['losses']} vs uninterrupted {saved['losses']}"
@@ -200,7 +211,9 @@ def test_a_slice_without_torch_distributed_agrees_on_sigterm_over_real_processes
     assert [code for code, *_ in outs] == [0, 0], [err[-3000:] for *_, err in outs]
     (_, _, first, _), (_, _, last, _) = outs
     assert first["stopped_at"] == last["stopped_at"] and 4 <= first["stopped_at"] <= 4 + 2 * 16, outs
-    assert first["handled"] == [] and last["handled"] == [signal.SIGTERM], "the user's handler ran where the signal came"
+    assert first["handled"] == [] and last["handled"] == [signal.SIGTERM], (
+        "the user's handler ran where the signal came"
+    )
 
 
 def test_sigterm_on_xla_saves_at_the_next_step_and_resumes_like_an_uninterrupted_run(tmp_path):
@@ -220,8 +233,10 @@ def _loops(*runs):
     """tests/loops.py for each (device, args) at once, two at a time (the CI machine has 2 cores)."""
     results = []
     for pair in (runs[i:i + 2] for i in range(0, len(runs), 2)):
-        commands = [(["tests/loops.py", *args], child.env(**(XLA_ENV if device == "xla" else {"SEAMLESS_TPU_DEVICE": "cpu"})))
-                    for device, args in pair]
+        commands = [
+            (["tests/loops.py", *args], child.env(**(XLA_ENV if device == "xla" else {"SEAMLESS_TPU_DEVICE": "cpu"})))
+            for device, args in pair
+        ]
         results += [child.result(out) for out in child.run_together(commands, timeout=300)]
     return results
 
@@ -232,8 +247,13 @@ def test_accumulation_compiles_the_same_graphs_for_any_k():
     k micro-batches compiled one unrolled graph (10x the compile time at k=16). Losses are eager's."""
     one, eager, four, sixteen = _loops(("xla", ["accumulate", "1"]), ("cpu", ["accumulate", "4"]),
                                        ("xla", ["accumulate", "4"]), ("xla", ["accumulate", "16"]))
-    assert one["compiles"][1] == one["compiles"][-1] == 2, f"the plain loop: one graph, then one with AdamW state: {one['compiles']}"
-    assert four["compiles"][1] == four["compiles"][-1] == sixteen["compiles"][-1] == 4, (four["compiles"], sixteen["compiles"])
+    assert one["compiles"][1] == one["compiles"][-1] == 2, (
+        f"the plain loop: one graph, then one with AdamW state: {one['compiles']}"
+    )
+    assert four["compiles"][1] == four["compiles"][-1] == sixteen["compiles"][-1] == 4, (
+        four["compiles"],
+        sixteen["compiles"],
+    )
     assert four["transfers"][-1] == sixteen["transfers"][-1] == 0
     scenarios.assert_close(four["losses"], eager["losses"], 1e-5, "k=4 vs eager")
     print(f"compile seconds: k=1 {one['compile_s']:.2f}, k=4 {four['compile_s']:.2f}, k=16 {sixteen['compile_s']:.2f}")
@@ -300,8 +320,16 @@ def _load_cost(layout, phase, directory, tmp):
     """tests/load_cost.py on 4 XLA devices or 2 gloo ranks, with TMPDIR=`tmp`; each process's report."""
     if layout != "gloo2":
         return [child.result(python(["tests/load_cost.py", layout, phase, directory], dict(XLA_ENV, TMPDIR=str(tmp))))]
-    env = child.env(SEAMLESS_TPU_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(preempt.free_port()), WORLD_SIZE="2", TMPDIR=str(tmp))
-    outs = child.run_together([(["tests/load_cost.py", layout, phase, directory], dict(env, RANK=str(r))) for r in range(2)], timeout=300)
+    env = child.env(
+        SEAMLESS_TPU_DEVICE="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(preempt.free_port()),
+        WORLD_SIZE="2",
+        TMPDIR=str(tmp),
+    )
+    outs = child.run_together(
+        [(["tests/load_cost.py", layout, phase, directory], dict(env, RANK=str(r))) for r in range(2)], timeout=300
+    )
     return [child.result(out) for out in outs]
 
 
@@ -322,9 +350,17 @@ def test_load_reads_only_its_share_and_holds_no_second_copy(layout, tmp_path):
             assert size > 200e6 and report["bitwise"] and report["adam_bitwise"], report
             assert report["read"] <= (share + 0.05) * size, f"{phase}: read {report['read'] / size:.3f}x the checkpoint"
             assert report["written"] < 1e6, f"{phase}: wrote {report['written']} bytes while loading"
-            grown = report["rss_peak"] - (report["rss_before"] if phase == "warm" else max(report["rss_before"], report["rss_after"]))
+            grown = report["rss_peak"] - (
+                report["rss_before"] if phase == "warm" else max(report["rss_before"], report["rss_after"])
+            )
             assert grown <= 0.3 * size, f"{phase}: peak memory grew by {grown / size:.2f}x the checkpoint"
-            print(layout, phase, {k: round(report[k] / size, 3) for k in ("read", "rss_peak")}, "growth", round(grown / size, 3))
+            print(
+                layout,
+                phase,
+                {k: round(report[k] / size, 3) for k in ("read", "rss_peak")},
+                "growth",
+                round(grown / size, 3),
+            )
     assert not list(tmp.iterdir()), "no temporary file"
 
 
@@ -343,7 +379,9 @@ def test_meta_model_is_made_one_module_at_a_time_with_a_cpu_builds_weights(tmp_p
     for phase in ("meta", "load"):
         got = child.result(python(["tests/meta_init.py", phase, str(tmp_path)], XLA_ENV))
         assert got["bytes"] == cpu["bytes"] > 300e6 and got["sharded"], got
-        assert got["digests"] == cpu["digests"], [k for k in cpu["digests"] if got["digests"][k] != cpu["digests"][k]][:5]
+        assert got["digests"] == cpu["digests"], [k for k in cpu["digests"] if got["digests"][k] != cpu["digests"][k]][
+            :5
+        ]
         extra = got["rss_peak"] - got["rss_before"] - got["bytes"]
         print(phase, f"growth beyond the shards: {extra / 2**20:.0f} MiB ({extra / got['bytes']:.2f}x the model)")
         if phase == "meta":
@@ -351,10 +389,14 @@ def test_meta_model_is_made_one_module_at_a_time_with_a_cpu_builds_weights(tmp_p
             assert extra <= 2 * got["largest_module"] + 64 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's shards"
         else:  # the load alone, saved whole and read into 4 shards: each stored tensor is deserialised once
             assert got["resets"] == 0 and got["epoch"] == 1 and got["load_compiles"] == 0, got
-            assert extra <= 6 * got["largest_module"] + 64 * 2**20, f"{extra / 2**20:.0f} MiB beyond the model's shards (load and forward)"
+            assert extra <= 6 * got["largest_module"] + 64 * 2**20, (
+                f"{extra / 2**20:.0f} MiB beyond the model's shards (load and forward)"
+            )
             load = got["rss_load_peak"] - got["rss_before"] - got["bytes"]
             print(f"the load alone: {load / got['bytes']:.2f}x the checkpoint beyond the shards")
-            assert load <= 0.3 * got["bytes"], f"the load grew by {load / got['bytes']:.2f}x the checkpoint beyond the model's shards"
+            assert load <= 0.3 * got["bytes"], (
+                f"the load grew by {load / got['bytes']:.2f}x the checkpoint beyond the model's shards"
+            )
 
 
 def test_async_saves_on_xla_readers_wait_failures_leave_nothing_and_the_exit_reports(tmp_path):

@@ -58,7 +58,9 @@ def test_a_later_mesh_leaves_an_earlier_trainers_batches_alone(four_hosts, how, 
     a = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", strategy=strategy)
     assert sharding(a.to_device(torch.ones(16, 10))) == ALL_16
     replace_process_mesh(how)
-    assert sharding(st.to_device(torch.ones(16, 10))).startswith("{devices=[4,1,4]"), "to_device follows the process mesh"
+    assert sharding(st.to_device(torch.ones(16, 10))).startswith("{devices=[4,1,4]"), (
+        "to_device follows the process mesh"
+    )
     x, y = a.to_device(torch.ones(16, 10), torch.ones(16))
     assert sharding(x) == ALL_16 and sharding(y) == ALL_16_1D
     x, y = batches_of(a)
@@ -99,7 +101,11 @@ def test_default_ddp_mesh_has_no_model_axis_whatever_the_host_count(four_hosts):
 
 def test_reset_undoes_every_process_wide_change(fake):
     ckpt = torch.utils.checkpoint
-    originals = ckpt.CheckpointFunction, ckpt._CheckpointFrame.__init__, torch.__future__.get_swap_module_params_on_conversion()
+    originals = (
+        ckpt.CheckpointFunction,
+        ckpt._CheckpointFrame.__init__,
+        torch.__future__.get_swap_module_params_on_conversion(),
+    )
     hooks = len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
     st.get_device()
     assert ckpt.CheckpointFunction is not originals[0] and ckpt._CheckpointFrame.__init__ is not originals[1]
@@ -108,7 +114,11 @@ def test_reset_undoes_every_process_wide_change(fake):
     state = st._STATE
     assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 4
     st._reset_caches()
-    assert (ckpt.CheckpointFunction, ckpt._CheckpointFrame.__init__, torch.__future__.get_swap_module_params_on_conversion()) == originals
+    assert (
+        ckpt.CheckpointFunction,
+        ckpt._CheckpointFrame.__init__,
+        torch.__future__.get_swap_module_params_on_conversion(),
+    ) == originals
     assert not hasattr(torch, "xla") and "torch.xla" not in sys.modules
     assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks
     assert st._STATE is not state and st._STATE.xla_device is None and st.get_xla_mesh() is None
@@ -166,8 +176,11 @@ def test_sigterm_chains_the_users_handler_and_preempts_at_the_next_step(no_xla, 
     one_step(model, optimizer)
     assert trainer.preempted
     st._reset_caches()
-    assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGTERM)(0, None) is None and seen[-1] == 0, \
-        "reset puts the user's handler back"
+    assert (
+        signal.getsignal(signal.SIGTERM) is not None
+        and signal.getsignal(signal.SIGTERM)(0, None) is None
+        and seen[-1] == 0
+    ), "reset puts the user's handler back"
 
 
 def test_a_user_who_ignores_sigterm_keeps_ignoring_it(no_xla, fresh, sigterm_restored):
@@ -240,9 +253,14 @@ def test_ray_workers_exit_is_held_while_a_trainer_can_save_and_the_attempt_then_
                 os.kill(os.getpid(), signal.SIGTERM)
         return config
 
-    with pytest.raises(RuntimeError, match=r"preempted \(SIGTERM\) at optimizer step 2; the loop returned after it, so this "
-                                           r"attempt ends as failed .*FailureConfig\(max_failures=N\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"preempted \(SIGTERM\) at optimizer step 2; the loop returned after it, so this "
+        r"attempt ends as failed .*FailureConfig\(max_failures=N\)",
+    ):
         st._RayTrainLoop(loop)({"signal": True})
     assert exits == [signal.SIGTERM], "held while the trainer could save"
     st._reset_caches()
-    assert st._RayTrainLoop(loop)({"signal": False}) == {"signal": False}, "a run not preempted returns the loop's value"
+    assert st._RayTrainLoop(loop)({"signal": False}) == {"signal": False}, (
+        "a run not preempted returns the loop's value"
+    )

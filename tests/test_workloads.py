@@ -10,7 +10,11 @@ import pytest
 import child
 import workloads
 
-pytestmark = [pytest.mark.workloads, child.requires("torch_xla", "transformers", "peft", "torchvision"), pytest.mark.timeout(400)]
+pytestmark = [
+    pytest.mark.workloads,
+    child.requires("torch_xla", "transformers", "peft", "torchvision"),
+    pytest.mark.timeout(400),
+]
 
 
 @pytest.mark.parametrize("name", list(workloads.SCENARIOS))
@@ -25,8 +29,13 @@ def test_llama_tensor_parallel_on_four_gloo_ranks(tmp_path):
     """Off XLA: a transformers Llama with its own plan, torch's tensor parallelism over 2 ranks and FSDP2
     over the other 2, gives the losses of eager on the whole batch (tests/dist_ranks.py)."""
     env = child.env(SEAMLESS_TPU_DEVICE="cpu", drop=child.DEVICE_VARS)
-    outs = child.run_together([(["tests/dist_ranks.py", "tensor_parallel_llama", rank, 4, tmp_path / "store", tmp_path], env)
-                               for rank in range(4)], timeout=300)
+    outs = child.run_together(
+        [
+            (["tests/dist_ranks.py", "tensor_parallel_llama", rank, 4, tmp_path / "store", tmp_path], env)
+            for rank in range(4)
+        ],
+        timeout=300,
+    )
     for out in outs:
         seen = child.result(out)
         assert seen["diff"] <= 1e-5, seen["losses"]

@@ -159,7 +159,9 @@ def lm_lora_loop(xla, precision=None, steps=8, lora=True, strategy="ddp", **trai
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2, weight_decay=0.01)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=steps)
     trainer = trainer_for(model, xla, precision=precision, strategy=strategy, **trainer_kwargs)
-    loader = loader_on(trainer, torch.utils.data.DataLoader(TokenBatches(steps * LM_MICRO * LM_BATCH), batch_size=LM_BATCH))
+    loader = loader_on(
+        trainer, torch.utils.data.DataLoader(TokenBatches(steps * LM_MICRO * LM_BATCH), batch_size=LM_BATCH)
+    )
     losses, counts, transfers, dtypes = [], [], [], set()
     optimizer.zero_grad()
     for i, batch in enumerate(loader):
@@ -180,9 +182,16 @@ def lm_lora_loop(xla, precision=None, steps=8, lora=True, strategy="ddp", **trai
     specs = {n: torch_xla_spec(p) for n, p in model.named_parameters() if p.dim() == 2} if trainer else {}
     memory = trainer.memory_stats(optimizer) if trainer else None
     changed = sorted(n for n, p in model.named_parameters() if not torch.equal(p.detach().cpu(), before[n]))
-    return {"losses": host(losses), "compiles": counts, "transfers": transfers, "logits_dtypes": sorted(dtypes), "specs": specs,
-            "bytes_per_device": max(memory["per_device"]) / memory["replica"] if memory else None, "changed": changed,
-            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+    return {
+        "losses": host(losses),
+        "compiles": counts,
+        "transfers": transfers,
+        "logits_dtypes": sorted(dtypes),
+        "specs": specs,
+        "bytes_per_device": max(memory["per_device"]) / memory["replica"] if memory else None,
+        "changed": changed,
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+    }
 
 
 def lm_lora_eager():
@@ -209,7 +218,9 @@ def lm_fsdp():
     got = lm_lora_loop(True, lora=False, strategy="fsdp")
     assert_close(got["losses"], want["losses"], 1e-5, "Qwen3 fsdp vs eager")
     assert_flat(got["compiles"], 2, "Qwen3 fsdp")
-    assert got["specs"] and all(s.startswith("{devices=[") and ("4,1]" in s or "1,4]" in s) for s in got["specs"].values()), got["specs"]
+    assert got["specs"] and all(
+        s.startswith("{devices=[") and ("4,1]" in s or "1,4]" in s) for s in got["specs"].values()
+    ), got["specs"]
 
 
 def lm_tp_eager():
@@ -232,7 +243,10 @@ def lm_tensor_parallel():
     import hlo
 
     want = eager_reference("lm_tensor_parallel")
-    for strategy, config, shape in (("fsdp", {"model_parallel_size": 2}, (2, 2)), ("ddp", {"model_parallel_size": 4}, (1, 4))):
+    for strategy, config, shape in (
+        ("fsdp", {"model_parallel_size": 2}, (2, 2)),
+        ("ddp", {"model_parallel_size": 4}, (1, 4)),
+    ):
         what = f"Qwen3 tensor parallel, {strategy} {shape}"
         got = lm_lora_loop(True, steps=TP_STEPS, lora=False, strategy=strategy, xla_spmd_config=config)
         if shape == (2, 2):  # dumped from the first graphs XLA compiles in this process (main() set XLA_FLAGS)
@@ -347,7 +361,11 @@ def resnet_loop(xla, steps=4):
     model.train()
     moved = (on_device(trainer, x, y) for x, y in batches)  # one batch at a time, inside the loop
     result = plain_steps(trainer, model, optimizer, moved, lambda m, xy: F.cross_entropy(m(xy[0]), xy[1]))
-    return {**result, "bn_running_var": bn_running_var(trainer), "bn1_running_var": model.bn1.running_var.cpu().tolist()}
+    return {
+        **result,
+        "bn_running_var": bn_running_var(trainer),
+        "bn1_running_var": model.bn1.running_var.cpu().tolist(),
+    }
 
 
 def resnet_eager():
@@ -449,7 +467,9 @@ def gan_loop(xla):
             real, z = on_device(trainer, real, z)
             opt_d.zero_grad()
             fake = gen(z).detach()
-            d_loss = F.binary_cross_entropy_with_logits(disc(real), ones) + F.binary_cross_entropy_with_logits(disc(fake), zeros)
+            d_loss = F.binary_cross_entropy_with_logits(disc(real), ones) + F.binary_cross_entropy_with_logits(
+                disc(fake), zeros
+            )
             d_loss.backward()
             opt_d.step()
             opt_g.zero_grad()
@@ -461,7 +481,11 @@ def gan_loop(xla):
         gen.eval(), disc.eval()
         with torch.no_grad():
             samples = gen(eval_z)
-            evals.append(torch.stack([(samples - centre.to(samples.device)).pow(2).sum(1).mean(), torch.sigmoid(disc(samples)).mean()]))
+            evals.append(
+                torch.stack(
+                    [(samples - centre.to(samples.device)).pow(2).sum(1).mean(), torch.sigmoid(disc(samples)).mean()]
+                )
+            )
         counts.append(compiles(trainer))
     flat_evals = torch.stack(evals).flatten()
     return {"d_losses": host(d_losses), "g_losses": host(g_losses), "evals": host(list(flat_evals)), "compiles": counts}
@@ -523,7 +547,9 @@ def checkpoint_torch_utils():
     want = eager_reference("checkpoint_torch_utils")
     for reentrant in (True, False):
         got = checkpoint_mlp_loop(True, reentrant)
-        assert_close(got["losses"], want[str(reentrant)]["losses"], 1e-5, f"torch.utils.checkpoint use_reentrant={reentrant}")
+        assert_close(
+            got["losses"], want[str(reentrant)]["losses"], 1e-5, f"torch.utils.checkpoint use_reentrant={reentrant}"
+        )
         assert_flat(got["compiles"], 2, f"torch.utils.checkpoint use_reentrant={reentrant}")
 
 
@@ -535,7 +561,9 @@ def hf_checkpoint_loop(xla, use_reentrant, steps=5):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trainer = trainer_for(model, xla)
-    loader = loader_on(trainer, torch.utils.data.DataLoader(TokenBatches(LM_BATCH * steps, seed=2), batch_size=LM_BATCH))
+    loader = loader_on(
+        trainer, torch.utils.data.DataLoader(TokenBatches(LM_BATCH * steps, seed=2), batch_size=LM_BATCH)
+    )
     return plain_steps(trainer, model, optimizer, loader, lambda m, batch: m(**batch).loss)
 
 
@@ -570,7 +598,9 @@ def hf_save_pretrained_pin():
             assert "invalid python storage" in str(e), str(e)
             print(f"save_pretrained on XLA tensors: RuntimeError: {e}")
         else:
-            raise AssertionError("save_pretrained on XLA tensors worked: torch_xla/safetensors changed, update this pin")
+            raise AssertionError(
+                "save_pretrained on XLA tensors worked: torch_xla/safetensors changed, update this pin"
+            )
         on_cpu = {k: v.cpu() for k, v in model.state_dict().items()}
         # save_pretrained empties the state_dict it is given (transformers 5.x): pass a copy.
         given = dict(on_cpu)
@@ -597,7 +627,10 @@ def hf_attention_transfers_pin():
         model = tiny_lm("llama", attn)
         trainer = st.SeamlessTPUTrainer(model)
         ids, mask = trainer.to_device(TokenBatches(LM_BATCH).ids, torch.ones(LM_BATCH, LM_SEQ, dtype=torch.long))
-        for name, kwargs in (("with_mask", {"input_ids": ids, "attention_mask": mask}), ("no_mask", {"input_ids": ids})):
+        for name, kwargs in (
+            ("with_mask", {"input_ids": ids, "attention_mask": mask}),
+            ("no_mask", {"input_ids": ids}),
+        ):
             per_forward = []
             for _ in range(2):
                 before = trainer.compile_stats()["device_to_host_transfers"]
@@ -648,11 +681,14 @@ def hf_batches_are_sharded():
     trainer = st.SeamlessTPUTrainer(model)
     texts = ["w1 w2 w3 w4", "w5 w6", "w7 w8 w9", "w10"]
     batches = {"to_device(tokenizer output)": st.to_device(tokenizer(texts, padding=True, return_tensors="pt")),
-               "trainer.to_device(tokenizer output)": trainer.to_device(tokenizer(texts, padding=True, return_tensors="pt"))}
+               "trainer.to_device(tokenizer "
+               "output)": trainer.to_device(tokenizer(texts, padding=True, return_tensors="pt"))}
     for name, collator in (("DataCollatorWithPadding", DataCollatorWithPadding(tokenizer)),
                            ("DataCollatorForLanguageModeling", DataCollatorForLanguageModeling(tokenizer, mlm=False))):
         for workers in (0, 2):
-            loader = torch.utils.data.DataLoader(Texts(tokenizer), batch_size=4, collate_fn=collator, num_workers=workers)
+            loader = torch.utils.data.DataLoader(
+                Texts(tokenizer), batch_size=4, collate_fn=collator, num_workers=workers
+            )
             batches[f"prepare_data_loader({name}, {workers} workers)"] = next(iter(trainer.prepare_data_loader(loader)))
     spec_2d = "{devices=[4,1]0,1,2,3}"
     for path, batch in batches.items():
@@ -703,7 +739,9 @@ def main(argv):
 
         dump = os.environ["SEAMLESS_TPU_HLO_DUMP"] = tempfile.mkdtemp()
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(dump)}".strip()
-    assert st.device_type() == "xla", f"run with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 SEAMLESS_TPU_DEVICE=xla, got {st.device_type()}"
+    assert st.device_type() == "xla", (
+        f"run with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 SEAMLESS_TPU_DEVICE=xla, got {st.device_type()}"
+    )
     scenario()
     child.report({"scenario": name, "seconds": round(time.time() - start, 1)})
 
