@@ -532,14 +532,6 @@ def parse_topology(topology):
     return dims
 
 
-def _default_axis_names(ndim, strategy="ddp"):
-    names = {1: ("data",), 2: (FSDP_AXIS if strategy == "fsdp" else "data", MODEL_AXIS)}
-    if ndim not in names:
-        raise ValueError(f"a {ndim}-D mesh_shape needs explicit axis_names (one per dimension); defaults exist for "
-                         f"1-D and 2-D")
-    return names[ndim]
-
-
 def _mesh_from_config(config, num_devices, strategy="ddp"):
     if not isinstance(config, Mapping):
         raise TypeError(f"xla_spmd_config must be a dict like {{'mesh_shape': [2, 2]}}, got {config!r} "
@@ -551,9 +543,8 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
     unknown = sorted(set(config) - set(SPMD_CONFIG_KEYS))
     if unknown:
         raise ValueError(f"xla_spmd_config has unknown keys {unknown}; valid keys are {SPMD_CONFIG_KEYS}")
-    dp, mp = config.get("data_parallel_size"), config.get("model_parallel_size")
-    dp = None if dp is None else _positive_int("data_parallel_size", dp)
-    mp = None if mp is None else _positive_int("model_parallel_size", mp)
+    dp, mp = (None if config.get(key) is None else _positive_int(key, config[key])
+              for key in ("data_parallel_size", "model_parallel_size"))
     if config.get("mesh_shape") is not None:
         raw = config["mesh_shape"]
         if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
@@ -567,8 +558,7 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
         if dp * mp != num_devices:
             raise ValueError(f"data_parallel_size x model_parallel_size must equal the device count: "
                              f"{config.get('data_parallel_size')} x {config.get('model_parallel_size')} != "
-                             f"{num_devices} devices; "
-                             "pick sizes whose product is the device count")
+                             f"{num_devices} devices; pick sizes whose product is the device count")
         shape = (dp, mp)
     else:
         shape = (num_devices,)
@@ -576,7 +566,11 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
     if isinstance(names, (str, bytes)) or (names is not None and not hasattr(names, "__iter__")):
         raise TypeError(f"axis_names must be a list of strings, one per mesh dimension (e.g. ['data', 'model']), got "
                         f"{names!r}")
-    names = _default_axis_names(len(shape), strategy) if names is None else tuple(names)
+    default = {1: ("data",), 2: (FSDP_AXIS if strategy == "fsdp" else "data", MODEL_AXIS)}.get(len(shape))
+    if names is None and default is None:
+        raise ValueError(f"a {len(shape)}-D mesh_shape needs explicit axis_names (one per dimension); defaults exist "
+                         "for 1-D and 2-D")
+    names = default if names is None else tuple(names)
     if len(names) != len(shape):
         raise ValueError(f"axis_names must name each mesh dimension: {len(names)} names {names!r} for mesh_shape "
                          f"{shape!r}")
@@ -587,15 +581,13 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
                          "the product of mesh_shape must equal the device count")
     # The sizes must describe this mesh as the trainer uses it, whatever the axes are called:
     # the axis named MODEL_AXIS carries the model, all others split the batch.
-    model_size = math.prod(n for name, n in zip(names, shape) if name == MODEL_AXIS)
-    actual = {"data_parallel_size": math.prod(shape) // model_size, "model_parallel_size": model_size}
-    for key, size in (("data_parallel_size", dp), ("model_parallel_size", mp)):
-        if size is not None and size != actual[key]:
+    model = math.prod(n for name, n in zip(names, shape) if name == MODEL_AXIS)
+    for key, size, actual in (("data_parallel_size", dp, num_devices // model), ("model_parallel_size", mp, model)):
+        if size is not None and size != actual:
             raise ValueError(f"xla_spmd_config contradicts itself: {key}={size}, but mesh_shape {shape!r} with "
-                             f"axis_names "
-                             f"{names!r} has data-parallel size {actual['data_parallel_size']} (axes other than "
-                             f"{MODEL_AXIS!r}) and model-parallel size {actual['model_parallel_size']} (the axis "
-                             f"{MODEL_AXIS!r}); drop {key} or fix the mesh")
+                             f"axis_names {names!r} has data-parallel size {num_devices // model} (axes other than "
+                             f"{MODEL_AXIS!r}) and model-parallel size {model} (the axis {MODEL_AXIS!r}); drop {key} "
+                             "or fix the mesh")
     return shape, names
 
 
@@ -611,8 +603,8 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
     _positive_int("num_devices", num_devices)
     _positive_int("num_processes", num_processes)
     if num_devices % num_processes:
-        raise ValueError(f"num_devices must be a multiple of num_processes: {num_devices} devices over "
-                         f"{num_processes} processes")
+        raise ValueError(f"num_devices must be a multiple of num_processes: {num_devices} devices over {num_processes} "
+                         "processes")
     if topology is not None:
         chips = math.prod(parse_topology(topology))
         if num_devices % chips:
@@ -637,11 +629,11 @@ def _check_strategy(strategy):
 
 
 def _check_fsdp_axis(names, where):
-    if FSDP_AXIS not in tuple(names or ()):
+    names = tuple(names or ())
+    if FSDP_AXIS not in names:
         raise ValueError(f"strategy='fsdp' shards parameters over a mesh axis named {FSDP_AXIS!r}, but {where} has "
-                         f"axes "
-                         f"{tuple(names or ())!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or "
-                         f"use strategy='ddp'")
+                         f"axes {names!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or use "
+                         "strategy='ddp'")
 
 
 def _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy):
@@ -656,14 +648,13 @@ def _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy):
 
 
 def _spmd_config_devices(config):
-    """A device count that an xla_spmd_config can be checked against before any device exists."""
-    if not isinstance(config, Mapping):
-        return 1  # _mesh_from_config names what is wrong with it
+    """A device count that an xla_spmd_config can be checked against before any device exists: for a malformed
+    one, any count (_mesh_from_config names what is wrong with it)."""
+    config = config if isinstance(config, Mapping) else {}
     shape = config.get("mesh_shape")
     if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
-        return math.prod(shape)  # anything else: _mesh_from_config names what is wrong with it
-    dp, mp = config.get("data_parallel_size") or 1, config.get("model_parallel_size") or 1
-    return dp * mp
+        return math.prod(shape)
+    return (config.get("data_parallel_size") or 1) * (config.get("model_parallel_size") or 1)
 
 
 def _model_tp_plan(model):
@@ -709,7 +700,7 @@ def _tp_specs(model, plan, axis_sizes, xla=True):
     names = {m: n for n, m in modules.items()}
     inner = _peft_inner(model)
     model_size, fsdp_size = axis_sizes.get(MODEL_AXIS, 1), axis_sizes.get(FSDP_AXIS, 1)
-    specs = {}
+    layers = []  # (Linear or Embedding, "out" or "in": the features that split)
     for pattern, style in plan.items():
         name = style if isinstance(style, str) else type(style).__name__
         if name not in TP_STYLES:
@@ -750,30 +741,25 @@ def _tp_specs(model, plan, axis_sizes, xla=True):
             lora = getattr(module, "lora_B" if split == "out" else "lora_A", None) if base is not module else None
             lora = lora.values() if isinstance(lora, torch.nn.ModuleDict) else ()
             adapters = [m for m in lora if isinstance(m, torch.nn.Linear)]
-            for layer in (base, *adapters):
-                specs.update(_split_specs(names[layer], layer, split, model_size, fsdp_size))
-    return specs
-
-
-def _split_specs(module_name, module, split, model_size, fsdp_size):
-    """{parameter: spec} of one Linear or Embedding whose features `split` ("out" or "in") split over MODEL_AXIS."""
+            layers += [(layer, split) for layer in (base, *adapters)]
     specs = {}
-    embedding = isinstance(module, torch.nn.Embedding)
-    for param_name, param in module.named_parameters(recurse=False):
-        dim = {"weight": {"out": 1 if embedding else 0, "in": 0 if embedding else 1}[split],
-               "bias": 0 if split == "out" else None}.get(param_name)
-        if dim is None:
-            continue
-        if param.shape[dim] % model_size:
-            raise ValueError(f"tp_plan splits {module_name}.{param_name} (shape {tuple(param.shape)}) along dim {dim} "
-                             f"over the '{MODEL_AXIS}' axis of size {model_size}, which does not divide "
-                             f"{param.shape[dim]}; pick a model_parallel_size that divides it, or leave this module "
-                             "out of the plan")
-        spec = [None] * param.dim()
-        spec[dim] = MODEL_AXIS
-        if fsdp_size > 1 and param.dim() > 1:
-            spec[1 - dim] = FSDP_AXIS  # XLA pads a dimension the fsdp axis does not divide
-        specs[param] = tuple(spec)
+    for module, split in layers:
+        embedding = isinstance(module, torch.nn.Embedding)
+        for param_name, param in module.named_parameters(recurse=False):
+            dim = {"weight": {"out": 1 if embedding else 0, "in": 0 if embedding else 1}[split],
+                   "bias": 0 if split == "out" else None}.get(param_name)
+            if dim is None:
+                continue
+            if param.shape[dim] % model_size:
+                raise ValueError(f"tp_plan splits {names[module]}.{param_name} (shape {tuple(param.shape)}) along dim "
+                                 f"{dim} over the '{MODEL_AXIS}' axis of size {model_size}, which does not divide "
+                                 f"{param.shape[dim]}; pick a model_parallel_size that divides it, or leave this "
+                                 "module out of the plan")
+            spec = [None] * param.dim()
+            spec[dim] = MODEL_AXIS
+            if fsdp_size > 1 and param.dim() > 1:
+                spec[1 - dim] = FSDP_AXIS  # XLA pads a dimension the fsdp axis does not divide
+            specs[param] = tuple(spec)
     return specs
 
 # --- 7. XLA activation and torch patches ----------------------------------------------------------
