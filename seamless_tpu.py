@@ -1067,12 +1067,10 @@ class _Layout:
     wrap: str = None  # off XLA: "ddp", "fsdp2" or "tp" across ranks; None in one process
     meta_built: bool = False  # the model holds tensors on the meta device: made real as they are placed
 
-    def __repr__(self):
-        mesh = self.mesh and dict(_axis_sizes(self.mesh))
-        return (f"_Layout({self.kind} {self.device}, strategy={self.strategy!r}, mesh={mesh}, batch over "
-                f"{self.batch and self.batch.axes}, {len(self.planned)} planned weights, styles="
-                f"{sorted(self.styles or ())}, rank_axes={self.rank_axes}, data_ranks={self.data_ranks}, "
-                f"wrap={self.wrap!r}, meta_built={self.meta_built})")
+    def __repr__(self):  # the mesh and the batch sharding by their axes, the planned weights by their count
+        brief = {"mesh": self.mesh and _axis_sizes(self.mesh), "batch": self.batch and self.batch.axes,
+                 "planned": len(self.planned), "styles": sorted(self.styles or ())}
+        return "_Layout(" + ", ".join(f"{k}={brief.get(k, v)!r}" for k, v in vars(self).items()) + ")"
 
 
 def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
@@ -1080,13 +1078,16 @@ def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
     the mesh is built (or taken) here."""
     kind, device = _resolve_kind(device), get_device(device)
     mesh, batch = _trainer_mesh(device, mesh, xla_spmd_config, strategy)
-    distributed = mesh is None and _torch_dist_ranks()[0] > 1
+    world, rank = _torch_dist_ranks()
+    distributed = mesh is None and world > 1
     planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
     if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
         _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", device.type)
     wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
-    return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes,
-                   _data_ranks(rank_axes), wrap, _has_meta_tensors(model))
+    # The ranks of one tensor-parallel group read the same batches: (data-parallel size, this rank's index).
+    data_ranks = (world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]) if rank_axes else None
+    return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes, data_ranks, wrap,
+                   _has_meta_tensors(model))
 
 
 def _place(model, layout):
@@ -1158,44 +1159,32 @@ def get_xla_mesh():
 
 
 def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
-    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's
-    tensor parallelism; every plan error is raised here, before anything moves."""
-    rank_axes = _rank_axes(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) off XLA
+    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's tensor
+    parallelism, every plan error raised before anything moves. The plan is the user's, else the one a
+    transformers model carries; a 'model' axis with no plan would make the devices of each model row compute
+    the same thing: refused. Off XLA, the ranks are laid out as (world / N, N), N = model_parallel_size, the
+    model axis innermost (neighbouring ranks form a tensor-parallel group)."""
+    rank_axes = None
+    if distributed and xla_spmd_config is not None:
+        shape, names = _mesh_from_config(xla_spmd_config, _torch_dist_ranks()[0], strategy)
+        rank_axes = dict(zip(names, shape))
+        rank_axes = rank_axes if rank_axes.get(MODEL_AXIS, 1) > 1 else None
     sizes = _axis_sizes(mesh) if mesh is not None else (rank_axes or {})
-    plan, planned = _checked_plan(model, tp_plan, sizes, xla=mesh is not None)
-    return (planned if mesh is not None else {}), (_torch_tp_styles(plan, rank_axes) if rank_axes else None), rank_axes
-
-
-def _data_ranks(rank_axes):
-    """(data-parallel size, this rank's index) off XLA when ranks form tensor-parallel groups: the ranks of
-    one group read the same batches. None: every rank is its own data-parallel rank."""
-    if not rank_axes:
-        return None
-    world, rank = _torch_dist_ranks()
-    return world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]
-
-
-def _checked_plan(model, tp_plan, sizes, xla=True):
-    """(the tensor-parallel plan, {parameter: spec}) for a mesh with these axis sizes: the user's plan,
-    else the one a transformers model carries, checked against the model. A 'model' axis with no plan
-    would make the devices of each model row compute the same thing: refused."""
     model_size = sizes.get(MODEL_AXIS, 1)
     if model_size == 1:
         if tp_plan is not None:
             raise ValueError(f"tp_plan splits weights over a '{MODEL_AXIS}' mesh axis, and this trainer's mesh has "
-                             f"none of size > 1 "
-                             f"(axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': N}}, or drop "
-                             f"tp_plan")
-        return None, {}
+                             f"none of size > 1 (axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': "
+                             "N}, or drop tp_plan")
+        return {}, None, None
     plan = _model_tp_plan(model) if tp_plan is None else tp_plan
     if not plan:
         raise ValueError(f"the mesh's '{MODEL_AXIS}' axis has size {model_size}, but there is no tensor-parallel "
-                         f"plan, so the "
-                         f"{model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. Pass "
-                         f"tp_plan= (e.g. "
-                         "{'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}), or drop the axis "
-                         "(model_parallel_size=1, or a mesh without it)")
-    return plan, _tp_specs(model, plan, sizes, xla)
+                         f"plan, so the {model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. "
+                         "Pass tp_plan= (e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': "
+                         "'rowwise'}), or drop the axis (model_parallel_size=1, or a mesh without it)")
+    planned = _tp_specs(model, plan, sizes, xla=mesh is not None)
+    return (planned, None, None) if mesh is not None else ({}, _torch_tp_styles(plan, rank_axes), rank_axes)
 
 
 def _trainer_mesh(device, mesh, xla_spmd_config, strategy):
@@ -1204,8 +1193,7 @@ def _trainer_mesh(device, mesh, xla_spmd_config, strategy):
     if not _is_xla(device):
         if mesh is not None or (xla_spmd_config is not None and _torch_dist_ranks()[0] == 1):
             raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but "
-                             f"the "
-                             f"device is {device} in one process")
+                             f"the device is {device} in one process")
         return None, None
     if mesh is not None:
         if strategy == "fsdp":
@@ -1223,10 +1211,8 @@ class _BatchSharding:
     `xla_spec(tensor)` and `minibatch`: this keeps one real ShardingSpec per rank, built on first use."""
 
     def __init__(self, mesh, axes, minibatch=False):
-        self.mesh, self.axes, self.minibatch = mesh, axes, minibatch
-        self._by_rank = {}
-        sizes = _axis_sizes(mesh)
-        self.ways = math.prod(sizes[a] for a in axes)  # devices that dim 0 splits over
+        self.mesh, self.axes, self.minibatch, self._by_rank = mesh, axes, minibatch, {}
+        self.ways = math.prod(_axis_sizes(mesh)[a] for a in axes)  # devices that dim 0 splits over
         self.partial = self.ways < math.prod(mesh.mesh_shape)  # replicated over a model axis
 
     def from_host(self, tensor):
@@ -1248,12 +1234,11 @@ class _BatchSharding:
         return (head,) + (None,) * (ndim - 1) if ndim else ()
 
     def xla_spec(self, tensor):
-        spec = self._by_rank.get(tensor.dim())
-        if spec is None:
-            xs = _import("torch_xla.distributed.spmd")
-            spec = xs.ShardingSpec(self.mesh, self.spec_for(tensor.dim()), minibatch=self.minibatch)
-            self._by_rank[tensor.dim()] = spec
-        return spec.xla_spec(tensor)
+        ndim = tensor.dim()
+        if ndim not in self._by_rank:
+            spmd = _import("torch_xla.distributed.spmd")
+            self._by_rank[ndim] = spmd.ShardingSpec(self.mesh, self.spec_for(ndim), minibatch=self.minibatch)
+        return self._by_rank[ndim].xla_spec(tensor)
 
 
 def _to_xla(tensor, device, sharding):
@@ -1271,10 +1256,10 @@ def _to_xla(tensor, device, sharding):
 
 
 def _mark_sharding(tensor, mesh, spec=None):
-    """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding
-    alone. The data of a tensor that an asynchronous step is still computing (a step ran just before,
-    on another trainer or by hand) cannot be resharded yet: torch_xla raises "Data does not present
-    on any device". Then wait for the devices once and annotate again; nothing waits otherwise."""
+    """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding alone.
+    The data of a tensor that an asynchronous step is still computing (a step ran just before, on another
+    trainer or by hand) cannot be resharded yet: torch_xla raises "Data does not present on any device".
+    Then wait for the devices once and annotate again; nothing waits otherwise."""
     def annotate():
         if spec is None:
             _import("torch_xla")._XLAC._xla_mark_sharding(tensor, mesh)
@@ -1300,37 +1285,19 @@ def _fsdp_spec(shape, shards):
 
 
 def _shard_parameters(module, mesh):
-    """FSDPv2 over the SPMD mesh: every parameter sharded along one dimension over the fsdp axis,
-    replicated over the others. XLA's sharding propagation gives the gradients the same sharding,
-    and inserts the all-gathers and reduce-scatters in the step graph. Parameters the user split
-    already are left as they are."""
+    """FSDPv2 over the SPMD mesh: every parameter sharded along one dimension over the fsdp axis, replicated
+    over the others. XLA's sharding propagation gives the gradients the same sharding, and inserts the
+    all-gathers and reduce-scatters in the step graph. Parameters the user split already are left as they are."""
     shards = _axis_sizes(mesh)[FSDP_AXIS]
     for param in module.parameters():
         if param.dim() and not _is_split(param):
             _mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
 
 
-def _xla_shardings(tensors):
-    """(tensor, its sharding) of each sharded XLA tensor: given back after a load_state_dict swaps in
-    replicated tensors (a whole copy per device: 4x an fsdp shard on 4 devices)."""
-    tensors = [t for t in tensors if _is_xla(t.device)]
-    if not tensors:
-        return []
-    xlac = _import("torch_xla")._XLAC
-    return [(t, sharding) for t in tensors if (sharding := xlac._get_xla_op_sharding(t)) is not None]
-
-
-def _mark_shardings(pairs):
-    """Give each tensor its sharding, unless something split it already."""
-    for tensor, sharding in pairs:
-        if _is_xla(tensor.device) and not _is_split(tensor):
-            _mark_sharding(tensor, sharding)
-
-
 def _watch_inputs(model, sharding):
-    """For the model's first INPUT_CHECKS forwards, warn once about an input tensor that arrives on
-    XLA replicated where its dim 0 could be split: every device would compute all of it. Reads only
-    what each tensor already holds (its sharding annotation): no sync, no transfer, no new graph."""
+    """For the model's first INPUT_CHECKS forwards, warn once about an input tensor that arrives on XLA
+    replicated where its dim 0 could be split: every device would compute all of it. Reads only what each
+    tensor already holds (its sharding annotation): no sync, no transfer, no new graph."""
     ways, left = sharding.ways, [INPUT_CHECKS]
 
     def check(module, args, kwargs):
@@ -1365,9 +1332,9 @@ def _is_split(tensor):
 
 
 def _device_bytes(tensors):
-    """Bytes of `tensors` on each device. On XLA from the shards' shapes (xm.get_memory_info does
-    not work under SPMD); a tensor with no sharding is whole on every device. Off XLA, this rank's
-    local part (an FSDP2 DTensor's shard)."""
+    """Bytes of `tensors` on each device. On XLA from the shards' shapes (xm.get_memory_info does not work
+    under SPMD); a tensor with no sharding is whole on every device. Off XLA, this rank's local part (an
+    FSDP2 DTensor's shard)."""
     tensors = list(tensors)
     if _STATE.xla_device is None:
         local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
@@ -1386,12 +1353,12 @@ _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced:
 
 
 def _replicate(model, device):
-    """DDP applied to `model` itself (torch's composable replicate, as fully_shard is FSDP2 in place):
-    gradients are averaged during backward whichever object the loop calls, trainer.model or the
-    original, so clipping and logging between backward and step see the average. The DDP state lives
-    on the module, as long as it does. find_unused_parameters: ranks may use different parameters
-    in one step (multi-task heads, conditional branches); it costs one autograd-graph walk per
-    forward. A model the user wrapped in DDP is used as is: wrapping twice all-reduces twice."""
+    """DDP applied to `model` itself (torch's composable replicate, as fully_shard is FSDP2 in place): gradients
+    are averaged during backward whichever object the loop calls, trainer.model or the original, so clipping
+    and logging between backward and step see the average. The DDP state lives on the module, as long as it
+    does. find_unused_parameters: ranks may use different parameters in one step (multi-task heads,
+    conditional branches); it costs one autograd-graph walk per forward. A model the user wrapped in DDP is
+    used as is: wrapping twice all-reduces twice."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model
     replicate = importlib.import_module("torch.distributed._composable.replicate")
@@ -1405,8 +1372,8 @@ def _replicate(model, device):
 
 @contextlib.contextmanager
 def _no_sync(model):
-    """Like DistributedDataParallel.no_sync: backward passes inside accumulate local gradients; the
-    first backward after it averages everything accumulated."""
+    """Like DistributedDataParallel.no_sync: backward passes inside accumulate local gradients; the first
+    backward after it averages everything accumulated."""
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -1416,9 +1383,8 @@ def _no_sync(model):
 
 def _fully_shard(model, device, mesh=None):
     """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own,
-    gathered just before its forward and freed after; the root holds the rest. fully_shard replaces
-    every parameter with a DTensor, which an optimizer made earlier does not hold: each replaced one
-    names its replacement, and optimizers move over before their first step (_rebind_before_step)."""
+    gathered just before its forward and freed after; the root holds the rest. fully_shard replaces every
+    parameter with a DTensor: see _replacing_parameters."""
     fsdp = importlib.import_module("torch.distributed.fsdp")
     device_mesh = importlib.import_module("torch.distributed.device_mesh")
     if mesh is None:
@@ -1436,25 +1402,12 @@ def _fully_shard(model, device, mesh=None):
     _replacing_parameters(model, shard)
 
 
-def _rank_axes(config, strategy):
-    """{axis: size} of the torch.distributed ranks laid out as (world / N, N) with N =
-    model_parallel_size, the model axis innermost (neighbouring ranks form a tensor-parallel group);
-    None without a model axis."""
-    if config is None:
-        return None
-    world = _torch_dist_ranks()[0]
-    shape, names = _mesh_from_config(config, world, strategy)
-    sizes = dict(zip(names, shape))
-    return sizes if sizes.get(MODEL_AXIS, 1) > 1 else None
-
-
 def _torch_tp_styles(plan, sizes):
     """The plan as torch ParallelStyles, refusing what torch.distributed cannot do right (before any work)."""
     if FSDP_AXIS not in sizes:
         raise NotImplementedError("tensor parallelism off XLA runs with strategy='fsdp' (FSDP2 over the other mesh "
                                   "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh "
-                                  "trains "
-                                  "wrong weights (measured on gloo), so use strategy='fsdp'")
+                                  "trains wrong weights (measured on gloo), so use strategy='fsdp'")
     tp = importlib.import_module("torch.distributed.tensor.parallel")
     replicate_layout = importlib.import_module("torch.distributed.tensor").Replicate()
     styles = {}
@@ -1475,9 +1428,9 @@ def _torch_tp_styles(plan, sizes):
 
 
 def _tensor_parallel(model, styles, device, sizes):
-    """torch.distributed tensor parallelism: the plan through parallelize_module on the model
-    dimension of a 2-D DeviceMesh, then FSDP2 over the other. Optimizers made earlier move to the new
-    parameters before their first step, as with FSDP2 alone."""
+    """torch.distributed tensor parallelism: the plan through parallelize_module on the model dimension of a
+    2-D DeviceMesh, then FSDP2 over the other. Optimizers made earlier move to the new parameters before
+    their first step, as with FSDP2 alone."""
     tp = importlib.import_module("torch.distributed.tensor.parallel")
     mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
         device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
@@ -1486,9 +1439,9 @@ def _tensor_parallel(model, styles, device, sizes):
 
 
 def _replacing_parameters(model, replace):
-    """Run replace() (fully_shard, parallelize_module), which swaps in new parameters that an optimizer
-    made earlier does not hold: each replaced one names its replacement, and optimizers move over before
-    their first step (_rebind_before_step)."""
+    """Run replace() (fully_shard, parallelize_module), which swaps in new parameters that an optimizer made
+    earlier does not hold: each replaced one names its replacement, and optimizers move over before their
+    first step (_rebind_before_step)."""
     before = dict(model.named_parameters())
     replace()
     for name, param in model.named_parameters():
@@ -1506,9 +1459,9 @@ def _rebind_before_step(optimizer, args, kwargs):
 
 
 def _place_optimizer_state(optimizer):
-    """Point `optimizer` at the FSDP2 parameters that replaced its own, and lay out each state tensor
-    like its parameter (device, FSDP2 placements, XLA sharding). Every path comes here: the trainer's
-    constructor, the FSDP2 pre-step rebinding and load_checkpoint."""
+    """Point `optimizer` at the FSDP2 parameters that replaced its own, and lay out each state tensor like its
+    parameter (device, FSDP2 placements, XLA sharding). Every path comes here: the trainer's constructor, the
+    FSDP2 pre-step rebinding and load_checkpoint."""
     for group in optimizer.param_groups:
         params = group["params"]
         for i, old in enumerate(params):
@@ -1522,8 +1475,8 @@ def _place_optimizer_state(optimizer):
 
 
 def _placed_like(value, param, key=None):
-    """A full tensor (optimizer state, a checkpoint's value) laid out like `param`: split like an FSDP2
-    DTensor (each rank keeps its part, nothing is sent), sharded like an XLA tensor, or on its device."""
+    """A full tensor (optimizer state, a checkpoint's value) laid out like `param`: split like an FSDP2 DTensor
+    (each rank keeps its part, nothing is sent), sharded like an XLA tensor, or on its device."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or key == "step":
         return value  # Adam keeps a CPU scalar 'step' on purpose unless capturable/fused
     mesh = getattr(param, "device_mesh", None)
@@ -1533,8 +1486,11 @@ def _placed_like(value, param, key=None):
         dtensor = importlib.import_module("torch.distributed.tensor")
         return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
     value = value.to(param.device)
-    if value.shape == param.shape:
-        _mark_shardings((value, sharding) for _, sharding in _xla_shardings([param]))
+    if value.shape == param.shape and _is_xla(value.device) and not _is_split(value):
+        # left replicated it would be a whole copy per device: 4x an fsdp shard on 4 devices
+        sharding = _import("torch_xla")._XLAC._get_xla_op_sharding(param)
+        if sharding is not None:
+            _mark_sharding(value, sharding)
     return value
 
 # --- 10. models built on meta ---------------------------------------------------------------------
