@@ -1074,11 +1074,21 @@ class _Layout:
 
 
 def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
-    """The _Layout of a trainer. Every argument and plan error is raised here, before anything moves; on XLA
-    the mesh is built (or taken) here."""
+    """The _Layout of a trainer. Every argument and plan error is raised here, before anything moves. On XLA the
+    mesh is taken, built or found here, and the trainer keeps it for its life: a later trainer or
+    create_xla_mesh may replace the process mesh, not this one."""
     kind, device = _resolve_kind(device), get_device(device)
-    mesh, batch = _trainer_mesh(device, mesh, xla_spmd_config, strategy)
-    world, rank = _torch_dist_ranks()
+    xla, (world, rank) = _is_xla(device), _torch_dist_ranks()
+    if not xla and (mesh is not None or (xla_spmd_config is not None and world == 1)):
+        raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but the "
+                         f"device is {device} in one process")
+    if xla and mesh is not None:
+        if strategy == "fsdp":
+            _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
+        _set_mesh(mesh)
+    elif xla and (xla_spmd_config is not None or strategy == "fsdp"):
+        create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
+    mesh, batch = (_STATE.mesh, _STATE.batch_sharding) if xla else (None, None)
     distributed = mesh is None and world > 1
     planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
     if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
@@ -1111,24 +1121,20 @@ def _place(model, layout):
         _cut_each_iteration(model)
     if layout.meta_built and not xla and not fsdp2:
         _initialize_pending(model)  # whole on each process, as DDP and TP want it
-    if layout.wrap == "tp":
-        _tensor_parallel(model, layout.styles, layout.device, layout.rank_axes)
-    elif fsdp2:
-        _fully_shard(model, layout.device)
-        if layout.meta_built:
-            _initialize_pending(model, layout.device)  # each module on the CPU in turn, each rank keeping its shards
-    elif layout.wrap == "ddp":
+    if layout.wrap in ("tp", "fsdp2"):
+        _fully_shard(model, layout.device, layout.styles, layout.rank_axes)
+    if fsdp2 and layout.meta_built:
+        _initialize_pending(model, layout.device)  # each module on the CPU in turn, each rank keeping its shards
+    if layout.wrap == "ddp":
         return _replicate(model, layout.device)
     return model
 
 
 def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
-    """Build the torch_xla SPMD Mesh for this runtime and make it the process mesh (get_xla_mesh()).
-    The device count comes from the runtime: num_devices and topology are checked against it.
-    num_processes (default: the runtime's process count) picks the default "fsdp" mesh's layout."""
-    xr = _import("torch_xla.runtime")
-    xs = _import("torch_xla.distributed.spmd")
-    np = _import("numpy")  # a torch_xla dependency, so present whenever torch_xla is
+    """Build the torch_xla SPMD Mesh for this runtime and make it the process mesh (get_xla_mesh()). The device
+    count comes from the runtime: num_devices and topology are checked against it. num_processes (default: the
+    runtime's process count) picks the default "fsdp" mesh's layout."""
+    xr, np = _import("torch_xla.runtime"), _import("numpy")  # numpy: a torch_xla dependency
     _activate_xla(_auto_xla_kind())
     runtime_devices = xr.global_runtime_device_count()
     if num_devices is not None and num_devices != runtime_devices:
@@ -1137,7 +1143,7 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     processes = num_processes if num_processes is not None else xr.process_count()
     shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config,
                                   strategy=strategy)
-    mesh = xs.Mesh(np.arange(runtime_devices), shape, names)
+    mesh = _import("torch_xla.distributed.spmd").Mesh(np.arange(runtime_devices), shape, names)
     _set_mesh(mesh)
     _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _STATE.batch_sharding.axes)
     return mesh
@@ -1187,28 +1193,11 @@ def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
     return (planned, None, None) if mesh is not None else ({}, _torch_tp_styles(plan, rank_axes), rank_axes)
 
 
-def _trainer_mesh(device, mesh, xla_spmd_config, strategy):
-    """(mesh, batch sharding) that a trainer keeps for its life: the one it was given, built, or
-    found. A later trainer or create_xla_mesh may replace the process mesh; this one stays."""
-    if not _is_xla(device):
-        if mesh is not None or (xla_spmd_config is not None and _torch_dist_ranks()[0] == 1):
-            raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but "
-                             f"the device is {device} in one process")
-        return None, None
-    if mesh is not None:
-        if strategy == "fsdp":
-            _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
-        _set_mesh(mesh)
-    elif xla_spmd_config is not None or strategy == "fsdp":
-        create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
-    return _STATE.mesh, _STATE.batch_sharding
-
-
 class _BatchSharding:
-    """A sharding spec for whole batches: dim 0 over the batch axes, whatever each tensor's rank.
-    torch_xla's ShardingSpec fits one rank only and silently leaves the others replicated (a 1-D
-    label beside 2-D features, under MpDeviceLoader), whose send_cpu_data_to_device needs only
-    `xla_spec(tensor)` and `minibatch`: this keeps one real ShardingSpec per rank, built on first use."""
+    """A sharding spec for whole batches: dim 0 over the batch axes, whatever each tensor's rank. torch_xla's
+    ShardingSpec fits one rank only and silently leaves the others replicated (a 1-D label beside 2-D features,
+    under MpDeviceLoader), whose send_cpu_data_to_device needs only `xla_spec(tensor)` and `minibatch`: this
+    keeps one real ShardingSpec per rank, built on first use."""
 
     def __init__(self, mesh, axes, minibatch=False):
         self.mesh, self.axes, self.minibatch, self._by_rank = mesh, axes, minibatch, {}
@@ -1216,17 +1205,17 @@ class _BatchSharding:
         self.partial = self.ways < math.prod(mesh.mesh_shape)  # replicated over a model axis
 
     def from_host(self, tensor):
-        """Whether torch_xla 2.9 can send `tensor` from the host already split. It cannot send a 1-D
-        tensor split on some axes and replicated on others (IndexError inside send_cpu_data_to_device):
-        such a tensor (labels beside a model axis) moves whole, then is split in place."""
+        """Whether torch_xla 2.9 can send `tensor` from the host already split. It cannot send a 1-D tensor split
+        on some axes and replicated on others (IndexError inside send_cpu_data_to_device): such a tensor (labels
+        beside a model axis) moves whole, then is split in place."""
         return tensor.dim() > 1 or not self.partial
 
     @classmethod
     def for_mesh(cls, mesh):
-        """Every axis but the model axis; all of them when the mesh has nothing else."""
-        names = tuple(mesh.axis_names or range(len(mesh.mesh_shape)))
+        """Every axis but the model axis; all of them when the mesh has nothing else. Multi-host SPMD: each host
+        feeds only its slice of the global batch."""
+        names = tuple(_axis_sizes(mesh))
         batch = tuple(n for n in names if n != MODEL_AXIS)
-        # Multi-host SPMD: each host feeds only its slice of the global batch.
         return cls(mesh, batch or names, minibatch=_import("torch_xla.runtime").process_count() > 1)
 
     def spec_for(self, ndim):
@@ -1302,10 +1291,13 @@ def _watch_inputs(model, sharding):
 
     def check(module, args, kwargs):
         found = []
-        _map_tensors({**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs},
-                     lambda t: found.append(t) or t, lambda obj: obj)
+        _map_tensors([args, kwargs], lambda t: found.append(t) or t, lambda obj: obj)
         for t in found:
-            if _replicated_batch(t, ways) and _once("replicated_input"):
+            if not _is_xla(t.device) or t.dim() == 0 or t.shape[0] % ways or _is_split(t):
+                continue
+            # A tensor the step computes has no annotation until the compiler propagates one: not evidence.
+            ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(t).partition("IR: ")[2].partition("\n")[0]
+            if (ir.startswith("None") or "device_data" in ir) and _once("replicated_input"):
                 logger.warning("seamless_tpu: a tensor of shape %s reaches the model replicated on XLA. If it is a "
                                "batch, each of the %d devices computes all of it (%dx the work for 1x the data). Move "
                                "batches with trainer.to_device(...) or trainer.prepare_data_loader(...), which split "
@@ -1316,14 +1308,6 @@ def _watch_inputs(model, sharding):
 
     if ways > 1:
         handle = model.register_forward_pre_hook(check, with_kwargs=True)
-
-
-def _replicated_batch(t, ways):
-    if not _is_xla(t.device) or t.dim() == 0 or t.shape[0] % ways or _is_split(t):
-        return False
-    # A tensor the step computes has no annotation until the compiler propagates one: not evidence.
-    ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(t).partition("IR: ")[2].partition("\n")[0]
-    return ir.startswith("None") or "device_data" in ir
 
 
 def _is_split(tensor):
@@ -1381,14 +1365,19 @@ def _no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def _fully_shard(model, device, mesh=None):
+def _fully_shard(model, device, styles=None, sizes=None):
     """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own,
-    gathered just before its forward and freed after; the root holds the rest. fully_shard replaces every
-    parameter with a DTensor: see _replacing_parameters."""
+    gathered just before its forward and freed after; the root holds the rest. With tensor-parallel `styles`,
+    the plan first goes through parallelize_module on the model dimension of a 2-D DeviceMesh (axis `sizes`)
+    and FSDP2 splits over the other. Each replaces parameters: see _replacing_parameters."""
     fsdp = importlib.import_module("torch.distributed.fsdp")
-    device_mesh = importlib.import_module("torch.distributed.device_mesh")
-    if mesh is None:
-        mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
+    sizes = sizes or {FSDP_AXIS: _torch_dist_ranks()[0]}
+    mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
+        device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    if styles:
+        tp = importlib.import_module("torch.distributed.tensor.parallel")
+        _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
+        mesh = mesh[FSDP_AXIS]  # FSDP2 replaces them again: optimizers follow the chain
     # Each distinct block once: ModuleList([blk, blk, blk]) repeats one module (weight sharing by
     # repetition), and fully_shard on a module twice is an AssertionError inside torch.
     blocks = list({id(b): b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m}.values())
@@ -1425,17 +1414,6 @@ def _torch_tp_styles(plan, sizes):
                                       "rowwise and their variants) are built for torch.distributed so far; on XLA "
                                       "every style works")
     return styles
-
-
-def _tensor_parallel(model, styles, device, sizes):
-    """torch.distributed tensor parallelism: the plan through parallelize_module on the model dimension of a
-    2-D DeviceMesh, then FSDP2 over the other. Optimizers made earlier move to the new parameters before
-    their first step, as with FSDP2 alone."""
-    tp = importlib.import_module("torch.distributed.tensor.parallel")
-    mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
-        device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-    _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
-    _fully_shard(model, device, mesh[FSDP_AXIS])  # a second replacement: optimizers follow the chain
 
 
 def _replacing_parameters(model, replace):
