@@ -1103,20 +1103,22 @@ def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
 def _place(model, layout):
     """The model placed as `layout` says, in the one order that works, and returned (wrapped in DDP across
     ranks). Meta tensors are made real first, each split as it will be trained; FSDP2 splits them itself, so
-    each rank allocates only its shards. On XLA the plan's weights are split, then fsdp splits the rest; the
-    batch split is watched and each loop iteration cut into one graph. Off XLA a meta model is initialised
-    whole before DDP or tensor parallelism wrap it, or into each rank's shards after FSDP2 has split it."""
-    xla, fsdp2 = _is_xla(layout.device), layout.wrap == "fsdp2"
+    each rank allocates only its shards. Off XLA a meta model is initialised whole before DDP or tensor
+    parallelism wrap it, or into each rank's shards after FSDP2 has split it."""
+    xla, fsdp, fsdp2 = _is_xla(layout.device), layout.strategy == "fsdp", layout.wrap == "fsdp2"
     if layout.meta_built:
-        _materialize(model, layout.device, layout.mesh, layout.strategy == "fsdp", layout.planned, lay_out=not fsdp2)
+        _materialize(model, layout.device, layout.mesh, fsdp, layout.planned, lay_out=not fsdp2)
     if not (layout.meta_built and fsdp2):
         model.to(layout.device)
-    for param, spec in layout.planned.items():
-        if not _is_split(param):  # a meta model's planned weights were split as they were made
-            _mark_sharding(param, layout.mesh, spec)
-    if xla and layout.strategy == "fsdp":
-        _shard_parameters(model, layout.mesh)  # all the plan left whole
     if xla:
+        # Each parameter is split as planned, else with fsdp (FSDPv2) along one dimension over the fsdp axis: XLA's
+        # sharding propagation gives the gradients the same sharding and puts the all-gathers and reduce-scatters
+        # in the step graph. Split ones stay: a meta model's were split as they were made, the user's as chosen.
+        for param in model.parameters():
+            if param in layout.planned and not _is_split(param):
+                _mark_sharding(param, layout.mesh, layout.planned[param])
+            elif fsdp and param.dim() and not _is_split(param):
+                _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
         _watch_inputs(model, layout.batch)
         _cut_each_iteration(model)
     if layout.meta_built and not xla and not fsdp2:
@@ -1271,16 +1273,6 @@ def _fsdp_spec(shape, shards):
     even = [d for d in range(len(shape)) if shape[d] % shards == 0]
     dim = max(even or range(len(shape)), key=lambda d: shape[d])
     return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
-
-
-def _shard_parameters(module, mesh):
-    """FSDPv2 over the SPMD mesh: every parameter sharded along one dimension over the fsdp axis, replicated
-    over the others. XLA's sharding propagation gives the gradients the same sharding, and inserts the
-    all-gathers and reduce-scatters in the step graph. Parameters the user split already are left as they are."""
-    shards = _axis_sizes(mesh)[FSDP_AXIS]
-    for param in module.parameters():
-        if param.dim() and not _is_split(param):
-            _mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
 
 
 def _watch_inputs(model, sharding):
