@@ -594,11 +594,9 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
 def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_config=None, strategy="ddp"):
     """(mesh_shape, axis_names) for an SPMD mesh. Pure: needs no torch_xla.
     "ddp": (N,), ("data",) however many processes hold the N devices.
-    "fsdp": (N,), ("fsdp",); P processes x L devices each -> (P, L), ("data", "fsdp"): data parallel
-    across hosts, parameters sharded within a host. An explicit xla_spmd_config wins (for "fsdp" it
-    needs an "fsdp" axis). A topology is checked against the device count, never trusted for it
-    (a v7 chip holds 2 devices).
-    """
+    "fsdp": (N,), ("fsdp",); P processes x L devices each -> (P, L), ("data", "fsdp"): data parallel across
+    hosts, parameters sharded within a host. An explicit xla_spmd_config wins (for "fsdp" it needs an "fsdp"
+    axis). A topology is checked against the device count, never trusted for it (a v7 chip holds 2 devices)."""
     _check_strategy(strategy)
     _positive_int("num_devices", num_devices)
     _positive_int("num_processes", num_processes)
@@ -658,9 +656,9 @@ def _spmd_config_devices(config):
 
 
 def _model_tp_plan(model):
-    """The tensor-parallel plan a transformers model carries, with full module names: the instance's
-    merged _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix plus
-    the class's _tp_plan for the head. {} for any other model."""
+    """The tensor-parallel plan a transformers model carries, with full module names: the instance's merged
+    _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix plus the class's
+    _tp_plan for the head. {} for any other model."""
     inner = _peft_inner(model)
     if inner:  # before the attributes below, which a PeftModel forwards inward (its names lack the wrapper's path)
         return {f"{inner[0]}.{k}": v for k, v in _model_tp_plan(inner[1]).items()}
@@ -688,14 +686,13 @@ def _class_path(obj):
 
 
 def _tp_specs(model, plan, axis_sizes, xla=True):
-    """{parameter: partition spec} for the weights `plan` splits over MODEL_AXIS; with an fsdp axis, the
-    other dimension splits over it (2-D). Pure: checks every entry against the module tree and every
-    split against the weight's shape, before anything moves. A planned peft tuner layer splits its
-    base_layer (XLA only: off it, torch's parallelize_module cannot split the adapters beside it)."""
+    """{parameter: partition spec} for the weights `plan` splits over MODEL_AXIS; with an fsdp axis, the other
+    dimension splits over it (2-D). Pure: checks every entry against the module tree and every split against
+    the weight's shape, before anything moves. A planned peft tuner layer splits its base_layer (XLA only:
+    off it, torch's parallelize_module cannot split the adapters beside it)."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"tp_plan must be a dict of module-name pattern -> style (e.g. "
-                        f"{{'layers.*.mlp.up_proj': 'colwise'}}), "
-                        f"got {_shown(plan)} ({type(plan).__name__})")
+                        f"{{'layers.*.mlp.up_proj': 'colwise'}}), got {_shown(plan)} ({type(plan).__name__})")
     modules = dict(model.named_modules())
     names = {m: n for n, m in modules.items()}
     inner = _peft_inner(model)
@@ -1204,13 +1201,12 @@ class _BatchSharding:
     def __init__(self, mesh, axes, minibatch=False):
         self.mesh, self.axes, self.minibatch, self._by_rank = mesh, axes, minibatch, {}
         self.ways = math.prod(_axis_sizes(mesh)[a] for a in axes)  # devices that dim 0 splits over
-        self.partial = self.ways < math.prod(mesh.mesh_shape)  # replicated over a model axis
 
     def from_host(self, tensor):
         """Whether torch_xla 2.9 can send `tensor` from the host already split. It cannot send a 1-D tensor split
         on some axes and replicated on others (IndexError inside send_cpu_data_to_device): such a tensor (labels
         beside a model axis) moves whole, then is split in place."""
-        return tensor.dim() > 1 or not self.partial
+        return tensor.dim() > 1 or self.ways == math.prod(self.mesh.mesh_shape)  # not replicated over a model axis
 
     @classmethod
     def for_mesh(cls, mesh):
@@ -1308,9 +1304,8 @@ def _is_split(tensor):
 
 
 def _device_bytes(tensors):
-    """Bytes of `tensors` on each device. On XLA from the shards' shapes (xm.get_memory_info does not work
-    under SPMD); a tensor with no sharding is whole on every device. Off XLA, this rank's local part (an
-    FSDP2 DTensor's shard)."""
+    """Bytes of `tensors` on each device. On XLA from the shards' shapes (xm.get_memory_info does not work under
+    SPMD); a tensor with no sharding is whole on every device. Off XLA, this rank's local part (an FSDP2 shard)."""
     tensors = list(tensors)
     if _STATE.xla_device is None:
         local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
