@@ -1165,10 +1165,8 @@ def get_xla_mesh():
 
 def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
     """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's tensor
-    parallelism, every plan error raised before anything moves. The plan is the user's, else the one a
-    transformers model carries; a 'model' axis with no plan would make the devices of each model row compute
-    the same thing: refused. Off XLA, the ranks are laid out as (world / N, N), N = model_parallel_size, the
-    model axis innermost (neighbouring ranks form a tensor-parallel group)."""
+    parallelism, every plan error raised before anything moves. Off XLA the ranks are laid out as (world / N, N),
+    N = model_parallel_size, the model axis innermost: neighbouring ranks form a tensor-parallel group."""
     rank_axes = None
     if distributed and xla_spmd_config is not None:
         shape, names = _mesh_from_config(xla_spmd_config, _torch_dist_ranks()[0], strategy)
@@ -1247,12 +1245,8 @@ def _mark_sharding(tensor, mesh, spec=None):
     The data of a tensor that an asynchronous step is still computing (a step ran just before, on another
     trainer or by hand) cannot be resharded yet: torch_xla raises "Data does not present on any device".
     Then wait for the devices once and annotate again; nothing waits otherwise."""
-    def annotate():
-        if spec is None:
-            _import("torch_xla")._XLAC._xla_mark_sharding(tensor, mesh)
-        else:
-            _import("torch_xla.distributed.spmd").mark_sharding(tensor, mesh, spec)
-
+    annotate = (functools.partial(_import("torch_xla")._XLAC._xla_mark_sharding, tensor, mesh) if spec is None
+                else functools.partial(_import("torch_xla.distributed.spmd").mark_sharding, tensor, mesh, spec))
     try:
         annotate()
     except RuntimeError as e:
@@ -1353,10 +1347,10 @@ def _no_sync(model):
 
 
 def _fully_shard(model, device, styles=None, sizes=None):
-    """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own,
-    gathered just before its forward and freed after; the root holds the rest. With tensor-parallel `styles`,
-    the plan first goes through parallelize_module on the model dimension of a 2-D DeviceMesh (axis `sizes`)
-    and FSDP2 splits over the other. Each replaces parameters: see _replacing_parameters."""
+    """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own, gathered
+    just before its forward and freed after; the root holds the rest. With tensor-parallel `styles`, the plan
+    first goes through parallelize_module on the model dimension of a 2-D DeviceMesh (axis `sizes`), and FSDP2
+    splits over the other. Each replaces parameters: see _replacing_parameters."""
     fsdp = importlib.import_module("torch.distributed.fsdp")
     sizes = sizes or {FSDP_AXIS: _torch_dist_ranks()[0]}
     mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
