@@ -532,14 +532,6 @@ def parse_topology(topology):
     return dims
 
 
-def _default_axis_names(ndim, strategy="ddp"):
-    names = {1: ("data",), 2: (FSDP_AXIS if strategy == "fsdp" else "data", MODEL_AXIS)}
-    if ndim not in names:
-        raise ValueError(f"a {ndim}-D mesh_shape needs explicit axis_names (one per dimension); defaults exist for "
-                         f"1-D and 2-D")
-    return names[ndim]
-
-
 def _mesh_from_config(config, num_devices, strategy="ddp"):
     if not isinstance(config, Mapping):
         raise TypeError(f"xla_spmd_config must be a dict like {{'mesh_shape': [2, 2]}}, got {config!r} "
@@ -551,9 +543,8 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
     unknown = sorted(set(config) - set(SPMD_CONFIG_KEYS))
     if unknown:
         raise ValueError(f"xla_spmd_config has unknown keys {unknown}; valid keys are {SPMD_CONFIG_KEYS}")
-    dp, mp = config.get("data_parallel_size"), config.get("model_parallel_size")
-    dp = None if dp is None else _positive_int("data_parallel_size", dp)
-    mp = None if mp is None else _positive_int("model_parallel_size", mp)
+    dp, mp = (None if config.get(key) is None else _positive_int(key, config[key])
+              for key in ("data_parallel_size", "model_parallel_size"))
     if config.get("mesh_shape") is not None:
         raw = config["mesh_shape"]
         if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
@@ -567,8 +558,7 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
         if dp * mp != num_devices:
             raise ValueError(f"data_parallel_size x model_parallel_size must equal the device count: "
                              f"{config.get('data_parallel_size')} x {config.get('model_parallel_size')} != "
-                             f"{num_devices} devices; "
-                             "pick sizes whose product is the device count")
+                             f"{num_devices} devices; pick sizes whose product is the device count")
         shape = (dp, mp)
     else:
         shape = (num_devices,)
@@ -576,7 +566,11 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
     if isinstance(names, (str, bytes)) or (names is not None and not hasattr(names, "__iter__")):
         raise TypeError(f"axis_names must be a list of strings, one per mesh dimension (e.g. ['data', 'model']), got "
                         f"{names!r}")
-    names = _default_axis_names(len(shape), strategy) if names is None else tuple(names)
+    default = {1: ("data",), 2: (FSDP_AXIS if strategy == "fsdp" else "data", MODEL_AXIS)}.get(len(shape))
+    if names is None and default is None:
+        raise ValueError(f"a {len(shape)}-D mesh_shape needs explicit axis_names (one per dimension); defaults exist "
+                         "for 1-D and 2-D")
+    names = default if names is None else tuple(names)
     if len(names) != len(shape):
         raise ValueError(f"axis_names must name each mesh dimension: {len(names)} names {names!r} for mesh_shape "
                          f"{shape!r}")
@@ -587,32 +581,28 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
                          "the product of mesh_shape must equal the device count")
     # The sizes must describe this mesh as the trainer uses it, whatever the axes are called:
     # the axis named MODEL_AXIS carries the model, all others split the batch.
-    model_size = math.prod(n for name, n in zip(names, shape) if name == MODEL_AXIS)
-    actual = {"data_parallel_size": math.prod(shape) // model_size, "model_parallel_size": model_size}
-    for key, size in (("data_parallel_size", dp), ("model_parallel_size", mp)):
-        if size is not None and size != actual[key]:
+    model = math.prod(n for name, n in zip(names, shape) if name == MODEL_AXIS)
+    for key, size, actual in (("data_parallel_size", dp, num_devices // model), ("model_parallel_size", mp, model)):
+        if size is not None and size != actual:
             raise ValueError(f"xla_spmd_config contradicts itself: {key}={size}, but mesh_shape {shape!r} with "
-                             f"axis_names "
-                             f"{names!r} has data-parallel size {actual['data_parallel_size']} (axes other than "
-                             f"{MODEL_AXIS!r}) and model-parallel size {actual['model_parallel_size']} (the axis "
-                             f"{MODEL_AXIS!r}); drop {key} or fix the mesh")
+                             f"axis_names {names!r} has data-parallel size {num_devices // model} (axes other than "
+                             f"{MODEL_AXIS!r}) and model-parallel size {model} (the axis {MODEL_AXIS!r}); drop {key} "
+                             "or fix the mesh")
     return shape, names
 
 
 def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_config=None, strategy="ddp"):
     """(mesh_shape, axis_names) for an SPMD mesh. Pure: needs no torch_xla.
     "ddp": (N,), ("data",) however many processes hold the N devices.
-    "fsdp": (N,), ("fsdp",); P processes x L devices each -> (P, L), ("data", "fsdp"): data parallel
-    across hosts, parameters sharded within a host. An explicit xla_spmd_config wins (for "fsdp" it
-    needs an "fsdp" axis). A topology is checked against the device count, never trusted for it
-    (a v7 chip holds 2 devices).
-    """
+    "fsdp": (N,), ("fsdp",); P processes x L devices each -> (P, L), ("data", "fsdp"): data parallel across
+    hosts, parameters sharded within a host. An explicit xla_spmd_config wins (for "fsdp" it needs an "fsdp"
+    axis). A topology is checked against the device count, never trusted for it (a v7 chip holds 2 devices)."""
     _check_strategy(strategy)
     _positive_int("num_devices", num_devices)
     _positive_int("num_processes", num_processes)
     if num_devices % num_processes:
-        raise ValueError(f"num_devices must be a multiple of num_processes: {num_devices} devices over "
-                         f"{num_processes} processes")
+        raise ValueError(f"num_devices must be a multiple of num_processes: {num_devices} devices over {num_processes} "
+                         "processes")
     if topology is not None:
         chips = math.prod(parse_topology(topology))
         if num_devices % chips:
@@ -637,11 +627,11 @@ def _check_strategy(strategy):
 
 
 def _check_fsdp_axis(names, where):
-    if FSDP_AXIS not in tuple(names or ()):
+    names = tuple(names or ())
+    if FSDP_AXIS not in names:
         raise ValueError(f"strategy='fsdp' shards parameters over a mesh axis named {FSDP_AXIS!r}, but {where} has "
-                         f"axes "
-                         f"{tuple(names or ())!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or "
-                         f"use strategy='ddp'")
+                         f"axes {names!r}; name one axis {FSDP_AXIS!r} (e.g. axis_names=['data', 'fsdp']) or use "
+                         "strategy='ddp'")
 
 
 def _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy):
@@ -656,20 +646,19 @@ def _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy):
 
 
 def _spmd_config_devices(config):
-    """A device count that an xla_spmd_config can be checked against before any device exists."""
-    if not isinstance(config, Mapping):
-        return 1  # _mesh_from_config names what is wrong with it
+    """A device count that an xla_spmd_config can be checked against before any device exists: for a malformed
+    one, any count (_mesh_from_config names what is wrong with it)."""
+    config = config if isinstance(config, Mapping) else {}
     shape = config.get("mesh_shape")
     if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
-        return math.prod(shape)  # anything else: _mesh_from_config names what is wrong with it
-    dp, mp = config.get("data_parallel_size") or 1, config.get("model_parallel_size") or 1
-    return dp * mp
+        return math.prod(shape)
+    return (config.get("data_parallel_size") or 1) * (config.get("model_parallel_size") or 1)
 
 
 def _model_tp_plan(model):
-    """The tensor-parallel plan a transformers model carries, with full module names: the instance's
-    merged _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix plus
-    the class's _tp_plan for the head. {} for any other model."""
+    """The tensor-parallel plan a transformers model carries, with full module names: the instance's merged
+    _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix plus the class's
+    _tp_plan for the head. {} for any other model."""
     inner = _peft_inner(model)
     if inner:  # before the attributes below, which a PeftModel forwards inward (its names lack the wrapper's path)
         return {f"{inner[0]}.{k}": v for k, v in _model_tp_plan(inner[1]).items()}
@@ -697,19 +686,18 @@ def _class_path(obj):
 
 
 def _tp_specs(model, plan, axis_sizes, xla=True):
-    """{parameter: partition spec} for the weights `plan` splits over MODEL_AXIS; with an fsdp axis, the
-    other dimension splits over it (2-D). Pure: checks every entry against the module tree and every
-    split against the weight's shape, before anything moves. A planned peft tuner layer splits its
-    base_layer (XLA only: off it, torch's parallelize_module cannot split the adapters beside it)."""
+    """{parameter: partition spec} for the weights `plan` splits over MODEL_AXIS; with an fsdp axis, the other
+    dimension splits over it (2-D). Pure: checks every entry against the module tree and every split against
+    the weight's shape, before anything moves. A planned peft tuner layer splits its base_layer (XLA only:
+    off it, torch's parallelize_module cannot split the adapters beside it)."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"tp_plan must be a dict of module-name pattern -> style (e.g. "
-                        f"{{'layers.*.mlp.up_proj': 'colwise'}}), "
-                        f"got {_shown(plan)} ({type(plan).__name__})")
+                        f"{{'layers.*.mlp.up_proj': 'colwise'}}), got {_shown(plan)} ({type(plan).__name__})")
     modules = dict(model.named_modules())
     names = {m: n for n, m in modules.items()}
     inner = _peft_inner(model)
     model_size, fsdp_size = axis_sizes.get(MODEL_AXIS, 1), axis_sizes.get(FSDP_AXIS, 1)
-    specs = {}
+    layers = []  # (Linear or Embedding, "out" or "in": the features that split)
     for pattern, style in plan.items():
         name = style if isinstance(style, str) else type(style).__name__
         if name not in TP_STYLES:
@@ -750,30 +738,25 @@ def _tp_specs(model, plan, axis_sizes, xla=True):
             lora = getattr(module, "lora_B" if split == "out" else "lora_A", None) if base is not module else None
             lora = lora.values() if isinstance(lora, torch.nn.ModuleDict) else ()
             adapters = [m for m in lora if isinstance(m, torch.nn.Linear)]
-            for layer in (base, *adapters):
-                specs.update(_split_specs(names[layer], layer, split, model_size, fsdp_size))
-    return specs
-
-
-def _split_specs(module_name, module, split, model_size, fsdp_size):
-    """{parameter: spec} of one Linear or Embedding whose features `split` ("out" or "in") split over MODEL_AXIS."""
+            layers += [(layer, split) for layer in (base, *adapters)]
     specs = {}
-    embedding = isinstance(module, torch.nn.Embedding)
-    for param_name, param in module.named_parameters(recurse=False):
-        dim = {"weight": {"out": 1 if embedding else 0, "in": 0 if embedding else 1}[split],
-               "bias": 0 if split == "out" else None}.get(param_name)
-        if dim is None:
-            continue
-        if param.shape[dim] % model_size:
-            raise ValueError(f"tp_plan splits {module_name}.{param_name} (shape {tuple(param.shape)}) along dim {dim} "
-                             f"over the '{MODEL_AXIS}' axis of size {model_size}, which does not divide "
-                             f"{param.shape[dim]}; pick a model_parallel_size that divides it, or leave this module "
-                             "out of the plan")
-        spec = [None] * param.dim()
-        spec[dim] = MODEL_AXIS
-        if fsdp_size > 1 and param.dim() > 1:
-            spec[1 - dim] = FSDP_AXIS  # XLA pads a dimension the fsdp axis does not divide
-        specs[param] = tuple(spec)
+    for module, split in layers:
+        embedding = isinstance(module, torch.nn.Embedding)
+        for param_name, param in module.named_parameters(recurse=False):
+            dim = {"weight": {"out": 1 if embedding else 0, "in": 0 if embedding else 1}[split],
+                   "bias": 0 if split == "out" else None}.get(param_name)
+            if dim is None:
+                continue
+            if param.shape[dim] % model_size:
+                raise ValueError(f"tp_plan splits {names[module]}.{param_name} (shape {tuple(param.shape)}) along dim "
+                                 f"{dim} over the '{MODEL_AXIS}' axis of size {model_size}, which does not divide "
+                                 f"{param.shape[dim]}; pick a model_parallel_size that divides it, or leave this "
+                                 "module out of the plan")
+            spec = [None] * param.dim()
+            spec[dim] = MODEL_AXIS
+            if fsdp_size > 1 and param.dim() > 1:
+                spec[1 - dim] = FSDP_AXIS  # XLA pads a dimension the fsdp axis does not divide
+            specs[param] = tuple(spec)
     return specs
 
 # --- 7. XLA activation and torch patches ----------------------------------------------------------
@@ -1081,67 +1064,76 @@ class _Layout:
     wrap: str = None  # off XLA: "ddp", "fsdp2" or "tp" across ranks; None in one process
     meta_built: bool = False  # the model holds tensors on the meta device: made real as they are placed
 
-    def __repr__(self):
-        mesh = self.mesh and dict(_axis_sizes(self.mesh))
-        return (f"_Layout({self.kind} {self.device}, strategy={self.strategy!r}, mesh={mesh}, batch over "
-                f"{self.batch and self.batch.axes}, {len(self.planned)} planned weights, styles="
-                f"{sorted(self.styles or ())}, rank_axes={self.rank_axes}, data_ranks={self.data_ranks}, "
-                f"wrap={self.wrap!r}, meta_built={self.meta_built})")
+    def __repr__(self):  # the mesh and the batch sharding by their axes, the planned weights by their count
+        brief = {"mesh": self.mesh and _axis_sizes(self.mesh), "batch": self.batch and self.batch.axes,
+                 "planned": len(self.planned), "styles": sorted(self.styles or ())}
+        return "_Layout(" + ", ".join(f"{k}={brief.get(k, v)!r}" for k, v in vars(self).items()) + ")"
 
 
 def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
-    """The _Layout of a trainer. Every argument and plan error is raised here, before anything moves; on XLA
-    the mesh is built (or taken) here."""
+    """The _Layout of a trainer. Every argument and plan error is raised here, before anything moves. On XLA the
+    mesh is taken, built or found here, and the trainer keeps it for its life: a later trainer or
+    create_xla_mesh may replace the process mesh, not this one."""
     kind, device = _resolve_kind(device), get_device(device)
-    mesh, batch = _trainer_mesh(device, mesh, xla_spmd_config, strategy)
-    distributed = mesh is None and _torch_dist_ranks()[0] > 1
+    xla, (world, rank) = _is_xla(device), _torch_dist_ranks()
+    if not xla and (mesh is not None or (xla_spmd_config is not None and world == 1)):
+        raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but the "
+                         f"device is {device} in one process")
+    if xla and mesh is not None:
+        if strategy == "fsdp":
+            _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
+        _set_mesh(mesh)
+    elif xla and (xla_spmd_config is not None or strategy == "fsdp"):
+        create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
+    mesh, batch = (_STATE.mesh, _STATE.batch_sharding) if xla else (None, None)
+    distributed = mesh is None and world > 1
     planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
     if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
         _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", device.type)
     wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
-    return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes,
-                   _data_ranks(rank_axes), wrap, _has_meta_tensors(model))
+    # The ranks of one tensor-parallel group read the same batches: (data-parallel size, this rank's index).
+    data_ranks = (world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]) if rank_axes else None
+    return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes, data_ranks, wrap,
+                   _has_meta_tensors(model))
 
 
 def _place(model, layout):
     """The model placed as `layout` says, in the one order that works, and returned (wrapped in DDP across
     ranks). Meta tensors are made real first, each split as it will be trained; FSDP2 splits them itself, so
-    each rank allocates only its shards. On XLA the plan's weights are split, then fsdp splits the rest; the
-    batch split is watched and each loop iteration cut into one graph. Off XLA a meta model is initialised
-    whole before DDP or tensor parallelism wrap it, or into each rank's shards after FSDP2 has split it."""
-    xla, fsdp2 = _is_xla(layout.device), layout.wrap == "fsdp2"
+    each rank allocates only its shards. Off XLA a meta model is initialised whole before DDP or tensor
+    parallelism wrap it, or into each rank's shards after FSDP2 has split it."""
+    xla, fsdp, fsdp2 = _is_xla(layout.device), layout.strategy == "fsdp", layout.wrap == "fsdp2"
     if layout.meta_built:
-        _materialize(model, layout.device, layout.mesh, layout.strategy == "fsdp", layout.planned, lay_out=not fsdp2)
+        _materialize(model, layout.device, layout.mesh, fsdp, layout.planned, lay_out=not fsdp2)
     if not (layout.meta_built and fsdp2):
         model.to(layout.device)
-    for param, spec in layout.planned.items():
-        if not _is_split(param):  # a meta model's planned weights were split as they were made
-            _mark_sharding(param, layout.mesh, spec)
-    if xla and layout.strategy == "fsdp":
-        _shard_parameters(model, layout.mesh)  # all the plan left whole
     if xla:
+        # Each parameter is split as planned, else with fsdp (FSDPv2) along one dimension over the fsdp axis: XLA's
+        # sharding propagation gives the gradients the same sharding and puts the all-gathers and reduce-scatters
+        # in the step graph. Split ones stay: a meta model's were split as they were made, the user's as chosen.
+        for param in model.parameters():
+            if param in layout.planned and not _is_split(param):
+                _mark_sharding(param, layout.mesh, layout.planned[param])
+            elif fsdp and param.dim() and not _is_split(param):
+                _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
         _watch_inputs(model, layout.batch)
         _cut_each_iteration(model)
     if layout.meta_built and not xla and not fsdp2:
         _initialize_pending(model)  # whole on each process, as DDP and TP want it
-    if layout.wrap == "tp":
-        _tensor_parallel(model, layout.styles, layout.device, layout.rank_axes)
-    elif fsdp2:
-        _fully_shard(model, layout.device)
-        if layout.meta_built:
-            _initialize_pending(model, layout.device)  # each module on the CPU in turn, each rank keeping its shards
-    elif layout.wrap == "ddp":
+    if layout.wrap in ("tp", "fsdp2"):
+        _fully_shard(model, layout.device, layout.styles, layout.rank_axes)
+    if fsdp2 and layout.meta_built:
+        _initialize_pending(model, layout.device)  # each module on the CPU in turn, each rank keeping its shards
+    if layout.wrap == "ddp":
         return _replicate(model, layout.device)
     return model
 
 
 def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
-    """Build the torch_xla SPMD Mesh for this runtime and make it the process mesh (get_xla_mesh()).
-    The device count comes from the runtime: num_devices and topology are checked against it.
-    num_processes (default: the runtime's process count) picks the default "fsdp" mesh's layout."""
-    xr = _import("torch_xla.runtime")
-    xs = _import("torch_xla.distributed.spmd")
-    np = _import("numpy")  # a torch_xla dependency, so present whenever torch_xla is
+    """Build the torch_xla SPMD Mesh for this runtime and make it the process mesh (get_xla_mesh()). The device
+    count comes from the runtime: num_devices and topology are checked against it. num_processes (default: the
+    runtime's process count) picks the default "fsdp" mesh's layout."""
+    xr, np = _import("torch_xla.runtime"), _import("numpy")  # numpy: a torch_xla dependency
     _activate_xla(_auto_xla_kind())
     runtime_devices = xr.global_runtime_device_count()
     if num_devices is not None and num_devices != runtime_devices:
@@ -1150,7 +1142,7 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     processes = num_processes if num_processes is not None else xr.process_count()
     shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config,
                                   strategy=strategy)
-    mesh = xs.Mesh(np.arange(runtime_devices), shape, names)
+    mesh = _import("torch_xla.distributed.spmd").Mesh(np.arange(runtime_devices), shape, names)
     _set_mesh(mesh)
     _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _STATE.batch_sharding.axes)
     return mesh
@@ -1172,89 +1164,54 @@ def get_xla_mesh():
 
 
 def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
-    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's
-    tensor parallelism; every plan error is raised here, before anything moves."""
-    rank_axes = _rank_axes(xla_spmd_config, strategy) if distributed else None  # (fsdp|data, model) off XLA
+    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's tensor
+    parallelism, every plan error raised before anything moves. Off XLA the ranks are laid out as (world / N, N),
+    N = model_parallel_size, the model axis innermost: neighbouring ranks form a tensor-parallel group."""
+    rank_axes = None
+    if distributed and xla_spmd_config is not None:
+        shape, names = _mesh_from_config(xla_spmd_config, _torch_dist_ranks()[0], strategy)
+        rank_axes = dict(zip(names, shape))
+        rank_axes = rank_axes if rank_axes.get(MODEL_AXIS, 1) > 1 else None
     sizes = _axis_sizes(mesh) if mesh is not None else (rank_axes or {})
-    plan, planned = _checked_plan(model, tp_plan, sizes, xla=mesh is not None)
-    return (planned if mesh is not None else {}), (_torch_tp_styles(plan, rank_axes) if rank_axes else None), rank_axes
-
-
-def _data_ranks(rank_axes):
-    """(data-parallel size, this rank's index) off XLA when ranks form tensor-parallel groups: the ranks of
-    one group read the same batches. None: every rank is its own data-parallel rank."""
-    if not rank_axes:
-        return None
-    world, rank = _torch_dist_ranks()
-    return world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]
-
-
-def _checked_plan(model, tp_plan, sizes, xla=True):
-    """(the tensor-parallel plan, {parameter: spec}) for a mesh with these axis sizes: the user's plan,
-    else the one a transformers model carries, checked against the model. A 'model' axis with no plan
-    would make the devices of each model row compute the same thing: refused."""
     model_size = sizes.get(MODEL_AXIS, 1)
     if model_size == 1:
         if tp_plan is not None:
             raise ValueError(f"tp_plan splits weights over a '{MODEL_AXIS}' mesh axis, and this trainer's mesh has "
-                             f"none of size > 1 "
-                             f"(axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': N}}, or drop "
-                             f"tp_plan")
-        return None, {}
+                             f"none of size > 1 (axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': "
+                             "N}, or drop tp_plan")
+        return {}, None, None
     plan = _model_tp_plan(model) if tp_plan is None else tp_plan
     if not plan:
         raise ValueError(f"the mesh's '{MODEL_AXIS}' axis has size {model_size}, but there is no tensor-parallel "
-                         f"plan, so the "
-                         f"{model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. Pass "
-                         f"tp_plan= (e.g. "
-                         "{'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise'}), or drop the axis "
-                         "(model_parallel_size=1, or a mesh without it)")
-    return plan, _tp_specs(model, plan, sizes, xla)
-
-
-def _trainer_mesh(device, mesh, xla_spmd_config, strategy):
-    """(mesh, batch sharding) that a trainer keeps for its life: the one it was given, built, or
-    found. A later trainer or create_xla_mesh may replace the process mesh; this one stays."""
-    if not _is_xla(device):
-        if mesh is not None or (xla_spmd_config is not None and _torch_dist_ranks()[0] == 1):
-            raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but "
-                             f"the "
-                             f"device is {device} in one process")
-        return None, None
-    if mesh is not None:
-        if strategy == "fsdp":
-            _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
-        _set_mesh(mesh)
-    elif xla_spmd_config is not None or strategy == "fsdp":
-        create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
-    return _STATE.mesh, _STATE.batch_sharding
+                         f"plan, so the {model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. "
+                         "Pass tp_plan= (e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': "
+                         "'rowwise'}), or drop the axis (model_parallel_size=1, or a mesh without it)")
+    planned = _tp_specs(model, plan, sizes, xla=mesh is not None)
+    return (planned, None, None) if mesh is not None else ({}, _torch_tp_styles(plan, rank_axes), rank_axes)
 
 
 class _BatchSharding:
-    """A sharding spec for whole batches: dim 0 over the batch axes, whatever each tensor's rank.
-    torch_xla's ShardingSpec fits one rank only and silently leaves the others replicated (a 1-D
-    label beside 2-D features, under MpDeviceLoader), whose send_cpu_data_to_device needs only
-    `xla_spec(tensor)` and `minibatch`: this keeps one real ShardingSpec per rank, built on first use."""
+    """A sharding spec for whole batches: dim 0 over the batch axes, whatever each tensor's rank. torch_xla's
+    ShardingSpec fits one rank only and silently leaves the others replicated (a 1-D label beside 2-D features,
+    under MpDeviceLoader), whose send_cpu_data_to_device needs only `xla_spec(tensor)` and `minibatch`: this
+    keeps one real ShardingSpec per rank, built on first use."""
 
     def __init__(self, mesh, axes, minibatch=False):
-        self.mesh, self.axes, self.minibatch = mesh, axes, minibatch
-        self._by_rank = {}
-        sizes = _axis_sizes(mesh)
-        self.ways = math.prod(sizes[a] for a in axes)  # devices that dim 0 splits over
-        self.partial = self.ways < math.prod(mesh.mesh_shape)  # replicated over a model axis
+        self.mesh, self.axes, self.minibatch, self._by_rank = mesh, axes, minibatch, {}
+        self.ways = math.prod(_axis_sizes(mesh)[a] for a in axes)  # devices that dim 0 splits over
 
     def from_host(self, tensor):
-        """Whether torch_xla 2.9 can send `tensor` from the host already split. It cannot send a 1-D
-        tensor split on some axes and replicated on others (IndexError inside send_cpu_data_to_device):
-        such a tensor (labels beside a model axis) moves whole, then is split in place."""
-        return tensor.dim() > 1 or not self.partial
+        """Whether torch_xla 2.9 can send `tensor` from the host already split. It cannot send a 1-D tensor split
+        on some axes and replicated on others (IndexError inside send_cpu_data_to_device): such a tensor (labels
+        beside a model axis) moves whole, then is split in place."""
+        return tensor.dim() > 1 or self.ways == math.prod(self.mesh.mesh_shape)  # not replicated over a model axis
 
     @classmethod
     def for_mesh(cls, mesh):
-        """Every axis but the model axis; all of them when the mesh has nothing else."""
-        names = tuple(mesh.axis_names or range(len(mesh.mesh_shape)))
+        """Every axis but the model axis; all of them when the mesh has nothing else. Multi-host SPMD: each host
+        feeds only its slice of the global batch."""
+        names = tuple(_axis_sizes(mesh))
         batch = tuple(n for n in names if n != MODEL_AXIS)
-        # Multi-host SPMD: each host feeds only its slice of the global batch.
         return cls(mesh, batch or names, minibatch=_import("torch_xla.runtime").process_count() > 1)
 
     def spec_for(self, ndim):
@@ -1262,12 +1219,11 @@ class _BatchSharding:
         return (head,) + (None,) * (ndim - 1) if ndim else ()
 
     def xla_spec(self, tensor):
-        spec = self._by_rank.get(tensor.dim())
-        if spec is None:
-            xs = _import("torch_xla.distributed.spmd")
-            spec = xs.ShardingSpec(self.mesh, self.spec_for(tensor.dim()), minibatch=self.minibatch)
-            self._by_rank[tensor.dim()] = spec
-        return spec.xla_spec(tensor)
+        ndim = tensor.dim()
+        if ndim not in self._by_rank:
+            spmd = _import("torch_xla.distributed.spmd")
+            self._by_rank[ndim] = spmd.ShardingSpec(self.mesh, self.spec_for(ndim), minibatch=self.minibatch)
+        return self._by_rank[ndim].xla_spec(tensor)
 
 
 def _to_xla(tensor, device, sharding):
@@ -1285,16 +1241,12 @@ def _to_xla(tensor, device, sharding):
 
 
 def _mark_sharding(tensor, mesh, spec=None):
-    """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding
-    alone. The data of a tensor that an asynchronous step is still computing (a step ran just before,
-    on another trainer or by hand) cannot be resharded yet: torch_xla raises "Data does not present
-    on any device". Then wait for the devices once and annotate again; nothing waits otherwise."""
-    def annotate():
-        if spec is None:
-            _import("torch_xla")._XLAC._xla_mark_sharding(tensor, mesh)
-        else:
-            _import("torch_xla.distributed.spmd").mark_sharding(tensor, mesh, spec)
-
+    """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding alone.
+    The data of a tensor that an asynchronous step is still computing (a step ran just before, on another
+    trainer or by hand) cannot be resharded yet: torch_xla raises "Data does not present on any device".
+    Then wait for the devices once and annotate again; nothing waits otherwise."""
+    annotate = (functools.partial(_import("torch_xla")._XLAC._xla_mark_sharding, tensor, mesh) if spec is None
+                else functools.partial(_import("torch_xla.distributed.spmd").mark_sharding, tensor, mesh, spec))
     try:
         annotate()
     except RuntimeError as e:
@@ -1313,46 +1265,21 @@ def _fsdp_spec(shape, shards):
     return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
 
 
-def _shard_parameters(module, mesh):
-    """FSDPv2 over the SPMD mesh: every parameter sharded along one dimension over the fsdp axis,
-    replicated over the others. XLA's sharding propagation gives the gradients the same sharding,
-    and inserts the all-gathers and reduce-scatters in the step graph. Parameters the user split
-    already are left as they are."""
-    shards = _axis_sizes(mesh)[FSDP_AXIS]
-    for param in module.parameters():
-        if param.dim() and not _is_split(param):
-            _mark_sharding(param, mesh, _fsdp_spec(tuple(param.shape), shards))
-
-
-def _xla_shardings(tensors):
-    """(tensor, its sharding) of each sharded XLA tensor: given back after a load_state_dict swaps in
-    replicated tensors (a whole copy per device: 4x an fsdp shard on 4 devices)."""
-    tensors = [t for t in tensors if _is_xla(t.device)]
-    if not tensors:
-        return []
-    xlac = _import("torch_xla")._XLAC
-    return [(t, sharding) for t in tensors if (sharding := xlac._get_xla_op_sharding(t)) is not None]
-
-
-def _mark_shardings(pairs):
-    """Give each tensor its sharding, unless something split it already."""
-    for tensor, sharding in pairs:
-        if _is_xla(tensor.device) and not _is_split(tensor):
-            _mark_sharding(tensor, sharding)
-
-
 def _watch_inputs(model, sharding):
-    """For the model's first INPUT_CHECKS forwards, warn once about an input tensor that arrives on
-    XLA replicated where its dim 0 could be split: every device would compute all of it. Reads only
-    what each tensor already holds (its sharding annotation): no sync, no transfer, no new graph."""
+    """For the model's first INPUT_CHECKS forwards, warn once about an input tensor that arrives on XLA
+    replicated where its dim 0 could be split: every device would compute all of it. Reads only what each
+    tensor already holds (its sharding annotation): no sync, no transfer, no new graph."""
     ways, left = sharding.ways, [INPUT_CHECKS]
 
     def check(module, args, kwargs):
         found = []
-        _map_tensors({**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs},
-                     lambda t: found.append(t) or t, lambda obj: obj)
+        _map_tensors([args, kwargs], lambda t: found.append(t) or t, lambda obj: obj)
         for t in found:
-            if _replicated_batch(t, ways) and _once("replicated_input"):
+            if not _is_xla(t.device) or t.dim() == 0 or t.shape[0] % ways or _is_split(t):
+                continue
+            # A tensor the step computes has no annotation until the compiler propagates one: not evidence.
+            ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(t).partition("IR: ")[2].partition("\n")[0]
+            if (ir.startswith("None") or "device_data" in ir) and _once("replicated_input"):
                 logger.warning("seamless_tpu: a tensor of shape %s reaches the model replicated on XLA. If it is a "
                                "batch, each of the %d devices computes all of it (%dx the work for 1x the data). Move "
                                "batches with trainer.to_device(...) or trainer.prepare_data_loader(...), which split "
@@ -1365,23 +1292,14 @@ def _watch_inputs(model, sharding):
         handle = model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def _replicated_batch(t, ways):
-    if not _is_xla(t.device) or t.dim() == 0 or t.shape[0] % ways or _is_split(t):
-        return False
-    # A tensor the step computes has no annotation until the compiler propagates one: not evidence.
-    ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(t).partition("IR: ")[2].partition("\n")[0]
-    return ir.startswith("None") or "device_data" in ir
-
-
 def _is_split(tensor):
     # XLA marks every tensor that a replicated graph computed "{replicated}": nobody chose that.
     return _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor) not in ("", "{replicated}")
 
 
 def _device_bytes(tensors):
-    """Bytes of `tensors` on each device. On XLA from the shards' shapes (xm.get_memory_info does
-    not work under SPMD); a tensor with no sharding is whole on every device. Off XLA, this rank's
-    local part (an FSDP2 DTensor's shard)."""
+    """Bytes of `tensors` on each device. On XLA from the shards' shapes (xm.get_memory_info does not work under
+    SPMD); a tensor with no sharding is whole on every device. Off XLA, this rank's local part (an FSDP2 shard)."""
     tensors = list(tensors)
     if _STATE.xla_device is None:
         local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
@@ -1400,12 +1318,12 @@ _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced:
 
 
 def _replicate(model, device):
-    """DDP applied to `model` itself (torch's composable replicate, as fully_shard is FSDP2 in place):
-    gradients are averaged during backward whichever object the loop calls, trainer.model or the
-    original, so clipping and logging between backward and step see the average. The DDP state lives
-    on the module, as long as it does. find_unused_parameters: ranks may use different parameters
-    in one step (multi-task heads, conditional branches); it costs one autograd-graph walk per
-    forward. A model the user wrapped in DDP is used as is: wrapping twice all-reduces twice."""
+    """DDP applied to `model` itself (torch's composable replicate, as fully_shard is FSDP2 in place): gradients
+    are averaged during backward whichever object the loop calls, trainer.model or the original, so clipping
+    and logging between backward and step see the average. The DDP state lives on the module, as long as it
+    does. find_unused_parameters: ranks may use different parameters in one step (multi-task heads,
+    conditional branches); it costs one autograd-graph walk per forward. A model the user wrapped in DDP is
+    used as is: wrapping twice all-reduces twice."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model
     replicate = importlib.import_module("torch.distributed._composable.replicate")
@@ -1419,8 +1337,8 @@ def _replicate(model, device):
 
 @contextlib.contextmanager
 def _no_sync(model):
-    """Like DistributedDataParallel.no_sync: backward passes inside accumulate local gradients; the
-    first backward after it averages everything accumulated."""
+    """Like DistributedDataParallel.no_sync: backward passes inside accumulate local gradients; the first
+    backward after it averages everything accumulated."""
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -1428,15 +1346,19 @@ def _no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def _fully_shard(model, device, mesh=None):
-    """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own,
-    gathered just before its forward and freed after; the root holds the rest. fully_shard replaces
-    every parameter with a DTensor, which an optimizer made earlier does not hold: each replaced one
-    names its replacement, and optimizers move over before their first step (_rebind_before_step)."""
+def _fully_shard(model, device, styles=None, sizes=None):
+    """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own, gathered
+    just before its forward and freed after; the root holds the rest. With tensor-parallel `styles`, the plan
+    first goes through parallelize_module on the model dimension of a 2-D DeviceMesh (axis `sizes`), and FSDP2
+    splits over the other. Each replaces parameters: see _replacing_parameters."""
     fsdp = importlib.import_module("torch.distributed.fsdp")
-    device_mesh = importlib.import_module("torch.distributed.device_mesh")
-    if mesh is None:
-        mesh = device_mesh.init_device_mesh(device.type, (_torch_dist_ranks()[0],), mesh_dim_names=(FSDP_AXIS,))
+    sizes = sizes or {FSDP_AXIS: _torch_dist_ranks()[0]}
+    mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
+        device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    if styles:
+        tp = importlib.import_module("torch.distributed.tensor.parallel")
+        _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
+        mesh = mesh[FSDP_AXIS]  # FSDP2 replaces them again: optimizers follow the chain
     # Each distinct block once: ModuleList([blk, blk, blk]) repeats one module (weight sharing by
     # repetition), and fully_shard on a module twice is an AssertionError inside torch.
     blocks = list({id(b): b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m}.values())
@@ -1450,25 +1372,12 @@ def _fully_shard(model, device, mesh=None):
     _replacing_parameters(model, shard)
 
 
-def _rank_axes(config, strategy):
-    """{axis: size} of the torch.distributed ranks laid out as (world / N, N) with N =
-    model_parallel_size, the model axis innermost (neighbouring ranks form a tensor-parallel group);
-    None without a model axis."""
-    if config is None:
-        return None
-    world = _torch_dist_ranks()[0]
-    shape, names = _mesh_from_config(config, world, strategy)
-    sizes = dict(zip(names, shape))
-    return sizes if sizes.get(MODEL_AXIS, 1) > 1 else None
-
-
 def _torch_tp_styles(plan, sizes):
     """The plan as torch ParallelStyles, refusing what torch.distributed cannot do right (before any work)."""
     if FSDP_AXIS not in sizes:
         raise NotImplementedError("tensor parallelism off XLA runs with strategy='fsdp' (FSDP2 over the other mesh "
                                   "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh "
-                                  "trains "
-                                  "wrong weights (measured on gloo), so use strategy='fsdp'")
+                                  "trains wrong weights (measured on gloo), so use strategy='fsdp'")
     tp = importlib.import_module("torch.distributed.tensor.parallel")
     replicate_layout = importlib.import_module("torch.distributed.tensor").Replicate()
     styles = {}
@@ -1488,21 +1397,10 @@ def _torch_tp_styles(plan, sizes):
     return styles
 
 
-def _tensor_parallel(model, styles, device, sizes):
-    """torch.distributed tensor parallelism: the plan through parallelize_module on the model
-    dimension of a 2-D DeviceMesh, then FSDP2 over the other. Optimizers made earlier move to the new
-    parameters before their first step, as with FSDP2 alone."""
-    tp = importlib.import_module("torch.distributed.tensor.parallel")
-    mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
-        device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-    _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
-    _fully_shard(model, device, mesh[FSDP_AXIS])  # a second replacement: optimizers follow the chain
-
-
 def _replacing_parameters(model, replace):
-    """Run replace() (fully_shard, parallelize_module), which swaps in new parameters that an optimizer
-    made earlier does not hold: each replaced one names its replacement, and optimizers move over before
-    their first step (_rebind_before_step)."""
+    """Run replace() (fully_shard, parallelize_module), which swaps in new parameters that an optimizer made
+    earlier does not hold: each replaced one names its replacement, and optimizers move over before their
+    first step (_rebind_before_step)."""
     before = dict(model.named_parameters())
     replace()
     for name, param in model.named_parameters():
@@ -1520,9 +1418,9 @@ def _rebind_before_step(optimizer, args, kwargs):
 
 
 def _place_optimizer_state(optimizer):
-    """Point `optimizer` at the FSDP2 parameters that replaced its own, and lay out each state tensor
-    like its parameter (device, FSDP2 placements, XLA sharding). Every path comes here: the trainer's
-    constructor, the FSDP2 pre-step rebinding and load_checkpoint."""
+    """Point `optimizer` at the FSDP2 parameters that replaced its own, and lay out each state tensor like its
+    parameter (device, FSDP2 placements, XLA sharding). Every path comes here: the trainer's constructor, the
+    FSDP2 pre-step rebinding and load_checkpoint."""
     for group in optimizer.param_groups:
         params = group["params"]
         for i, old in enumerate(params):
@@ -1536,8 +1434,8 @@ def _place_optimizer_state(optimizer):
 
 
 def _placed_like(value, param, key=None):
-    """A full tensor (optimizer state, a checkpoint's value) laid out like `param`: split like an FSDP2
-    DTensor (each rank keeps its part, nothing is sent), sharded like an XLA tensor, or on its device."""
+    """A full tensor (optimizer state, a checkpoint's value) laid out like `param`: split like an FSDP2 DTensor
+    (each rank keeps its part, nothing is sent), sharded like an XLA tensor, or on its device."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or key == "step":
         return value  # Adam keeps a CPU scalar 'step' on purpose unless capturable/fused
     mesh = getattr(param, "device_mesh", None)
@@ -1547,8 +1445,11 @@ def _placed_like(value, param, key=None):
         dtensor = importlib.import_module("torch.distributed.tensor")
         return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
     value = value.to(param.device)
-    if value.shape == param.shape:
-        _mark_shardings((value, sharding) for _, sharding in _xla_shardings([param]))
+    if value.shape == param.shape and _is_xla(value.device) and not _is_split(value):
+        # left replicated it would be a whole copy per device: 4x an fsdp shard on 4 devices
+        sharding = _import("torch_xla")._XLAC._get_xla_op_sharding(param)
+        if sharding is not None:
+            _mark_sharding(value, sharding)
     return value
 
 # --- 10. models built on meta ---------------------------------------------------------------------
