@@ -189,7 +189,6 @@ def _patch(owner, name, value):
 def _reset_caches():
     """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
     global _STATE
-    _STATE.preemption.close()
     if _STATE.saves.in_flight is not None:
         concurrent.futures.wait([_STATE.saves.in_flight])
     for probe in _CACHED_PROBES:
@@ -1963,77 +1962,67 @@ class _DeviceLoader:
 def _catch_sigterm():
     """SIGTERM's handler, installed once per process from its main thread: by the first trainer, or on each Ray
     worker by the backends' on_start (Ray runs the loop on another thread, which may not set handlers)."""
-    _STATE.preemption.catch()
+    state, previous = _STATE.preemption, signal.getsignal(signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()
+    if state.previous is not None or previous is signal.SIG_IGN or not main:
+        return
+    _sigterm_grace()  # a bad SEAMLESS_TPU_SIGTERM_GRACE is refused now, not when the signal comes
+    state.previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
+    ray_exit = getattr(previous, "__module__", None) == "ray._private.worker"
+    state.delays_exit = state.previous is signal.SIG_DFL or ray_exit
+    signal.signal(signal.SIGTERM, state._on_sigterm)
+    _STATE.torch_patches.append(state.close)
 
 
 @dataclasses.dataclass
 class _Preemption:
     """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. The
-    exit it would have caused (the default's, Ray's) is delayed, never cancelled: it comes SIGTERM_GRACE_S after
-    the signal or the last save, whichever is later. A user's handler is chained and decides; SIG_IGN stays.
-    Only steps of trainers' optimizers count, so one that some processes step and others do not (a probe) never
-    splits them. Several processes agree at step counts they all compute alike: each reads the MAX all-reduce
-    (gloo, CPU) that the last agreement started, of the flag and of minus the steps each proposes until the next
-    (AGREE_EVERY_S of its steps, at most AGREE_MAX_STEPS), and starts the next: no device sync, and no wait."""
+    exit it would have caused (the default's, Ray's) is held, never cancelled, until SIGTERM_GRACE_S after the
+    signal or the last save; a user's handler is chained and decides; SIG_IGN stays. Only steps of trainers'
+    optimizers count, so one that only some processes step (a probe) never splits them. Processes agree at step
+    counts they all compute alike, each reading the MAX all-reduce (gloo, CPU) the last agreement started and
+    starting the next: no device sync, no wait."""
 
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
     sigterm: bool = False  # SIGTERM reached this process
     preempted_at: int = 0  # the step count at which every process learnt that SIGTERM reached one; 0: not yet
     steps: int = 0  # steps of trainers' optimizers ended in this process
-    models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model; never a
-    # weakref to a parameter: with the swap setting on, .to() of a module whose parameter has one raises
-    owned: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    # ^ optimizer -> (its parameter layout, whether it steps a trainer's parameters)
+    models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model
+    owned: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> (layout, ours?)
     stepped_after: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # optimizers since `preempted`
     group: object = None  # a CPU gloo group of every process, for the agreement; None in one process
-    pending: tuple = None  # (work, values) of the all-reduce the last agreement started
+    pending: tuple = None  # (work, values) of the all-reduce the last agreement started: [flag, -steps to the next]
     next_agreement: int = 1  # the step count of the next agreement
-    agreed_at: tuple = None  # (time.monotonic(), step count) of the last agreement
+    agreed_at: tuple = (-math.inf, 0)  # (time.monotonic(), step count) of the last agreement
     deadline: float = None  # time.monotonic() at which the held exit happens; None before SIGTERM
     saves: int = 0  # saves in progress: they hold the exit
     expired: bool = False  # the grace ran out: the handler now acts as the previous one would
     closed: bool = False  # _reset_caches: the held exit no longer applies
 
-    def catch(self):
-        if self.previous is not None or threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous is signal.SIG_IGN:
-            return
-        _sigterm_grace()  # a bad SEAMLESS_TPU_SIGTERM_GRACE is refused now, not when the signal comes
-        self.previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
-        ray_exit = getattr(previous, "__module__", None) == "ray._private.worker"
-        self.delays_exit = self.previous is signal.SIG_DFL or ray_exit
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        _STATE.torch_patches.append(lambda: signal.signal(signal.SIGTERM, self.previous))
-
     def watch(self, model):
         """From each trainer: its optimizers count; the first also sets up the agreement (a collective)."""
         self.models.add(model)
-        if "preemption" in _STATE.optimizer_hooks:
-            return
-        self.catch()
-        if self.previous is None:  # SIG_IGN, or a thread other than the main one with no Ray backend
-            return
-        self.group = _agreement_group()
-        _add_step_hook("preemption", "post", self._after_step)
+        _catch_sigterm()  # leaves `previous` None for SIG_IGN, or off the main thread with no Ray backend
+        if self.previous is not None and "preemption" not in _STATE.optimizer_hooks:
+            self.group = _agreement_group()
+            _add_step_hook("preemption", "post", self._after_step)
+
+    def close(self):  # _reset_caches: the previous handler is back, and the held exit no longer applies
+        self.closed = True
+        signal.signal(signal.SIGTERM, self.previous)
 
     def _on_sigterm(self, signum, frame):
-        if self.expired or (self.delays_exit and "preemption" not in _STATE.optimizer_hooks):
-            return self._act_as_before(signum, frame)  # the grace is over, or no trainer could save yet
+        if not self.delays_exit or self.expired or "preemption" not in _STATE.optimizer_hooks:
+            self.sigterm |= not self.delays_exit  # a user's handler decides; else the grace is over, or no trainer
+            if callable(self.previous):  # could save yet
+                return self.previous(signum, frame)  # the user's, or Ray's (SystemExit)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the default action: the process ends by SIGTERM
+            return os.kill(os.getpid(), signal.SIGTERM)
         self.sigterm = True
-        if not self.delays_exit:
-            self.previous(signum, frame)  # the user's handler decides
-        elif self.deadline is None:  # a second SIGTERM does not postpone the exit
+        if self.deadline is None:  # a second SIGTERM does not postpone the exit
             self.deadline = time.monotonic() + _sigterm_grace()
             threading.Thread(target=self._exit_when_due, name="seamless_tpu-sigterm", daemon=True).start()
-
-    def _act_as_before(self, signum, frame):
-        if callable(self.previous):
-            return self.previous(signum, frame)  # Ray's: SystemExit
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the default action: the process ends by SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)
 
     def _exit_when_due(self):
         while not self.closed and (self.saves or time.monotonic() < self.deadline):
@@ -2058,73 +2047,58 @@ class _Preemption:
                 self.deadline = max(self.deadline, time.monotonic() + _sigterm_grace())
         return done
 
-    def _owns(self, optimizer):
-        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
-        seen = self.owned.get(optimizer)
-        if seen is None or seen[0] != layout:
-            ours = {id(p) for model in self.models for p in model.parameters()}  # once per optimizer and layout
-            owns = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
-            seen = self.owned[optimizer] = (layout, owns)
-        return seen[1]
-
     def _after_step(self, optimizer, args, kwargs):
-        if not self._owns(optimizer):
+        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
+        if self.owned.get(optimizer, (None,))[0] != layout:  # ids, as a weakref to a parameter makes .to() raise
+            ours = {id(p) for model in self.models for p in model.parameters()}
+            self.owned[optimizer] = layout, any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
+        if not self.owned[optimizer][1]:
             return
         self.steps += 1
-        if self.preempted_at:
-            if optimizer in self.stepped_after and self.delays_exit:
-                raise RuntimeError(
-                    f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
-                    f"{self.preempted_at}, but the loop stepped again. The trainer delays SIGTERM's exit only until "
-                    f"the "
-                    "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
-                    "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
-                    "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
-            self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
-            return
-        seen = self.sigterm if self.group is None else self.steps >= self.next_agreement and self._agree()
-        if seen:
+        if self.preempted_at and optimizer in self.stepped_after and self.delays_exit:
+            raise RuntimeError(
+                f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
+                f"{self.preempted_at}, but the loop stepped again. The trainer delays SIGTERM's exit only until the "
+                "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
+                "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
+                "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
+        if not self.preempted_at and self.steps >= self.next_agreement and self._agree():
             self.preempted_at = self.steps
-            self.stepped_after.add(optimizer)
+        if self.preempted_at:
+            self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
 
     def _agree(self):
         """The flag as every process saw it at the last agreement (False at the first), the next one started."""
+        if self.group is None:
+            return self.sigterm
         agreed, every = False, 1
         if self.pending is not None:
             work, values = self.pending
             work.wait()  # started at the last agreement, steps ago: done unless a peer is that far behind
             agreed, every = bool(values[0]), int(-values[1])
-        now, (then, step) = time.monotonic(), self.agreed_at or (0.0, 0)
-        step_time = (now - then) / (self.steps - step) if self.agreed_at else math.inf
-        propose = max(1, min(AGREE_MAX_STEPS, 2 * every, int(AGREE_EVERY_S / step_time)))  # grows slowly: steps slow
-        dist = torch.distributed
-        options, values = dist.AllreduceOptions(), torch.tensor([int(self.sigterm), -propose], dtype=torch.int64)
-        options.reduceOp = dist.ReduceOp.MAX  # of -steps: the fewest any process proposes
-        self.pending = self.group.allreduce([values], options), values
+        now, (then, step) = time.monotonic(), self.agreed_at  # proposed: AGREE_EVERY_S of steps, growing slowly
+        propose = max(1, min(AGREE_MAX_STEPS, 2 * every, int(AGREE_EVERY_S * (self.steps - step) / (now - then))))
+        values = torch.tensor([int(self.sigterm), -propose], dtype=torch.int64)  # MAX of -steps: the fewest proposed
+        self.pending = self.group.allreduce(values, torch.distributed.ReduceOp.MAX), values
         self.next_agreement, self.agreed_at = self.steps + every, (now, self.steps)
         return agreed
-
-    def close(self):
-        self.closed = True
 
 
 def _sigterm_grace():
     value = os.environ.get("SEAMLESS_TPU_SIGTERM_GRACE") or SIGTERM_GRACE_S
     try:
-        grace = float(value)
+        if 0 <= float(value) < math.inf:
+            return float(value)
     except ValueError:
-        grace = -1.0
-    if not 0 <= grace < math.inf:
-        raise ValueError(f"SEAMLESS_TPU_SIGTERM_GRACE is how many seconds SIGTERM's exit waits for the loop to save, a "
-                         f"number >= 0; got {value!r}. Unset it for the default, {SIGTERM_GRACE_S:g}")
-    return grace
+        pass
+    raise ValueError(f"SEAMLESS_TPU_SIGTERM_GRACE is how many seconds SIGTERM's exit waits for the loop to save, a "
+                     f"number >= 0; got {value!r}. Unset it for the default, {SIGTERM_GRACE_S:g}")
 
 
 def _agreement_group():
-    """A CPU gloo group of every process, for the preemption agreement, or None in one process. A collective:
-    every process builds its first trainer. A multi-host XLA slice launched without torch.distributed gets a
-    group of its own, over a store that process 0 serves; torch_xla's preemption sync manager would need the XLA
-    coordinator, which replaces the SIGTERM handler in C and aborts every host whose leader exits first."""
+    """A CPU gloo group of every process for the agreement (a collective), or None in one process. A multi-host XLA
+    slice without torch.distributed gets one over a store that process 0 serves; torch_xla's preemption sync manager
+    needs the XLA coordinator, which replaces the SIGTERM handler in C and aborts every host if its leader exits."""
     dist = torch.distributed
     if _torch_dist_ranks()[0] > 1:
         return dist.new_group(backend="gloo")
@@ -2137,8 +2111,7 @@ def _agreement_group():
         store = dist.TCPStore(address, port, count, index == 0, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError are RuntimeErrors
         raise RuntimeError(f"seamless_tpu: process {index} of {count} could not {'serve' if index == 0 else 'reach'} "
-                           f"the "
-                           f"store at {address}:{port} that the hosts agree on SIGTERM through ({e}). Set "
+                           f"the store at {address}:{port} that the hosts agree on SIGTERM through ({e}). Set "
                            "SEAMLESS_TPU_PORT to a port free on process 0's host, the same on every host") from e
     _log("seamless_tpu: SIGTERM agreement among %d XLA processes over %s:%d", count, address, port)
     return dist.ProcessGroupGloo(dist.PrefixStore("seamless_tpu/preemption", store), index, count, timeout)
@@ -2146,11 +2119,9 @@ def _agreement_group():
 
 def _xla_processes():
     """(count, index, address of process 0) of this XLA run's processes: one per host of a TPU slice."""
-    if _STATE.xla_device is None:
+    if _STATE.xla_device is None or _import("torch_xla.runtime").process_count() == 1:
         return 1, 0, None
     xr = _import("torch_xla.runtime")
-    if xr.process_count() == 1:
-        return 1, 0, None
     return xr.process_count(), xr.process_index(), os.environ.get("MASTER_ADDR") or xr.get_master_ip()
 
 # --- 13. the trainer ------------------------------------------------------------------------------
