@@ -1555,7 +1555,11 @@ def _placed_like(value, param, key=None):
 
 @dataclasses.dataclass
 class _MetaInit:
-    """The modules of meta-built models that still wait for their values."""
+    """A model built under torch.device("meta") is made real module by module, children first, Parameter objects kept
+    (an optimizer made earlier trains), each initialised on the CPU in turn from the CPU RNG as the build left it: the
+    CPU build's weights, if nothing drew in between and modules are built in registration order (a deep copy, as
+    nn.TransformerEncoder makes of its layer, draws anew). On XLA that waits for the first forward or save (tensors
+    laid out lazily till then), and a module that load_checkpoint filled first is never initialised."""
 
     pending: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module -> (its transformers owner, RNG, first-use hook, names a load filled): laid out, not yet initialised
@@ -1568,53 +1572,45 @@ def _has_meta_tensors(model):
 
 
 def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
-    """A model built under torch.device("meta") made real on `device` one module at a time, children
-    before their parent (the order their constructors ran in), each tensor split over `mesh` as it will
-    be trained (its `planned` spec, else fsdp's). Off XLA the trainer initialises each module next:
-    before DDP wraps it, or after FSDP2 has split it, into its shards. On XLA the tensors are only laid
-    out (lazily: nothing is computed or sent) and each module is initialised at the model's first forward
-    or save, unless load_checkpoint filled it first: a model loaded from a checkpoint is never
-    initialised. Parameter objects are kept, so an optimizer made earlier trains."""
-    owners = {}  # module -> the transformers model whose _initialize_weights initialises it, or None
+    """Lay out the meta tensors of `model` on `device` (unless `lay_out` is False: FSDP2 splits them on meta), each
+    split over `mesh` by its `planned` spec, else fsdp's, and hook each module's initialisation to its first use."""
 
-    def visit(module, owner):
+    def post_order(module, owner):  # owner: the transformers model whose _initialize_weights initialises it, or None
         owner = module if callable(getattr(module, "_initialize_weights", None)) else owner
         for child in module.children():
-            visit(child, owner)
-        owners[module] = owner
+            yield from post_order(child, owner)
+        yield module, owner
 
-    visit(model, None)
     pending, rng = {}, [torch.get_rng_state()]  # the CPU RNG as the build left it: every module draws from it in turn
     root = weakref.ref(model)
-    for module, owner in owners.items():  # dicts keep insertion order: post-order
+    for module, owner in dict(post_order(model, None)).items():  # children first, as their constructors ran
         own = [name for name, t in _own_tensors(module) if t.is_meta]
         if not own:
             continue
-        _check_initialisable(module, owner, own)
-        for name in own if lay_out else ():  # else left on meta, for FSDP2 to split
-            t = getattr(module, name)
-            made = torch.empty(t.shape, dtype=t.dtype, device=device)
-            _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
+        resets = [getattr(module, m, None) for m in ("reset_parameters", "_reset_parameters")]
+        if owner is None and not any(map(callable, resets)):
+            raise ValueError(f"cannot initialise the meta tensors {own} of {type(module).__name__}: it has no "
+                             "reset_parameters(), so their values are unknown. Give it a reset_parameters() that sets "
+                             "them, or build the model on the CPU")
+        for name in own if lay_out else ():
+            meta = getattr(module, name)
+            made = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            split = mesh is not None and made.dim() and isinstance(meta, torch.nn.Parameter)
+            if split and meta in planned:
+                _mark_sharding(made, mesh, planned[meta])
+            elif split and fsdp:
+                _mark_sharding(made, mesh, _fsdp_spec(tuple(made.shape), _axis_sizes(mesh)[FSDP_AXIS]))
+            _set_own_tensor(module, name, made)
         # A submodule run on its own first (model.encoder(x)) must not see unset values either.
         first_use = module.register_forward_pre_hook(lambda *_: _initialize_pending(root(), refuse=True))
         pending[module] = (owner, rng, first_use, set())
     _STATE.meta_init.pending.update(pending)
 
 
-def _split_like_planned(tensor, meta, mesh, fsdp, planned):
-    if mesh is not None and tensor.dim() and isinstance(meta, torch.nn.Parameter):
-        if meta in planned:
-            _mark_sharding(tensor, mesh, planned[meta])
-        elif fsdp:
-            _mark_sharding(tensor, mesh, _fsdp_spec(tuple(tensor.shape), _axis_sizes(mesh)[FSDP_AXIS]))
-    return tensor
-
-
 def _blank_like(t):
-    """An XLA tensor shaped and sharded like the split tensor `t`, its contents unset, for a load to
-    overwrite: made from one uninitialised host shard sent to each device, so nothing is computed and no
-    whole copy exists anywhere. A meta model's lazy placeholder that the load reads as it is gets computed
-    first, for values the load then overwrites: a graph compiled per shape (9 on the 320 MB test model)."""
+    """An XLA tensor split like `t`, its contents unset, for a load to overwrite: one empty host shard sent to each
+    device, nothing computed, no whole copy (a meta model's lazy placeholder, read as it is, compiles a graph per
+    shape: 9 on the 320 MB test model)."""
     xla = _import("torch_xla")._XLAC
     tiles = re.search(r"devices=\[([\d,]+)\]", xla._get_xla_sharding_spec(t)).group(1).split(",")[:t.dim()]
     shard = torch.empty([-(-size // int(n)) for size, n in zip(t.shape, tiles)], dtype=t.dtype)  # XLA pads shards
@@ -1622,20 +1618,12 @@ def _blank_like(t):
     return xla._global_tensor_from_cpu_shards(shards, xla._get_xla_op_sharding(t), list(t.shape))
 
 
-def _forget_pending(module):
-    """(owner, rng, loaded) of a module _materialize laid out, which needs no initialisation hook from now on."""
-    owner, rng, hook, loaded = _STATE.meta_init.pending.pop(module)
-    hook.remove()
-    return owner, rng, loaded
-
-
 def _own_tensors(module):
     return [(n, t) for n, t in itertools.chain(module._parameters.items(), module._buffers.items()) if t is not None]
 
 
 def _set_own_tensor(module, name, value):
-    """Put `value` in place of the module's own tensor `name`. A parameter keeps its object (swapped in
-    place, with the hooks and attributes it carries), so optimizers and the trainer's hooks keep it."""
+    """A parameter keeps its object (swapped in place, with its hooks and attributes): optimizers and hooks keep it."""
     if name not in module._parameters:
         module._buffers[name] = value
         return
@@ -1645,32 +1633,21 @@ def _set_own_tensor(module, name, value):
     param.__dict__.update(kept)
 
 
-def _check_initialisable(module, owner, names):
-    if owner is None and not any(callable(getattr(module, m, None)) for m in ("reset_parameters", "_reset_parameters")):
-        raise ValueError(
-            f"cannot initialise the meta tensors {names} of {type(module).__name__}: it has no reset_parameters(), so "
-            "their values are unknown. Give it a reset_parameters() that sets them, or build the model on the CPU")
-
-
 def _initialize_pending(model, device=None, refuse=False):
-    """Initialise the modules of `model` that _materialize laid out and nothing filled yet: each on the
-    CPU, by its own initialisation (reset_parameters(), or _reset_parameters() as MultiheadAttention
-    has; in a transformers model its _initialize_weights), then sent to its place shard by shard. The
-    host holds one module at a time. The modules draw, in turn, from the CPU RNG as it was when the
-    trainer was made, and the loop's own RNG is left as it is: if nothing drew from it between the build
-    and the trainer, the weights are those of the same model built on the CPU, when its modules are
-    built in the order they are registered (a module deep-copied from another, as nn.TransformerEncoder
-    copies its layer, draws its own values instead). A tensor the initialiser leaves unset is refused by
-    _refuse_unset: now if `refuse` (the first forward or save), else at those unless a load fills it."""
+    """Initialise the modules of `model` that _materialize laid out and nothing filled yet, one at a time, by
+    reset_parameters(), _reset_parameters() (as MultiheadAttention has) or a transformers model's
+    _initialize_weights; then send each tensor to its place, shard by shard. A tensor the initialiser leaves unset
+    is refused (_refuse_unset) now if `refuse` (the first forward or save), else then unless a load fills it."""
     paths = {m: p for p, m in model.named_modules()}
     release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
     for module in [m for m in list(_STATE.meta_init.pending) if m in paths]:  # the post-order they were laid out in
-        owner, rng, loaded = _forget_pending(module)
+        owner, rng, first_use, loaded = _STATE.meta_init.pending.pop(module)
+        first_use.remove()
         if device is not None:  # FSDP2 split it on meta: this rank's shards are allocated here, nothing more
             module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
         placed, held = dict(_own_tensors(module)), {}
-        for name, t in placed.items():  # a CPU stand-in for each own tensor while the module initialises
-            stand_in = _stand_in(t)
+        for name, t in placed.items():
+            stand_in = torch.full(t.shape, _mark(t), dtype=t.dtype)  # on the CPU, for the initialiser to write
             if name in module._parameters:
                 module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
             else:
@@ -1693,11 +1670,8 @@ def _initialize_pending(model, device=None, refuse=False):
         del held  # the stand-ins go with the write-back below, tensor by tensor: the host holds one module
         for name, t in placed.items():
             value = getattr(module, name).detach()
-            if name in module._parameters:
-                module._parameters[name] = t
+            (module._parameters if name in module._parameters else module._buffers)[name] = t
             if name in loaded:  # load_checkpoint filled it before this first use: the initialiser's value is dropped
-                if name in module._buffers:
-                    module._buffers[name] = t
                 continue
             if hasattr(t, "device_mesh"):  # an FSDP2 shard: this rank's part, in place (FSDP2 gathers from its storage)
                 with torch.no_grad():
@@ -1712,32 +1686,23 @@ def _initialize_pending(model, device=None, refuse=False):
         _refuse_unset(model)
 
 
-def _stand_in(t):
-    """A CPU tensor shaped like `t` for its module's initialiser to write, holding a mark no initialiser
-    writes on purpose (NaN; an integer dtype's largest value; True), so that one it leaves alone is found
-    by _left_unset. The version counter alone misses writes through .data (as older _init_weights make);
-    the mark costs one fill of each tensor, on the meta path only."""
-    return torch.empty(t.shape, dtype=t.dtype).fill_(_mark(t))
-
-
 def _mark(t):
+    """What a stand-in holds until its initialiser writes it, which none does on purpose, so that one left alone is
+    found: the version counter misses writes through .data (as older _init_weights make). One fill per tensor."""
     if t.is_floating_point() or t.is_complex():
         return float("nan")
     return True if t.dtype == torch.bool else torch.iinfo(t.dtype).max
 
 
 def _left_unset(now, held, version):
-    """Whether the initialiser left the stand-in `held` alone: still in the module, no in-place op on it
-    (the version counter), and every element still the mark (a write through .data)."""
+    """The initialiser left the stand-in `held` alone: still in the module, no in-place op, and still the mark."""
     if now is not held or held._version != version or not held.numel():
         return False
     return bool((held.isnan() if held.is_floating_point() or held.is_complex() else held == _mark(held)).all())
 
 
 def _refuse_unset(model):
-    """A meta-built module holding a tensor that neither its initialiser nor a checkpoint set is refused
-    at its first forward or save: __init__ ran on meta, so a value it computed there (torch.arange(...))
-    was never computed, and nothing can compute it now. Training on it would use the mark (NaN)."""
+    """At the first forward or save: training on a tensor nothing set would use the mark (NaN)."""
     for module in model.modules():
         if module in _STATE.meta_init.unset:
             path, names, _ = _STATE.meta_init.unset[module]
@@ -1753,21 +1718,18 @@ def _refuse_unset(model):
 
 
 def _loaded(module):
-    """load_checkpoint filled every persistent tensor of `module`. Laid out and not initialised yet, it
-    needs no initialisation, unless it has a non-persistent buffer (in no checkpoint): its initialiser then
-    still runs, for that buffer alone. Initialised already, only a non-persistent buffer may stay unset."""
-    own = {n for n, _ in _own_tensors(module)}
-    if module in _STATE.meta_init.pending:
-        if own & module._non_persistent_buffers_set:
-            _STATE.meta_init.pending[module][3].update(own - module._non_persistent_buffers_set)
-        else:
-            _forget_pending(module)
-    if module in _STATE.meta_init.unset:
-        path, names, hook = _STATE.meta_init.unset.pop(module)
-        if names := [n for n in names if n in module._non_persistent_buffers_set]:
-            _STATE.meta_init.unset[module] = (path, names, hook)
-        else:
-            hook.remove()
+    """load_checkpoint filled every persistent tensor of `module`: it needs no initialisation, unless for a
+    non-persistent buffer (in no checkpoint), the only kind that may then stay unset."""
+    own, transient = {n for n, _ in _own_tensors(module)}, module._non_persistent_buffers_set
+    if module in _STATE.meta_init.pending and own & transient:
+        _STATE.meta_init.pending[module][3].update(own - transient)
+    elif module in _STATE.meta_init.pending:
+        _STATE.meta_init.pending.pop(module)[2].remove()  # and its first-use hook
+    _, names, refusal = _STATE.meta_init.unset.get(module, (None, [], None))
+    names[:] = [n for n in names if n in transient]
+    if refusal is not None and not names:
+        refusal.remove()
+        del _STATE.meta_init.unset[module]
 
 # --- 11. data loading -----------------------------------------------------------------------------
 
