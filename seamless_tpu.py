@@ -133,7 +133,8 @@ _TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")
 
 @dataclasses.dataclass(eq=False)
 class _ProcessState:
-    """Everything this module remembers between calls. Tests swap in a fresh one (_reset_caches)."""
+    """Everything this module remembers between calls. Tests swap in a fresh one (_reset_caches). _STATE, the one
+    instance, is made at the end of this file, once the classes of the rooms below exist."""
 
     xla_device: torch.device = None  # the activated XLA device; None until first XLA use
     xla_kind: str = None  # "tpu" or "xla": what it was activated as
@@ -144,26 +145,20 @@ class _ProcessState:
     group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
     optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # name -> handle of a global step hook
     torch_patches: list = dataclasses.field(default_factory=list)  # undo functions of the header's changes
-    rebound: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    # ^ optimizer -> parameter count when _place_optimizer_state last ran for it (FSDP2 rebinding)
+    rebound: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> param count at rebind
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
-    # The concerns that own their state, each in its room:
     cuts: object = dataclasses.field(default_factory=lambda: _GraphCuts())  # 8. graph cuts and the watchdog
     meta_init: object = dataclasses.field(default_factory=lambda: _MetaInit())  # 10. models built on meta
     preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # 12. SIGTERM -> trainer.preempted
     saves: object = dataclasses.field(default_factory=lambda: _Saves())  # 15a. saves in flight
 
 
-# _STATE, the one instance, is made at the end of this file, once the classes of the rooms below exist.
-
-
 def _once(key):
     """True the first time `key` is asked for in this process: one-time warnings."""
-    if key in _STATE.warned:
-        return False
+    first = key not in _STATE.warned
     _STATE.warned.add(key)
-    return True
+    return first
 
 
 def _log(msg, *args, main=None):
@@ -172,8 +167,7 @@ def _log(msg, *args, main=None):
     logger.log(level, msg, *args)
 
 
-def _add_step_hook(name, when, hook):
-    """Install a global optimizer-step hook once per process (when: 'pre' or 'post')."""
+def _add_step_hook(name, when, hook):  # a global optimizer-step hook, once per process
     if name not in _STATE.optimizer_hooks:
         register = register_optimizer_step_pre_hook if when == "pre" else register_optimizer_step_post_hook
         _STATE.optimizer_hooks[name] = register(hook)
@@ -187,15 +181,12 @@ def _patch(owner, name, value):
 
 
 def _reset_caches():
-    """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
+    """For tests: let a save in flight end, undo every process-wide change (patches newest first), start afresh."""
     global _STATE
     if _STATE.saves.in_flight is not None:
         concurrent.futures.wait([_STATE.saves.in_flight])
-    for probe in _CACHED_PROBES:
-        probe.cache_clear()
-    for handle in _STATE.optimizer_hooks.values():
-        handle.remove()
-    for undo in reversed(_STATE.torch_patches):
+    hooks, patches = _STATE.optimizer_hooks.values(), reversed(_STATE.torch_patches)
+    for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches]:
         undo()
     _STATE = _ProcessState()
 
