@@ -1929,12 +1929,10 @@ def _catch_sigterm():
 
 @dataclasses.dataclass
 class _Preemption:
-    """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. The
-    exit it would have caused (the default's, Ray's) is held, never cancelled, until SIGTERM_GRACE_S after the
-    signal or the last save; a user's handler is chained and decides; SIG_IGN stays. Only steps of trainers'
-    optimizers count, so one that only some processes step (a probe) never splits them. Processes agree at step
-    counts they all compute alike, each reading the MAX all-reduce (gloo, CPU) the last agreement started and
-    starting the next: no device sync, no wait."""
+    """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. A user's
+    handler is chained and decides, SIG_IGN stays, and an exit (the default's, Ray's) is held, never cancelled, until
+    SIGTERM_GRACE_S after the signal or the last save. Only steps of trainers' optimizers count: one that only some
+    processes step (a probe) never splits them."""
 
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
@@ -1967,8 +1965,8 @@ class _Preemption:
 
     def _on_sigterm(self, signum, frame):
         if not self.delays_exit or self.expired or "preemption" not in _STATE.optimizer_hooks:
-            self.sigterm |= not self.delays_exit  # a user's handler decides; else the grace is over, or no trainer
-            if callable(self.previous):  # could save yet
+            self.sigterm |= not self.delays_exit  # a user's handler decides; else the grace is over or none can save
+            if callable(self.previous):
                 return self.previous(signum, frame)  # the user's, or Ray's (SystemExit)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the default action: the process ends by SIGTERM
             return os.kill(os.getpid(), signal.SIGTERM)
@@ -2021,7 +2019,9 @@ class _Preemption:
             self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
 
     def _agree(self):
-        """The flag as every process saw it at the last agreement (False at the first), the next one started."""
+        """The flag as every process saw it at the last agreement (False at the first), read from the MAX all-reduce
+        (gloo, CPU) it started, with the fewest steps any proposed until this one; the next one started: no device
+        sync, no wait, at step counts every process computes alike."""
         if self.group is None:
             return self.sigterm
         agreed, every = False, 1
@@ -2039,11 +2039,9 @@ class _Preemption:
 
 def _sigterm_grace():
     value = os.environ.get("SEAMLESS_TPU_SIGTERM_GRACE") or SIGTERM_GRACE_S
-    try:
+    with contextlib.suppress(ValueError):
         if 0 <= float(value) < math.inf:
             return float(value)
-    except ValueError:
-        pass
     raise ValueError(f"SEAMLESS_TPU_SIGTERM_GRACE is how many seconds SIGTERM's exit waits for the loop to save, a "
                      f"number >= 0; got {value!r}. Unset it for the default, {SIGTERM_GRACE_S:g}")
 
