@@ -133,7 +133,8 @@ _TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")
 
 @dataclasses.dataclass(eq=False)
 class _ProcessState:
-    """Everything this module remembers between calls. Tests swap in a fresh one (_reset_caches)."""
+    """Everything this module remembers between calls. Tests swap in a fresh one (_reset_caches). _STATE, the one
+    instance, is made at the end of this file, once the classes of the rooms below exist."""
 
     xla_device: torch.device = None  # the activated XLA device; None until first XLA use
     xla_kind: str = None  # "tpu" or "xla": what it was activated as
@@ -144,26 +145,20 @@ class _ProcessState:
     group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
     optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # name -> handle of a global step hook
     torch_patches: list = dataclasses.field(default_factory=list)  # undo functions of the header's changes
-    rebound: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    # ^ optimizer -> parameter count when _place_optimizer_state last ran for it (FSDP2 rebinding)
+    rebound: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> param count at rebind
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
-    # The concerns that own their state, each in its room:
     cuts: object = dataclasses.field(default_factory=lambda: _GraphCuts())  # 8. graph cuts and the watchdog
     meta_init: object = dataclasses.field(default_factory=lambda: _MetaInit())  # 10. models built on meta
     preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # 12. SIGTERM -> trainer.preempted
     saves: object = dataclasses.field(default_factory=lambda: _Saves())  # 15a. saves in flight
 
 
-# _STATE, the one instance, is made at the end of this file, once the classes of the rooms below exist.
-
-
 def _once(key):
     """True the first time `key` is asked for in this process: one-time warnings."""
-    if key in _STATE.warned:
-        return False
+    first = key not in _STATE.warned
     _STATE.warned.add(key)
-    return True
+    return first
 
 
 def _log(msg, *args, main=None):
@@ -172,8 +167,7 @@ def _log(msg, *args, main=None):
     logger.log(level, msg, *args)
 
 
-def _add_step_hook(name, when, hook):
-    """Install a global optimizer-step hook once per process (when: 'pre' or 'post')."""
+def _add_step_hook(name, when, hook):  # a global optimizer-step hook, once per process
     if name not in _STATE.optimizer_hooks:
         register = register_optimizer_step_pre_hook if when == "pre" else register_optimizer_step_post_hook
         _STATE.optimizer_hooks[name] = register(hook)
@@ -187,16 +181,12 @@ def _patch(owner, name, value):
 
 
 def _reset_caches():
-    """For tests: forget the probes, remove the hooks, undo the torch patches, start a fresh state."""
+    """For tests: let a save in flight end, undo every process-wide change (patches newest first), start afresh."""
     global _STATE
-    _STATE.preemption.close()
     if _STATE.saves.in_flight is not None:
         concurrent.futures.wait([_STATE.saves.in_flight])
-    for probe in _CACHED_PROBES:
-        probe.cache_clear()
-    for handle in _STATE.optimizer_hooks.values():
-        handle.remove()
-    for undo in reversed(_STATE.torch_patches):
+    hooks, patches = _STATE.optimizer_hooks.values(), reversed(_STATE.torch_patches)
+    for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches]:
         undo()
     _STATE = _ProcessState()
 
@@ -1457,7 +1447,11 @@ def _placed_like(value, param, key=None):
 
 @dataclasses.dataclass
 class _MetaInit:
-    """The modules of meta-built models that still wait for their values."""
+    """A model built under torch.device("meta") is made real module by module, children first, Parameter objects kept
+    (an optimizer made earlier trains), each initialised on the CPU in turn from the CPU RNG as the build left it: the
+    CPU build's weights, if nothing drew in between and modules are built in registration order (a deep copy, as
+    nn.TransformerEncoder makes of its layer, draws anew). On XLA that waits for the first forward or save (tensors
+    laid out lazily till then), and a module that load_checkpoint filled first is never initialised."""
 
     pending: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module -> (its transformers owner, RNG, first-use hook, names a load filled): laid out, not yet initialised
@@ -1470,53 +1464,45 @@ def _has_meta_tensors(model):
 
 
 def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
-    """A model built under torch.device("meta") made real on `device` one module at a time, children
-    before their parent (the order their constructors ran in), each tensor split over `mesh` as it will
-    be trained (its `planned` spec, else fsdp's). Off XLA the trainer initialises each module next:
-    before DDP wraps it, or after FSDP2 has split it, into its shards. On XLA the tensors are only laid
-    out (lazily: nothing is computed or sent) and each module is initialised at the model's first forward
-    or save, unless load_checkpoint filled it first: a model loaded from a checkpoint is never
-    initialised. Parameter objects are kept, so an optimizer made earlier trains."""
-    owners = {}  # module -> the transformers model whose _initialize_weights initialises it, or None
+    """Lay out the meta tensors of `model` on `device` (unless `lay_out` is False: FSDP2 splits them on meta), each
+    split over `mesh` by its `planned` spec, else fsdp's, and hook each module's initialisation to its first use."""
 
-    def visit(module, owner):
+    def post_order(module, owner):  # owner: the transformers model whose _initialize_weights initialises it, or None
         owner = module if callable(getattr(module, "_initialize_weights", None)) else owner
         for child in module.children():
-            visit(child, owner)
-        owners[module] = owner
+            yield from post_order(child, owner)
+        yield module, owner
 
-    visit(model, None)
     pending, rng = {}, [torch.get_rng_state()]  # the CPU RNG as the build left it: every module draws from it in turn
     root = weakref.ref(model)
-    for module, owner in owners.items():  # dicts keep insertion order: post-order
+    for module, owner in dict(post_order(model, None)).items():  # children first, as their constructors ran
         own = [name for name, t in _own_tensors(module) if t.is_meta]
         if not own:
             continue
-        _check_initialisable(module, owner, own)
-        for name in own if lay_out else ():  # else left on meta, for FSDP2 to split
-            t = getattr(module, name)
-            made = torch.empty(t.shape, dtype=t.dtype, device=device)
-            _set_own_tensor(module, name, _split_like_planned(made, t, mesh, fsdp, planned))
+        resets = [getattr(module, m, None) for m in ("reset_parameters", "_reset_parameters")]
+        if owner is None and not any(map(callable, resets)):
+            raise ValueError(f"cannot initialise the meta tensors {own} of {type(module).__name__}: it has no "
+                             "reset_parameters(), so their values are unknown. Give it a reset_parameters() that sets "
+                             "them, or build the model on the CPU")
+        for name in own if lay_out else ():
+            meta = getattr(module, name)
+            made = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            split = mesh is not None and made.dim() and isinstance(meta, torch.nn.Parameter)
+            if split and meta in planned:
+                _mark_sharding(made, mesh, planned[meta])
+            elif split and fsdp:
+                _mark_sharding(made, mesh, _fsdp_spec(tuple(made.shape), _axis_sizes(mesh)[FSDP_AXIS]))
+            _set_own_tensor(module, name, made)
         # A submodule run on its own first (model.encoder(x)) must not see unset values either.
         first_use = module.register_forward_pre_hook(lambda *_: _initialize_pending(root(), refuse=True))
         pending[module] = (owner, rng, first_use, set())
     _STATE.meta_init.pending.update(pending)
 
 
-def _split_like_planned(tensor, meta, mesh, fsdp, planned):
-    if mesh is not None and tensor.dim() and isinstance(meta, torch.nn.Parameter):
-        if meta in planned:
-            _mark_sharding(tensor, mesh, planned[meta])
-        elif fsdp:
-            _mark_sharding(tensor, mesh, _fsdp_spec(tuple(tensor.shape), _axis_sizes(mesh)[FSDP_AXIS]))
-    return tensor
-
-
 def _blank_like(t):
-    """An XLA tensor shaped and sharded like the split tensor `t`, its contents unset, for a load to
-    overwrite: made from one uninitialised host shard sent to each device, so nothing is computed and no
-    whole copy exists anywhere. A meta model's lazy placeholder that the load reads as it is gets computed
-    first, for values the load then overwrites: a graph compiled per shape (9 on the 320 MB test model)."""
+    """An XLA tensor split like `t`, its contents unset, for a load to overwrite: one empty host shard sent to each
+    device, nothing computed, no whole copy (a meta model's lazy placeholder, read as it is, compiles a graph per
+    shape: 9 on the 320 MB test model)."""
     xla = _import("torch_xla")._XLAC
     tiles = re.search(r"devices=\[([\d,]+)\]", xla._get_xla_sharding_spec(t)).group(1).split(",")[:t.dim()]
     shard = torch.empty([-(-size // int(n)) for size, n in zip(t.shape, tiles)], dtype=t.dtype)  # XLA pads shards
@@ -1524,20 +1510,12 @@ def _blank_like(t):
     return xla._global_tensor_from_cpu_shards(shards, xla._get_xla_op_sharding(t), list(t.shape))
 
 
-def _forget_pending(module):
-    """(owner, rng, loaded) of a module _materialize laid out, which needs no initialisation hook from now on."""
-    owner, rng, hook, loaded = _STATE.meta_init.pending.pop(module)
-    hook.remove()
-    return owner, rng, loaded
-
-
 def _own_tensors(module):
     return [(n, t) for n, t in itertools.chain(module._parameters.items(), module._buffers.items()) if t is not None]
 
 
 def _set_own_tensor(module, name, value):
-    """Put `value` in place of the module's own tensor `name`. A parameter keeps its object (swapped in
-    place, with the hooks and attributes it carries), so optimizers and the trainer's hooks keep it."""
+    """A parameter keeps its object (swapped in place, with its hooks and attributes): optimizers and hooks keep it."""
     if name not in module._parameters:
         module._buffers[name] = value
         return
@@ -1547,32 +1525,21 @@ def _set_own_tensor(module, name, value):
     param.__dict__.update(kept)
 
 
-def _check_initialisable(module, owner, names):
-    if owner is None and not any(callable(getattr(module, m, None)) for m in ("reset_parameters", "_reset_parameters")):
-        raise ValueError(
-            f"cannot initialise the meta tensors {names} of {type(module).__name__}: it has no reset_parameters(), so "
-            "their values are unknown. Give it a reset_parameters() that sets them, or build the model on the CPU")
-
-
 def _initialize_pending(model, device=None, refuse=False):
-    """Initialise the modules of `model` that _materialize laid out and nothing filled yet: each on the
-    CPU, by its own initialisation (reset_parameters(), or _reset_parameters() as MultiheadAttention
-    has; in a transformers model its _initialize_weights), then sent to its place shard by shard. The
-    host holds one module at a time. The modules draw, in turn, from the CPU RNG as it was when the
-    trainer was made, and the loop's own RNG is left as it is: if nothing drew from it between the build
-    and the trainer, the weights are those of the same model built on the CPU, when its modules are
-    built in the order they are registered (a module deep-copied from another, as nn.TransformerEncoder
-    copies its layer, draws its own values instead). A tensor the initialiser leaves unset is refused by
-    _refuse_unset: now if `refuse` (the first forward or save), else at those unless a load fills it."""
+    """Initialise the modules of `model` that _materialize laid out and nothing filled yet, one at a time, by
+    reset_parameters(), _reset_parameters() (as MultiheadAttention has) or a transformers model's
+    _initialize_weights; then send each tensor to its place, shard by shard. A tensor the initialiser leaves unset
+    is refused (_refuse_unset) now if `refuse` (the first forward or save), else then unless a load fills it."""
     paths = {m: p for p, m in model.named_modules()}
     release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
     for module in [m for m in list(_STATE.meta_init.pending) if m in paths]:  # the post-order they were laid out in
-        owner, rng, loaded = _forget_pending(module)
+        owner, rng, first_use, loaded = _STATE.meta_init.pending.pop(module)
+        first_use.remove()
         if device is not None:  # FSDP2 split it on meta: this rank's shards are allocated here, nothing more
             module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t, recurse=False)
         placed, held = dict(_own_tensors(module)), {}
-        for name, t in placed.items():  # a CPU stand-in for each own tensor while the module initialises
-            stand_in = _stand_in(t)
+        for name, t in placed.items():
+            stand_in = torch.full(t.shape, _mark(t), dtype=t.dtype)  # on the CPU, for the initialiser to write
             if name in module._parameters:
                 module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
             else:
@@ -1595,11 +1562,8 @@ def _initialize_pending(model, device=None, refuse=False):
         del held  # the stand-ins go with the write-back below, tensor by tensor: the host holds one module
         for name, t in placed.items():
             value = getattr(module, name).detach()
-            if name in module._parameters:
-                module._parameters[name] = t
+            (module._parameters if name in module._parameters else module._buffers)[name] = t
             if name in loaded:  # load_checkpoint filled it before this first use: the initialiser's value is dropped
-                if name in module._buffers:
-                    module._buffers[name] = t
                 continue
             if hasattr(t, "device_mesh"):  # an FSDP2 shard: this rank's part, in place (FSDP2 gathers from its storage)
                 with torch.no_grad():
@@ -1614,32 +1578,23 @@ def _initialize_pending(model, device=None, refuse=False):
         _refuse_unset(model)
 
 
-def _stand_in(t):
-    """A CPU tensor shaped like `t` for its module's initialiser to write, holding a mark no initialiser
-    writes on purpose (NaN; an integer dtype's largest value; True), so that one it leaves alone is found
-    by _left_unset. The version counter alone misses writes through .data (as older _init_weights make);
-    the mark costs one fill of each tensor, on the meta path only."""
-    return torch.empty(t.shape, dtype=t.dtype).fill_(_mark(t))
-
-
 def _mark(t):
+    """What a stand-in holds until its initialiser writes it, which none does on purpose, so that one left alone is
+    found: the version counter misses writes through .data (as older _init_weights make). One fill per tensor."""
     if t.is_floating_point() or t.is_complex():
         return float("nan")
     return True if t.dtype == torch.bool else torch.iinfo(t.dtype).max
 
 
 def _left_unset(now, held, version):
-    """Whether the initialiser left the stand-in `held` alone: still in the module, no in-place op on it
-    (the version counter), and every element still the mark (a write through .data)."""
+    """The initialiser left the stand-in `held` alone: still in the module, no in-place op, and still the mark."""
     if now is not held or held._version != version or not held.numel():
         return False
     return bool((held.isnan() if held.is_floating_point() or held.is_complex() else held == _mark(held)).all())
 
 
 def _refuse_unset(model):
-    """A meta-built module holding a tensor that neither its initialiser nor a checkpoint set is refused
-    at its first forward or save: __init__ ran on meta, so a value it computed there (torch.arange(...))
-    was never computed, and nothing can compute it now. Training on it would use the mark (NaN)."""
+    """At the first forward or save: training on a tensor nothing set would use the mark (NaN)."""
     for module in model.modules():
         if module in _STATE.meta_init.unset:
             path, names, _ = _STATE.meta_init.unset[module]
@@ -1655,21 +1610,18 @@ def _refuse_unset(model):
 
 
 def _loaded(module):
-    """load_checkpoint filled every persistent tensor of `module`. Laid out and not initialised yet, it
-    needs no initialisation, unless it has a non-persistent buffer (in no checkpoint): its initialiser then
-    still runs, for that buffer alone. Initialised already, only a non-persistent buffer may stay unset."""
-    own = {n for n, _ in _own_tensors(module)}
-    if module in _STATE.meta_init.pending:
-        if own & module._non_persistent_buffers_set:
-            _STATE.meta_init.pending[module][3].update(own - module._non_persistent_buffers_set)
-        else:
-            _forget_pending(module)
-    if module in _STATE.meta_init.unset:
-        path, names, hook = _STATE.meta_init.unset.pop(module)
-        if names := [n for n in names if n in module._non_persistent_buffers_set]:
-            _STATE.meta_init.unset[module] = (path, names, hook)
-        else:
-            hook.remove()
+    """load_checkpoint filled every persistent tensor of `module`: it needs no initialisation, unless for a
+    non-persistent buffer (in no checkpoint), the only kind that may then stay unset."""
+    own, transient = {n for n, _ in _own_tensors(module)}, module._non_persistent_buffers_set
+    if module in _STATE.meta_init.pending and own & transient:
+        _STATE.meta_init.pending[module][3].update(own - transient)
+    elif module in _STATE.meta_init.pending:
+        _STATE.meta_init.pending.pop(module)[2].remove()  # and its first-use hook
+    _, names, refusal = _STATE.meta_init.unset.get(module, (None, [], None))
+    names[:] = [n for n in names if n in transient]
+    if refusal is not None and not names:
+        refusal.remove()
+        del _STATE.meta_init.unset[module]
 
 # --- 11. data loading -----------------------------------------------------------------------------
 
@@ -1864,77 +1816,65 @@ class _DeviceLoader:
 def _catch_sigterm():
     """SIGTERM's handler, installed once per process from its main thread: by the first trainer, or on each Ray
     worker by the backends' on_start (Ray runs the loop on another thread, which may not set handlers)."""
-    _STATE.preemption.catch()
+    state, previous = _STATE.preemption, signal.getsignal(signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()
+    if state.previous is not None or previous is signal.SIG_IGN or not main:
+        return
+    _sigterm_grace()  # a bad SEAMLESS_TPU_SIGTERM_GRACE is refused now, not when the signal comes
+    state.previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
+    ray_exit = getattr(previous, "__module__", None) == "ray._private.worker"
+    state.delays_exit = state.previous is signal.SIG_DFL or ray_exit
+    signal.signal(signal.SIGTERM, state._on_sigterm)
+    _STATE.torch_patches.append(state.close)
 
 
 @dataclasses.dataclass
 class _Preemption:
-    """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. The
-    exit it would have caused (the default's, Ray's) is delayed, never cancelled: it comes SIGTERM_GRACE_S after
-    the signal or the last save, whichever is later. A user's handler is chained and decides; SIG_IGN stays.
-    Only steps of trainers' optimizers count, so one that some processes step and others do not (a probe) never
-    splits them. Several processes agree at step counts they all compute alike: each reads the MAX all-reduce
-    (gloo, CPU) that the last agreement started, of the flag and of minus the steps each proposes until the next
-    (AGREE_EVERY_S of its steps, at most AGREE_MAX_STEPS), and starts the next: no device sync, and no wait."""
+    """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. A user's
+    handler is chained and decides, SIG_IGN stays, and an exit (the default's, Ray's) is held, never cancelled, until
+    SIGTERM_GRACE_S after the signal or the last save. Only steps of trainers' optimizers count: one that only some
+    processes step (a probe) never splits them."""
 
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
     sigterm: bool = False  # SIGTERM reached this process
     preempted_at: int = 0  # the step count at which every process learnt that SIGTERM reached one; 0: not yet
     steps: int = 0  # steps of trainers' optimizers ended in this process
-    models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model; never a
-    # weakref to a parameter: with the swap setting on, .to() of a module whose parameter has one raises
-    owned: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    # ^ optimizer -> (its parameter layout, whether it steps a trainer's parameters)
+    models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model
+    owned: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> (layout, ours?)
     stepped_after: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # optimizers since `preempted`
     group: object = None  # a CPU gloo group of every process, for the agreement; None in one process
-    pending: tuple = None  # (work, values) of the all-reduce the last agreement started
+    pending: tuple = None  # (work, values) of the all-reduce the last agreement started: [flag, -steps to the next]
     next_agreement: int = 1  # the step count of the next agreement
-    agreed_at: tuple = None  # (time.monotonic(), step count) of the last agreement
+    agreed_at: tuple = (-math.inf, 0)  # (time.monotonic(), step count) of the last agreement
     deadline: float = None  # time.monotonic() at which the held exit happens; None before SIGTERM
     saves: int = 0  # saves in progress: they hold the exit
     expired: bool = False  # the grace ran out: the handler now acts as the previous one would
     closed: bool = False  # _reset_caches: the held exit no longer applies
 
-    def catch(self):
-        if self.previous is not None or threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous is signal.SIG_IGN:
-            return
-        _sigterm_grace()  # a bad SEAMLESS_TPU_SIGTERM_GRACE is refused now, not when the signal comes
-        self.previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
-        ray_exit = getattr(previous, "__module__", None) == "ray._private.worker"
-        self.delays_exit = self.previous is signal.SIG_DFL or ray_exit
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        _STATE.torch_patches.append(lambda: signal.signal(signal.SIGTERM, self.previous))
-
     def watch(self, model):
         """From each trainer: its optimizers count; the first also sets up the agreement (a collective)."""
         self.models.add(model)
-        if "preemption" in _STATE.optimizer_hooks:
-            return
-        self.catch()
-        if self.previous is None:  # SIG_IGN, or a thread other than the main one with no Ray backend
-            return
-        self.group = _agreement_group()
-        _add_step_hook("preemption", "post", self._after_step)
+        _catch_sigterm()  # leaves `previous` None for SIG_IGN, or off the main thread with no Ray backend
+        if self.previous is not None and "preemption" not in _STATE.optimizer_hooks:
+            self.group = _agreement_group()
+            _add_step_hook("preemption", "post", self._after_step)
+
+    def close(self):  # _reset_caches: the previous handler is back, and the held exit no longer applies
+        self.closed = True
+        signal.signal(signal.SIGTERM, self.previous)
 
     def _on_sigterm(self, signum, frame):
-        if self.expired or (self.delays_exit and "preemption" not in _STATE.optimizer_hooks):
-            return self._act_as_before(signum, frame)  # the grace is over, or no trainer could save yet
+        if not self.delays_exit or self.expired or "preemption" not in _STATE.optimizer_hooks:
+            self.sigterm |= not self.delays_exit  # a user's handler decides; else the grace is over or none can save
+            if callable(self.previous):
+                return self.previous(signum, frame)  # the user's, or Ray's (SystemExit)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the default action: the process ends by SIGTERM
+            return os.kill(os.getpid(), signal.SIGTERM)
         self.sigterm = True
-        if not self.delays_exit:
-            self.previous(signum, frame)  # the user's handler decides
-        elif self.deadline is None:  # a second SIGTERM does not postpone the exit
+        if self.deadline is None:  # a second SIGTERM does not postpone the exit
             self.deadline = time.monotonic() + _sigterm_grace()
             threading.Thread(target=self._exit_when_due, name="seamless_tpu-sigterm", daemon=True).start()
-
-    def _act_as_before(self, signum, frame):
-        if callable(self.previous):
-            return self.previous(signum, frame)  # Ray's: SystemExit
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the default action: the process ends by SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)
 
     def _exit_when_due(self):
         while not self.closed and (self.saves or time.monotonic() < self.deadline):
@@ -1959,73 +1899,58 @@ class _Preemption:
                 self.deadline = max(self.deadline, time.monotonic() + _sigterm_grace())
         return done
 
-    def _owns(self, optimizer):
-        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
-        seen = self.owned.get(optimizer)
-        if seen is None or seen[0] != layout:
-            ours = {id(p) for model in self.models for p in model.parameters()}  # once per optimizer and layout
-            owns = any(id(p) in ours for group in optimizer.param_groups for p in group["params"])
-            seen = self.owned[optimizer] = (layout, owns)
-        return seen[1]
-
     def _after_step(self, optimizer, args, kwargs):
-        if not self._owns(optimizer):
+        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
+        if self.owned.get(optimizer, (None,))[0] != layout:  # ids, as a weakref to a parameter makes .to() raise
+            ours = {id(p) for model in self.models for p in model.parameters()}
+            self.owned[optimizer] = layout, any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
+        if not self.owned[optimizer][1]:
             return
         self.steps += 1
-        if self.preempted_at:
-            if optimizer in self.stepped_after and self.delays_exit:
-                raise RuntimeError(
-                    f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
-                    f"{self.preempted_at}, but the loop stepped again. The trainer delays SIGTERM's exit only until "
-                    f"the "
-                    "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
-                    "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
-                    "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
-            self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
-            return
-        seen = self.sigterm if self.group is None else self.steps >= self.next_agreement and self._agree()
-        if seen:
+        if self.preempted_at and optimizer in self.stepped_after and self.delays_exit:
+            raise RuntimeError(
+                f"seamless_tpu: SIGTERM reached this run and trainer.preempted turned True at optimizer step "
+                f"{self.preempted_at}, but the loop stepped again. The trainer delays SIGTERM's exit only until the "
+                "loop saves: after optimizer.step(), `if trainer.preempted: trainer.save_checkpoint(...); break` "
+                "(under Ray, also ray.train.report(..., checkpoint=...)). To train on through a SIGTERM, install "
+                "your own SIGTERM handler before creating the trainer; it is chained, and nothing is stopped")
+        if not self.preempted_at and self.steps >= self.next_agreement and self._agree():
             self.preempted_at = self.steps
-            self.stepped_after.add(optimizer)
+        if self.preempted_at:
+            self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
 
     def _agree(self):
-        """The flag as every process saw it at the last agreement (False at the first), the next one started."""
+        """The flag as every process saw it at the last agreement (False at the first), read from the MAX all-reduce
+        (gloo, CPU) it started, with the fewest steps any proposed until this one; the next one started: no device
+        sync, no wait, at step counts every process computes alike."""
+        if self.group is None:
+            return self.sigterm
         agreed, every = False, 1
         if self.pending is not None:
             work, values = self.pending
             work.wait()  # started at the last agreement, steps ago: done unless a peer is that far behind
             agreed, every = bool(values[0]), int(-values[1])
-        now, (then, step) = time.monotonic(), self.agreed_at or (0.0, 0)
-        step_time = (now - then) / (self.steps - step) if self.agreed_at else math.inf
-        propose = max(1, min(AGREE_MAX_STEPS, 2 * every, int(AGREE_EVERY_S / step_time)))  # grows slowly: steps slow
-        dist = torch.distributed
-        options, values = dist.AllreduceOptions(), torch.tensor([int(self.sigterm), -propose], dtype=torch.int64)
-        options.reduceOp = dist.ReduceOp.MAX  # of -steps: the fewest any process proposes
-        self.pending = self.group.allreduce([values], options), values
+        now, (then, step) = time.monotonic(), self.agreed_at  # proposed: AGREE_EVERY_S of steps, growing slowly
+        propose = max(1, min(AGREE_MAX_STEPS, 2 * every, int(AGREE_EVERY_S * (self.steps - step) / (now - then))))
+        values = torch.tensor([int(self.sigterm), -propose], dtype=torch.int64)  # MAX of -steps: the fewest proposed
+        self.pending = self.group.allreduce(values, torch.distributed.ReduceOp.MAX), values
         self.next_agreement, self.agreed_at = self.steps + every, (now, self.steps)
         return agreed
-
-    def close(self):
-        self.closed = True
 
 
 def _sigterm_grace():
     value = os.environ.get("SEAMLESS_TPU_SIGTERM_GRACE") or SIGTERM_GRACE_S
-    try:
-        grace = float(value)
-    except ValueError:
-        grace = -1.0
-    if not 0 <= grace < math.inf:
-        raise ValueError(f"SEAMLESS_TPU_SIGTERM_GRACE is how many seconds SIGTERM's exit waits for the loop to save, a "
-                         f"number >= 0; got {value!r}. Unset it for the default, {SIGTERM_GRACE_S:g}")
-    return grace
+    with contextlib.suppress(ValueError):
+        if 0 <= float(value) < math.inf:
+            return float(value)
+    raise ValueError(f"SEAMLESS_TPU_SIGTERM_GRACE is how many seconds SIGTERM's exit waits for the loop to save, a "
+                     f"number >= 0; got {value!r}. Unset it for the default, {SIGTERM_GRACE_S:g}")
 
 
 def _agreement_group():
-    """A CPU gloo group of every process, for the preemption agreement, or None in one process. A collective:
-    every process builds its first trainer. A multi-host XLA slice launched without torch.distributed gets a
-    group of its own, over a store that process 0 serves; torch_xla's preemption sync manager would need the XLA
-    coordinator, which replaces the SIGTERM handler in C and aborts every host whose leader exits first."""
+    """A CPU gloo group of every process for the agreement (a collective), or None in one process. A multi-host XLA
+    slice without torch.distributed gets one over a store that process 0 serves; torch_xla's preemption sync manager
+    needs the XLA coordinator, which replaces the SIGTERM handler in C and aborts every host if its leader exits."""
     dist = torch.distributed
     if _torch_dist_ranks()[0] > 1:
         return dist.new_group(backend="gloo")
@@ -2038,8 +1963,7 @@ def _agreement_group():
         store = dist.TCPStore(address, port, count, index == 0, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as e:  # DistNetworkError and DistStoreError are RuntimeErrors
         raise RuntimeError(f"seamless_tpu: process {index} of {count} could not {'serve' if index == 0 else 'reach'} "
-                           f"the "
-                           f"store at {address}:{port} that the hosts agree on SIGTERM through ({e}). Set "
+                           f"the store at {address}:{port} that the hosts agree on SIGTERM through ({e}). Set "
                            "SEAMLESS_TPU_PORT to a port free on process 0's host, the same on every host") from e
     _log("seamless_tpu: SIGTERM agreement among %d XLA processes over %s:%d", count, address, port)
     return dist.ProcessGroupGloo(dist.PrefixStore("seamless_tpu/preemption", store), index, count, timeout)
@@ -2047,11 +1971,9 @@ def _agreement_group():
 
 def _xla_processes():
     """(count, index, address of process 0) of this XLA run's processes: one per host of a TPU slice."""
-    if _STATE.xla_device is None:
+    if _STATE.xla_device is None or _import("torch_xla.runtime").process_count() == 1:
         return 1, 0, None
     xr = _import("torch_xla.runtime")
-    if xr.process_count() == 1:
-        return 1, 0, None
     return xr.process_count(), xr.process_index(), os.environ.get("MASTER_ADDR") or xr.get_master_ip()
 
 # --- 13. the trainer ------------------------------------------------------------------------------
