@@ -2297,15 +2297,14 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
                 _initialize_pending(value, refuse=True)
         attempt, error = None, None
         try:  # all that reads the state happens now, blocking or not; a failure on any rank is shared below
-            tensors = {k: _state_dicts(v) for k, v in state.items()
-                       if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
+            tensors = {k: _map_tensors(_state_dicts(v), lambda t: _saved_form(t, blocking))
+                       for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
             objects = {k: _map_tensors(_state_dicts(v), _cpu_copy)
                        for k, v in state.items() if _is_stateful(v) and k not in tensors}
             files = {OBJECT_STATES: {"objects": objects, "rng": rng}, PLAIN_VALUES: plain}
             for name, value in files.items():  # bytes now: what a later write puts on disk cannot change after the call
                 files[name] = io.BytesIO()
                 torch.save(value, files[name])
-            tensors = _map_tensors(tensors, lambda t: _saved_form(t, blocking))
             if _is_main_process():
                 attempt = f"save-{os.getpid()}-{time.time_ns()}"
                 os.makedirs(os.path.join(directory, attempt))
@@ -2351,25 +2350,20 @@ class _Saves:
         threading.Thread(target=run, name="seamless_tpu-save").start()
         self.in_flight = future
         if _once("report_unasked_saves"):
-            atexit.register(lambda: _STATE.saves.report_unasked())
+            atexit.register(lambda: _STATE.saves.wait(at_exit=True))
         return future
 
-    def wait(self):
-        """Wait for the save in flight, if any, and raise its failure if nobody asked its Future about it."""
+    def wait(self, at_exit=False):
+        """Wait for the save in flight, if any, and raise its failure if nobody asked its Future about it; at exit
+        (atexit: after the interpreter joined the save's thread), log it."""
         future, self.in_flight = self.in_flight, None
         error = future and concurrent.futures.Future.exception(future)  # waits for it, and is not an ask
-        if error is not None and not future.asked:
+        if error is not None and not future.asked and not at_exit:
             raise error
-
-    def report_unasked(self):
-        """At exit (after the interpreter joined the save's thread): wait() logs what it would raise."""
-        path = self.in_flight and self.in_flight.path
-        try:
-            self.wait()
-        except BaseException as error:
+        if error is not None and not future.asked:
             logger.error("seamless_tpu: save_checkpoint(..., blocking=False) to %r failed, and nothing asked its "
                          "Future: %s: %s. That attempt was removed; the checkpoint before it is still the one "
-                         "LATEST names", path, type(error).__name__, error)
+                         "LATEST names", future.path, type(error).__name__, error)
 
 
 class _SaveFuture(concurrent.futures.Future):
@@ -2507,12 +2501,11 @@ def _load_checkpoint(directory, state):
 
 
 class _HostMemoryRelease:
-    """Hands the host memory a checkpoint load (or a meta model's initialisation) frees back to the OS every
-    `every` bytes it handles (malloc_trim; nothing off Linux). glibc keeps freed buffers of up to 32 MB for reuse,
-    and a load frees one or more per tensor: measured on a 255 MB checkpoint on 4 XLA devices, the process grew by
-    1.17x the checkpoint without the release and by 0.13x with it every 32 MB. A meta model's load (16 MB tensors,
-    each in 4 shards) grew by 0.28-0.32x its checkpoint with a release every 32 MB, 0.23-0.25x every 4 MB, with no
-    measurable cost in time (9.5 s either way)."""
+    """Hands the host memory a checkpoint load (or a meta model's initialisation) frees back to the OS (malloc_trim;
+    Linux only) every `every` bytes it handles: glibc keeps freed buffers of up to 32 MB for reuse, and a load frees one
+    or more per tensor. Measured: a 255 MB checkpoint on 4 XLA devices grew the process by 1.17x the checkpoint without
+    the release, 0.13x with one every 32 MB; a meta model's load (16 MB tensors, 4 shards each) by 0.28-0.32x releasing
+    every 32 MB, 0.23-0.25x every 4 MB, in the same time (9.5 s)."""
 
     def __init__(self, every=RELEASE_EVERY):
         self.release = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
@@ -2529,11 +2522,10 @@ class _HostMemoryRelease:
 
 def _dcp_loader(path, release):
     """DCP's (reader, planner) for `path` (torch_xla's SPMD planner on XLA), calling `release` after each read. The
-    reader reads and deserialises a stored chunk once however many of this process's shards overlap it, and holds
-    one chunk at a time. torch's reader does both once per shard: a replicated save loaded into 4 XLA shards read
-    4.04x the checkpoint, and a whole-tensor save loaded into them held 4 deserialised copies of a tensor at once.
-    A shim on torch 2.9's private reader API (storage_data, _slice_file, _shard._utils.narrow_tensor_by_index).
-    TODO(remove the reader when DCP's reads a chunk once)"""
+    reader reads and deserialises a stored chunk once however many of this process's shards overlap it, and holds one at
+    a time; torch's does both once per shard: a replicated save loaded into 4 XLA shards read 4.04x the checkpoint, and
+    a whole-tensor save held 4 deserialised copies of a tensor at once. A shim on torch 2.9's private API (storage_data,
+    _slice_file, narrow_tensor_by_index): TODO(remove when DCP's reader reads a chunk once)"""
     dcp = importlib.import_module("torch.distributed.checkpoint")
     tensor_item = importlib.import_module("torch.distributed.checkpoint.planner").LoadItemType.TENSOR
     narrow = importlib.import_module("torch.distributed._shard._utils").narrow_tensor_by_index
