@@ -2358,9 +2358,9 @@ class _Saves:
         (atexit: after the interpreter joined the save's thread), log it."""
         future, self.in_flight = self.in_flight, None
         error = future and concurrent.futures.Future.exception(future)  # waits for it, and is not an ask
-        if error is not None and not future.asked and not at_exit:
-            raise error
         if error is not None and not future.asked:
+            if not at_exit:
+                raise error
             logger.error("seamless_tpu: save_checkpoint(..., blocking=False) to %r failed, and nothing asked its "
                          "Future: %s: %s. That attempt was removed; the checkpoint before it is still the one "
                          "LATEST names", future.path, type(error).__name__, error)
@@ -2382,9 +2382,8 @@ class _SaveFuture(concurrent.futures.Future):
 
 
 def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking):
-    """Write this process's shards, then process 0 writes the other files and commits; every rank returns
-    `directory` or raises together. Off the main thread the collectives (DCP's planning, the agreement) use a
-    process group of their own, never the one the training loop is using."""
+    """Write this process's shards, then process 0 the other files and the commit; every rank returns `directory` or
+    raises together. Off the main thread, collectives (DCP's planning, the agreement) use the saves' own group."""
     group = None if blocking else _STATE.saves.group
     path = os.path.join(directory, attempt)
     error = None
@@ -2457,9 +2456,8 @@ def _load_checkpoint(directory, state):
     directory = os.fspath(directory)
     for name, obj in state.items():
         if not _is_stateful(obj):
-            raise TypeError(f"load_checkpoint loads modules, optimizers and objects with state_dict()/"
-                            f"load_state_dict() in place; {name!r} is a {type(obj).__name__}. Plain values come back "
-                            f"from the call instead")
+            raise TypeError(f"load_checkpoint loads modules, optimizers and other objects with load_state_dict() in "
+                            f"place; {name!r} is a {type(obj).__name__}. Plain values come back from the call instead")
     _STATE.saves.wait()
     path = _committed_attempt(directory)  # once: tensors, objects and values all come from this attempt
     objects, rng, plain = _read_files(path)
@@ -2631,8 +2629,7 @@ def consolidate_checkpoint(directory, path=None):
         tensors = torch.load(f"{tmp}/all.pt", map_location="cpu", weights_only=False)
     for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings, and drops an empty state
         if isinstance(state, dict) and "param_groups" in state:
-            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v
-                              for k, v in state.get("state", {}).items()}
+            state["state"] = {int(k) if str(k).isdigit() else k: v for k, v in state.get("state", {}).items()}
     objects, _, plain = _read_files(attempt)
     merged = {**tensors, **objects, **plain}
     if path is not None:
