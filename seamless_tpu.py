@@ -2350,12 +2350,11 @@ class _Saves:
         threading.Thread(target=run, name="seamless_tpu-save").start()
         self.in_flight = future
         if _once("report_unasked_saves"):
-            atexit.register(lambda: _STATE.saves.wait(at_exit=True))
+            atexit.register(lambda: _STATE.saves.wait(at_exit=True))  # after the interpreter joined the thread
         return future
 
     def wait(self, at_exit=False):
-        """Wait for the save in flight, if any, and raise its failure if nobody asked its Future about it; at exit
-        (atexit: after the interpreter joined the save's thread), log it."""
+        """Wait for the save in flight, if any; raise its failure if nobody asked its Future (at exit: log it)."""
         future, self.in_flight = self.in_flight, None
         error = future and concurrent.futures.Future.exception(future)  # waits for it, and is not an ask
         if error is not None and not future.asked:
@@ -2458,7 +2457,6 @@ def _load_checkpoint(directory, state):
         if not _is_stateful(obj):
             raise TypeError(f"load_checkpoint loads modules, optimizers and other objects with load_state_dict() in "
                             f"place; {name!r} is a {type(obj).__name__}. Plain values come back from the call instead")
-    _STATE.saves.wait()
     path = _committed_attempt(directory)  # once: tensors, objects and values all come from this attempt
     objects, rng, plain = _read_files(path)
     release = _HostMemoryRelease()
@@ -2509,8 +2507,7 @@ class _HostMemoryRelease:
         self.release = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
         self.handled, self.every = 0, every
 
-    def __call__(self, tensor=None, nbytes=0):
-        """Counts `tensor` (returned) or `nbytes` as handled."""
+    def __call__(self, tensor=None, nbytes=0):  # handled: `tensor` (returned) or `nbytes`
         self.handled += nbytes if tensor is None else tensor.numel() * tensor.element_size()
         if self.release is not None and self.handled >= self.every:
             self.release(0)
@@ -2574,10 +2571,9 @@ def _module_targets(module, saved, reads, what, release):
     if missing or unexpected:
         raise KeyError(f"{what} does not fit the model: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
     for saved_key, (_, value) in current.items():
-        stored = shapes[saved_key]
-        if isinstance(value, torch.Tensor) and stored is not None and tuple(stored) != tuple(value.shape):
-            raise ValueError(f"{what} does not fit the model: {saved_key!r} has shape {tuple(stored)} in the "
-                             f"checkpoint and {tuple(value.shape)} in the model")
+        if isinstance(value, torch.Tensor) and shapes[saved_key] not in (None, value.shape):
+            raise ValueError(f"{what} does not fit the model: {saved_key!r} has shape {tuple(shapes[saved_key])} in "
+                             f"the checkpoint and {tuple(value.shape)} in the model")
     for submodule in _unwrap(module).modules():  # a meta model laid out and not yet initialised: once it fits
         if submodule in _STATE.meta_init.pending:
             for name, t in _own_tensors(submodule):  # split ones are parameters, swapped in place: `current` holds them
@@ -2622,7 +2618,6 @@ def consolidate_checkpoint(directory, path=None):
     """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's own keys), plus
     the plain values, in one dict. Runs on the CPU and needs no torch_xla: the bridge to from_pretrained and to a
     laptop. With `path`, also written there (atomically)."""
-    _STATE.saves.wait()  # a save in flight in this process may be about to commit the checkpoint asked for
     attempt = _committed_attempt(os.fspath(directory))  # once: tensors, objects and values from one attempt
     with tempfile.TemporaryDirectory() as tmp:  # the public way to read a DCP checkpoint whole, with no process group
         importlib.import_module("torch.distributed.checkpoint.format_utils").dcp_to_torch_save(attempt, f"{tmp}/all.pt")
@@ -2652,14 +2647,11 @@ def _sync_if_xla():
 
 
 def _unwrap(module):
-    """The user's own module inside DDP and torch.compile wrappers, nested in any order."""
-    while True:
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
-            module = module._orig_mod
-        else:
-            return module
+    """The user's own module inside DDP and torch.compile (OptimizedModule) wrappers, nested in any order."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return _unwrap(module.module)
+    inner = getattr(module, "_orig_mod", None)
+    return _unwrap(inner) if isinstance(inner, torch.nn.Module) else module
 
 
 def _state_dicts(obj):
@@ -2691,8 +2683,7 @@ def _set_rng_states(states):
 def _agree(what, value=None, error=None, group=None):
     """Every rank learns whether `what` worked on every rank and gets process 0's `value`; if any failed, all raise
     together, so nobody hangs. It is also the barrier that keeps readers out of a checkpoint until it is complete."""
-    size, _ = _torch_dist_ranks()
-    if size > 1:
+    if (size := _torch_dist_ranks()[0]) > 1:
         outcomes = [None] * size
         message = None if error is None else f"{type(error).__name__}: {error}"
         torch.distributed.all_gather_object(outcomes, (value, message), group=group)
@@ -2765,6 +2756,7 @@ def _history(directory):
 def _committed_attempt(directory):
     """The folder to load: the one LATEST names, or `directory` itself when it is an older checkpoint that
     save_checkpoint(..., keep_last=K) kept (one of the names in its parent's HISTORY)."""
+    _STATE.saves.wait()  # a save in flight in this process may be about to commit the checkpoint asked for
     parent, name = os.path.split(os.path.normpath(directory))
     if SAVE_ATTEMPT.fullmatch(name) and name in _history(parent):
         return directory
