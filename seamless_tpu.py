@@ -2287,9 +2287,9 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
     for name, value in plain.items():
         _refuse_nested_state(value, name)
     _STATE.saves.wait()  # one save at a time: the next attempt's commit may remove the one in flight
-    saved, handed_off = _STATE.preemption.saving(), False  # a held SIGTERM exit waits for this save to end
     # What a bitwise resume needs that the user cannot take: the XLA RNG, taken before the save's own syncs.
     rng = {} if _STATE.xla_device is None else {"xla": _import("torch_xla.core.xla_model").get_rng_state()}
+    saved, handed_off = _STATE.preemption.saving(), False  # a held SIGTERM exit waits for this save to end
     try:
         _sync_if_xla()
         for value in state.values():  # a meta-built model not used yet is initialised before it is saved
@@ -2318,9 +2318,9 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
         future, handed_off = _STATE.saves.start(write, os.path.join(directory, attempt), saved), True
         return future
     finally:
-        _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
         if not handed_off:
             saved()
+        _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
 
 
 @dataclasses.dataclass
