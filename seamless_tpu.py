@@ -2082,7 +2082,7 @@ def _save_file(obj, path):
     saved = _STATE.preemption.saving()  # a held SIGTERM exit waits for this save to end
     try:
         _sync_if_xla()
-        cpu = _map_tensors(_state_dicts(obj), lambda t: _full_tensor(t).detach().to("cpu"))
+        cpu = _map_tensors(_state_dicts(obj), _cpu_copy)
         error = None
         if _is_main_process():
             try:
@@ -2096,10 +2096,9 @@ def _save_file(obj, path):
 
 
 def _save_checkpoint(directory, state, blocking=True, keep_last=1):
-    """trainer.save_checkpoint: every process writes its shards into one new save attempt, which
-    process 0 commits by pointing LATEST at it. With blocking=False, everything that reads the state
-    (the device->host copy of each shard, the pickling of plain values) happens before the call returns;
-    the writes and the commit run on a background thread, and the call returns their Future."""
+    """trainer.save_checkpoint: every process writes its shards into a new save attempt, which process 0 commits
+    by pointing LATEST at it. The state is read (copied to the host, pickled) before the call returns; with
+    blocking=False a background thread writes and commits, and the call returns its Future."""
     directory = os.fspath(directory)
     if not state:
         raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, "
@@ -2110,66 +2109,41 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
     plain = {k: v for k, v in state.items() if not _is_stateful(v)}
     for name, value in plain.items():
         _refuse_nested_state(value, name)
-    _wait_for_saves()  # one save at a time: the next attempt's commit may remove the one in flight
-    saved = _STATE.preemption.saving()  # a held SIGTERM exit waits for this save to end
+    _STATE.saves.wait()  # one save at a time: the next attempt's commit may remove the one in flight
+    # What a bitwise resume needs that the user cannot take: the XLA RNG, taken before the save's own syncs.
+    rng = {} if _STATE.xla_device is None else {"xla": _import("torch_xla.core.xla_model").get_rng_state()}
+    saved, handed_off = _STATE.preemption.saving(), False  # a held SIGTERM exit waits for this save to end
     try:
-        result = _start_checkpoint(directory, state, plain, blocking, keep_last, saved)
-    except BaseException:
-        saved()
-        raise
-    if blocking:
-        saved()
-    return result
-
-
-def _start_checkpoint(directory, state, plain, blocking, keep_last, saved):
-    """_save_checkpoint once the arguments are checked: the state read now, the writes now or in the background."""
-    rng = _rng_states()  # before the save's own syncs, each of which moves the XLA RNG on
-    _sync_if_xla()
-    for value in state.values():  # a meta-built model not used yet is initialised before it is saved
-        if isinstance(value, torch.nn.Module) and (_STATE.meta_init.pending or _STATE.meta_init.unset):
-            _initialize_pending(value, refuse=True)
-    attempt, error = None, None
-    try:  # all that reads the state happens now, blocking or not; a failure on any rank is shared below
-        tensors = {k: _state_dicts(v) for k, v in state.items()
-                   if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
-        objects = {k: _map_tensors(v.state_dict(), lambda t: _full_tensor(t).detach().cpu())
-                   for k, v in state.items() if _is_stateful(v) and k not in tensors}
-        files = {OBJECT_STATES: _serialized({"objects": objects, "rng": rng}), PLAIN_VALUES: _serialized(plain)}
-        tensors = _map_tensors(tensors, lambda t: _saved_form(t, blocking))
-        if _is_main_process():
-            attempt = f"save-{os.getpid()}-{time.time_ns()}"
-            os.makedirs(os.path.join(directory, attempt))
-            open(os.path.join(directory, attempt, ATTEMPT_MARKER), "w").close()
-    except Exception as e:
-        error = e
+        _sync_if_xla()
+        for value in state.values():  # a meta-built model not used yet is initialised before it is saved
+            if isinstance(value, torch.nn.Module) and (_STATE.meta_init.pending or _STATE.meta_init.unset):
+                _initialize_pending(value, refuse=True)
+        attempt, error = None, None
+        try:  # all that reads the state happens now, blocking or not; a failure on any rank is shared below
+            tensors = {k: _map_tensors(_state_dicts(v), lambda t: _saved_form(t, blocking))
+                       for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
+            objects = {k: _map_tensors(_state_dicts(v), _cpu_copy)
+                       for k, v in state.items() if _is_stateful(v) and k not in tensors}
+            files = {OBJECT_STATES: {"objects": objects, "rng": rng}, PLAIN_VALUES: plain}
+            for name, value in files.items():  # bytes now: what a later write puts on disk cannot change after the call
+                files[name] = io.BytesIO()
+                torch.save(value, files[name])
+            if _is_main_process():
+                attempt = f"save-{os.getpid()}-{time.time_ns()}"
+                os.makedirs(os.path.join(directory, attempt))
+                open(os.path.join(directory, attempt, ATTEMPT_MARKER), "w").close()
+        except Exception as e:
+            error = e
+        attempt = _agree(f"save_checkpoint({directory!r})", attempt, error)
+        write = functools.partial(_write_checkpoint, directory, attempt, tensors, files, keep_last, blocking)
+        if blocking:
+            return write()
+        future, handed_off = _STATE.saves.start(write, os.path.join(directory, attempt), saved), True
+        return future
     finally:
-        _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
-    attempt = _agree(f"save_checkpoint({directory!r})", attempt, error)
-    write = functools.partial(_write_checkpoint, directory, attempt, keep_last=keep_last, blocking=blocking)
-    if blocking:
-        try:
-            return write(tensors, files)
-        finally:
-            _set_rng_states(rng)
-    if _torch_dist_ranks()[0] > 1 and _STATE.saves.group is None:
-        _STATE.saves.group = torch.distributed.new_group(backend="gloo")  # collective: every rank is here
-    future = _STATE.saves.in_flight = _SaveFuture(os.path.join(directory, attempt))
-    if _once("report_unasked_saves"):
-        atexit.register(_report_unasked_save)
-
-    def run():
-        future.set_running_or_notify_cancel()
-        try:
-            future.set_result(write(tensors, files))
-        except BaseException as e:  # the Future raises it, or the next save or load, or the exit reports it
-            future.set_exception(e)
-        finally:
+        if not handed_off:
             saved()
-
-    # Not a daemon: the interpreter waits for it at exit, so the last save of a run is never cut off.
-    threading.Thread(target=run, name="seamless_tpu-save").start()
-    return future
+        _set_rng_states(rng)  # a run that saves continues exactly as one that does not, or one resumed from here
 
 
 @dataclasses.dataclass
@@ -2179,16 +2153,46 @@ class _Saves:
     group: object = None  # under torch.distributed: its own process group, never the training loop's
     in_flight: object = None  # the _SaveFuture not yet waited for
 
+    def start(self, write, path, saved):
+        """The Future of `write()` (a save into `path`), run on a thread of its own, which calls `saved` at the end."""
+        if _torch_dist_ranks()[0] > 1 and self.group is None:
+            self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank is here
+        future = _SaveFuture()
+        future.path = path
+
+        def run():
+            future.set_running_or_notify_cancel()
+            try:
+                future.set_result(write())
+            except BaseException as e:  # the Future raises it, or the next save or load, or the exit reports it
+                future.set_exception(e)
+            finally:
+                saved()
+
+        # Not a daemon: the interpreter waits for it at exit, so the last save of a run is never cut off.
+        threading.Thread(target=run, name="seamless_tpu-save").start()
+        self.in_flight = future
+        if _once("report_unasked_saves"):
+            atexit.register(lambda: _STATE.saves.wait(at_exit=True))  # after the interpreter joined the thread
+        return future
+
+    def wait(self, at_exit=False):
+        """Wait for the save in flight, if any; raise its failure if nobody asked its Future (at exit: log it)."""
+        future, self.in_flight = self.in_flight, None
+        error = future and concurrent.futures.Future.exception(future)  # waits for it, and is not an ask
+        if error is not None and not future.asked:
+            if not at_exit:
+                raise error
+            logger.error("seamless_tpu: save_checkpoint(..., blocking=False) to %r failed, and nothing asked its "
+                         "Future: %s: %s. That attempt was removed; the checkpoint before it is still the one "
+                         "LATEST names", future.path, type(error).__name__, error)
+
 
 class _SaveFuture(concurrent.futures.Future):
-    """An asynchronous save's Future, which remembers whether its outcome was asked for: a failure
-    nobody asked about is raised by the next save or load, or reported at exit, instead of being lost."""
+    """An asynchronous save's Future (of `path`) that remembers whether its outcome was asked for: a failure
+    nobody asked about is raised by the next save or load, or reported at exit, never lost."""
 
-    asked = False
-
-    def __init__(self, path):
-        super().__init__()
-        self.path = path
+    asked, path = False, None
 
     def result(self, timeout=None):
         self.asked = True
@@ -2199,10 +2203,9 @@ class _SaveFuture(concurrent.futures.Future):
         return super().exception(timeout)
 
 
-def _write_checkpoint(directory, attempt, tensors, files, *, keep_last, blocking):
-    """Write this process's shards, then process 0 writes the other files and commits; every rank
-    returns `directory` or raises together. Off the main thread, the collectives (DCP's planning, the
-    agreement) go through a process group of their own, never the one the training loop is using."""
+def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking):
+    """Write this process's shards, then process 0 the other files and the commit; every rank returns `directory` or
+    raises together. Off the main thread, collectives (DCP's planning, the agreement) use the saves' own group."""
     group = None if blocking else _STATE.saves.group
     path = os.path.join(directory, attempt)
     error = None
@@ -2212,60 +2215,32 @@ def _write_checkpoint(directory, attempt, tensors, files, *, keep_last, blocking
         planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner() if xla else None
         try:
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), planner=planner, process_group=group)
-        # a BaseException whose text starts with a remote traceback
         except importlib.import_module("torch.distributed.checkpoint.api").CheckpointException as e:
-            raise _plain_error(e, path) from None
+            # a BaseException whose text starts with a remote traceback: its first failure as an ordinary one
+            rank, (cause, _) = next(iter(e.failures.items()))
+            raise (OSError if isinstance(cause, OSError) else RuntimeError)(
+                f"could not write the checkpoint {path!r} (process {rank}): {type(cause).__name__}: {cause}") from None
         if _is_main_process():
             for name, data in files.items():
-                _atomic_write(data, os.path.join(path, name))
+                _atomic_write(data.getvalue(), os.path.join(path, name))
             _commit_checkpoint(directory, attempt, keep_last)
     except Exception as e:
         error = e
     try:
         _agree(f"save_checkpoint({directory!r})", error=error, group=group)
     except Exception:  # every rank has stopped writing: a checkpoint is complete or absent
-        if _is_main_process() and _pointer(directory) != attempt:
+        if _is_main_process() and _read_name(directory, CHECKPOINT_POINTER) != attempt:
             shutil.rmtree(path, ignore_errors=True)
         raise
     return directory
 
 
-def _report_unasked_save():
-    """At exit (atexit: after the interpreter joined the save's thread): a failed save nobody asked about."""
-    future = _STATE.saves.in_flight
-    if future is not None and future.done() and not future.asked:
-        error = concurrent.futures.Future.exception(future)
-        if error is not None:
-            logger.error("seamless_tpu: save_checkpoint(..., blocking=False) to %r failed, and nothing asked its "
-                         "Future: "
-                         "%s: %s. That attempt was removed; the checkpoint before it is still the one LATEST names",
-                         future.path, type(error).__name__, error)
-
-
-def _wait_for_saves():
-    """Wait for the save_checkpoint(..., blocking=False) in flight, if any (the next save and load do;
-    the end of the process does too), and raise its failure if nobody asked its Future about it."""
-    future, _STATE.saves.in_flight = _STATE.saves.in_flight, None
-    if future is not None:
-        concurrent.futures.wait([future])
-        if not future.asked:
-            future.result()
-
-
-def _serialized(obj):
-    """`obj` as torch.save bytes, taken now: what a later write puts on disk cannot change after the call."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
 def _saved_form(t, blocking):
-    """What the checkpoint writer gets for `t`. Asynchronous: a copy on the host, taken now (an FSDP2 DTensor's
-    keeps its placements). On XLA, a split tensor as one copy of each shard (replica 0), as torch_xla's planner
-    writes them. A blocking save hands the planner the tensor itself, except one split over some mesh axes and
-    replicated over others, which torch_xla 2.9's SPMDSavePlanner leaves out without a word (measured: its key
-    is missing): every parameter of a multi-host ("data", "fsdp") mesh, every planned weight beside a data axis.
-    # TODO(remove the replica-0 shards of blocking saves when torch_xla's planner saves partially replicated tensors)"""
+    """What the checkpoint writer gets for `t`: the tensor (blocking) or a host copy taken now (an FSDP2 DTensor's
+    keeps its placements). On XLA, this process's replica-0 shards of a split tensor, as torch_xla's planner writes
+    them: always when asynchronous, and when blocking for one also replicated over some mesh axes (any parameter of
+    a multi-host ("data", "fsdp") mesh, a planned weight beside a data axis), which torch_xla 2.9's SPMDSavePlanner
+    leaves out without a word (measured: its key is missing). TODO(remove when torch_xla's planner saves those)"""
     if _is_xla(t.device):
         spec = _import("torch_xla")._XLAC._get_xla_sharding_spec(t)
         if "last_tile_dim_replicate" in spec or (not blocking and _is_split(t)):
@@ -2282,138 +2257,103 @@ def _saved_form(t, blocking):
     return t.detach().to("cpu", copy=True)
 
 
-def _plain_error(e, path):
-    """torch's CheckpointException as the ordinary exception `except Exception` catches, naming the path."""
-    rank, (cause, _) = next(iter(e.failures.items()))
-    kind = OSError if isinstance(cause, OSError) else RuntimeError
-    return kind(f"could not write the checkpoint {path!r} (process {rank}): {type(cause).__name__}: {cause}")
-
-
 def _refuse_nested_state(value, where):
-    """A module, optimizer or stateful object inside a plain value would be pickled whole (with its
-    optimizer and parameters) and could not be restored in place: refused now, not at resume."""
+    """A stateful object inside a plain value would be pickled whole (a scheduler with its optimizer and
+    parameters) and could not be restored in place: refused now, not at resume."""
     if _is_stateful(value):
         raise TypeError(f"save_checkpoint: {where} is a {type(value).__name__} inside a plain value; pass it as its "
                         f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) so it is saved by its "
                         f"state_dict")
-    if isinstance(value, Mapping):
-        for k, v in value.items():
+    if isinstance(value, (Mapping, list, tuple)):
+        for k, v in value.items() if isinstance(value, Mapping) else enumerate(value):
             _refuse_nested_state(v, f"{where}[{k!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _refuse_nested_state(v, f"{where}[{i}]")
-
-
-def _rng_states():
-    """What a bitwise resume needs that the user cannot take: the XLA RNG seed. Every sync, even an empty
-    one, moves it on; save_checkpoint takes it before its own syncs and puts it back after them."""
-    if _STATE.xla_device is None:
-        return {}
-    return {"xla": _import("torch_xla.core.xla_model").get_rng_state()}
-
-
-def _set_rng_states(states):
-    if "xla" in states and _STATE.xla_device is not None:
-        _import("torch_xla.core.xla_model").set_rng_state(states["xla"])
 
 # --- 15b. checkpoints: load -----------------------------------------------------------------------
 
 
 def _load_checkpoint(directory, state):
-    """trainer.load_checkpoint: modules and optimizers in place, plain values returned. Each tensor is
-    read by torch.distributed.checkpoint straight into its current layout (torch_xla's SPMD planner
-    on XLA): a process reads the chunks that overlap its own shards, one tensor at a time, and holds
-    no second copy of the model on the host."""
+    """trainer.load_checkpoint: modules and optimizers in place, plain values returned. torch.distributed.checkpoint
+    (torch_xla's SPMD planner on XLA) reads each tensor straight into its current layout: a process reads the
+    chunks that overlap its own shards, one tensor at a time, and holds no second copy of the model on the host."""
     directory = os.fspath(directory)
     for name, obj in state.items():
         if not _is_stateful(obj):
-            raise TypeError(f"load_checkpoint loads modules, optimizers and objects with "
-                            f"state_dict()/load_state_dict() "
-                            f"in place; {name!r} is a {type(obj).__name__}. Plain values come back from the call "
-                            f"instead")
-    _wait_for_saves()
+            raise TypeError(f"load_checkpoint loads modules, optimizers and other objects with load_state_dict() in "
+                            f"place; {name!r} is a {type(obj).__name__}. Plain values come back from the call instead")
     path = _committed_attempt(directory)  # once: tensors, objects and values all come from this attempt
-    dcp = importlib.import_module("torch.distributed.checkpoint")
+    objects, rng, plain = _read_files(path)
     release = _HostMemoryRelease()
-    reader = _load_reader(path, release)
-    saved = _saved_entries(reader.read_metadata())
-    objects = _read_objects(path)
+    reader, planner = _dcp_loader(path, release)
+    saved = {}  # {saved name: [(path below it, flat key, TensorStorageMetadata or BytesStorageMetadata)]}
+    metadata = reader.read_metadata()
+    for key, entry in metadata.state_dict_metadata.items():
+        name, *below = metadata.planner_data[key]
+        saved.setdefault(name, []).append((tuple(below), key, entry))
     for name in state:
-        if name not in saved and name not in objects.get("objects", {}):
-            raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds "
-                           f"{sorted({*saved, *objects.get('objects', {})})}")
-    reads = {}  # {the checkpoint's flat key: the tensor read into in place, or None for a pickled value}
-    extra = {}
+        if name not in saved and name not in objects:
+            raise KeyError(f"checkpoint {directory!r} has no {name!r}; it holds {sorted({*saved, *objects})}")
+    reads, extra = {}, {}  # reads: {the checkpoint's flat key: the tensor read into in place, or None if pickled}
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             extra[name] = _module_targets(obj, saved.get(name, []), reads, f"{name!r} in {directory!r}", release)
         elif isinstance(obj, torch.optim.Optimizer):
             _optimizer_targets(obj, saved.get(name, []), reads, release)
     if reads:  # flat keys: the two planners flatten nested values differently, and a flat dict is the same to both
-        dcp.load(reads, storage_reader=reader, planner=_load_planner(release))
+        importlib.import_module("torch.distributed.checkpoint").load(reads, storage_reader=reader, planner=planner)
+    set_element = importlib.import_module("torch.distributed.checkpoint._traverse").set_element
     for name, obj in state.items():
+        values = {}  # the nested state_dict saved under `name`, as read
+        for below, key, _ in saved.get(name, []):
+            set_element(values, below, reads.get(key))
         if isinstance(obj, torch.nn.Module):
             for module in _unwrap(obj).modules():  # filled: a meta-built model's module needs no initialisation
                 _loaded(module)
             if extra[name]:  # the tensors are in place; a non-tensor entry (extra state) goes through the module's hook
-                values = _unflatten(saved[name], reads)
-                extras = {key: values[saved_key] for key, saved_key in extra[name].items()}
-                _unwrap(obj).load_state_dict(extras, strict=False)
-        elif isinstance(obj, torch.optim.Optimizer):
-            values = _unflatten(saved[name], reads)  # DCP writes the parameter ids as strings, and drops an empty state
+                _unwrap(obj).load_state_dict({own: values[key] for own, key in extra[name].items()}, strict=False)
+        elif isinstance(obj, torch.optim.Optimizer):  # DCP writes parameter ids as strings, and drops an empty state
             obj.load_state_dict({**values, "state": {int(k): v for k, v in values.get("state", {}).items()}})
             _place_optimizer_state(obj)
         else:
-            obj.load_state_dict(objects["objects"][name])
-    _set_rng_states(objects.get("rng", {}))
-    return torch.load(os.path.join(path, PLAIN_VALUES), map_location="cpu", weights_only=False)
+            obj.load_state_dict(objects[name])
+    _set_rng_states(rng)
+    return plain
 
 
 class _HostMemoryRelease:
-    """Hands the host memory a checkpoint load (or a meta model's initialisation) frees back to the OS
-    every RELEASE_EVERY bytes it handles. glibc keeps freed buffers of up to 32 MB for reuse, and a load
-    frees one or more per tensor: measured on a 255 MB checkpoint on 4 XLA devices, the process grew by
-    1.17x the checkpoint without the release and by 0.13x with it every 32 MB. A meta model's load (16 MB
-    tensors, each in 4 shards) grew by 0.28-0.32x its checkpoint with a release every 32 MB, 0.23-0.25x
-    every 4 MB, with no measurable cost in time (9.5 s either way). Off Linux (no malloc_trim) it
-    does nothing."""
+    """Hands the host memory a checkpoint load (or a meta model's initialisation) frees back to the OS (malloc_trim;
+    Linux only) every `every` bytes it handles: glibc keeps freed buffers of up to 32 MB for reuse, and a load frees one
+    or more per tensor. Measured: a 255 MB checkpoint on 4 XLA devices grew the process by 1.17x the checkpoint without
+    the release, 0.13x with one every 32 MB; a meta model's load (16 MB tensors, 4 shards each) by 0.28-0.32x releasing
+    every 32 MB, 0.23-0.25x every 4 MB, in the same time (9.5 s)."""
 
     def __init__(self, every=RELEASE_EVERY):
         self.release = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
         self.handled, self.every = 0, every
 
-    def __call__(self, tensor):
-        self.handled_bytes(tensor.numel() * tensor.element_size())
-        return tensor
-
-    def handled_bytes(self, count):
-        self.handled += count
+    def __call__(self, tensor=None, nbytes=0):  # handled: `tensor` (returned) or `nbytes`
+        self.handled += nbytes if tensor is None else tensor.numel() * tensor.element_size()
         if self.release is not None and self.handled >= self.every:
             self.release(0)
             self.handled = 0
+        return tensor
 
 
-def _load_planner(release):
-    """DCP's load planner here (torch_xla's SPMD planner on XLA), calling `release` after each read."""
-    base = (_import("torch_xla.experimental.distributed_checkpoint").SPMDLoadPlanner if _STATE.xla_device is not None
-            else importlib.import_module("torch.distributed.checkpoint").DefaultLoadPlanner)
+def _dcp_loader(path, release):
+    """DCP's (reader, planner) for `path` (torch_xla's SPMD planner on XLA), calling `release` after each read. The
+    reader reads and deserialises a stored chunk once however many of this process's shards overlap it, and holds one at
+    a time; torch's does both once per shard: a replicated save loaded into 4 XLA shards read 4.04x the checkpoint, and
+    a whole-tensor save held 4 deserialised copies of a tensor at once. A shim on torch 2.9's private API (storage_data,
+    _slice_file, narrow_tensor_by_index): TODO(remove when DCP's reader reads a chunk once)"""
+    dcp = importlib.import_module("torch.distributed.checkpoint")
+    tensor_item = importlib.import_module("torch.distributed.checkpoint.planner").LoadItemType.TENSOR
+    narrow = importlib.import_module("torch.distributed._shard._utils").narrow_tensor_by_index
+    xla = _STATE.xla_device is not None
+    base = _import("torch_xla.experimental.distributed_checkpoint").SPMDLoadPlanner if xla else dcp.DefaultLoadPlanner
 
     class Planner(base):
         def commit_tensor(self, read_item, tensor):
             super().commit_tensor(read_item, tensor)
             release(tensor)
-
-    return Planner()
-
-
-def _load_reader(path, release):
-    """DCP's file reader, reading and deserialising a stored chunk once however many of this process's
-    shards overlap it, and holding one chunk at a time. torch's reader does both once per shard: a
-    replicated save loaded into 4 XLA shards read 4.04x the checkpoint, and a whole-tensor save loaded
-    into them held 4 deserialised copies of a tensor at once. `release` counts each chunk."""
-    dcp = importlib.import_module("torch.distributed.checkpoint")
-    tensor_item = importlib.import_module("torch.distributed.checkpoint.planner").LoadItemType.TENSOR
-    narrow = importlib.import_module("torch.distributed._shard._utils").narrow_tensor_by_index
 
     class Reader(dcp.FileSystemReader):
         def read_data(self, plan, planner):
@@ -2427,45 +2367,26 @@ def _load_reader(path, release):
             def chunk_of(item):  # (file, offset): the stored chunk a request reads from
                 return stored[item.storage_index].relative_path, stored[item.storage_index].offset
 
-            mine.sort(key=chunk_of)
-            for relative_path, in_file in itertools.groupby(mine, key=lambda item: chunk_of(item)[0]):
+            for (relative_path, _), requests in itertools.groupby(sorted(mine, key=chunk_of), key=chunk_of):
+                requests = list(requests)
+                chunk = stored[requests[0].storage_index]
                 with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                    for _, requests in itertools.groupby(in_file, key=chunk_of):
-                        requests = list(requests)
-                        chunk = stored[requests[0].storage_index]
-                        whole = torch.load(self._slice_file(stream, chunk), map_location="cpu", weights_only=True)
-                        for request in requests:
-                            target = planner.resolve_tensor(request).detach()
-                            target.copy_(narrow(whole, request.storage_offsets, request.lengths))
-                            planner.commit_tensor(request, target)
-                        del whole
-                        release.handled_bytes(chunk.length)
+                    whole = torch.load(self._slice_file(stream, chunk), map_location="cpu", weights_only=True)
+                for request in requests:
+                    target = planner.resolve_tensor(request).detach()
+                    target.copy_(narrow(whole, request.storage_offsets, request.lengths))
+                    planner.commit_tensor(request, target)
+                del whole  # one chunk at a time
+                release(nbytes=chunk.length)
             return done
 
-    return Reader(path)
-
-
-def _saved_entries(metadata):
-    """{saved name: [(path below it, flat key, TensorStorageMetadata or BytesStorageMetadata)]}."""
-    saved = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        name, *path = metadata.planner_data[key]
-        saved.setdefault(name, []).append((tuple(path), key, entry))
-    return saved
-
-
-def _unflatten(entries, reads):
-    values = {}
-    set_element = importlib.import_module("torch.distributed.checkpoint._traverse").set_element
-    for path, key, _ in entries:
-        set_element(values, path, reads[key])
-    return values
+    return Reader(path), Planner()
 
 
 def _module_targets(module, saved, reads, what, release):
-    """Point `reads` at the module's own parameters and buffers (the checkpoint is read into them in
-    place), under the saved keys: a compiled submodule's '_orig_mod.' is left out. Returns {own key:
-    saved key} of its non-tensor entries (extra state), which the module's load_state_dict sets after."""
+    """Point `reads` at the module's own parameters and buffers (the checkpoint is read into them in place), under
+    the saved keys: a compiled submodule's '_orig_mod.' is left out. Returns {own key: saved key} of its non-tensor
+    entries (extra state), which the module's load_state_dict sets after."""
     current = {key.replace("_orig_mod.", ""): (key, value)
                for key, value in _unwrap(module).state_dict(keep_vars=True).items()}
     shapes = {path[0]: getattr(entry, "size", None) for path, _, entry in saved}
@@ -2473,11 +2394,9 @@ def _module_targets(module, saved, reads, what, release):
     if missing or unexpected:
         raise KeyError(f"{what} does not fit the model: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
     for saved_key, (_, value) in current.items():
-        stored = shapes[saved_key]
-        if isinstance(value, torch.Tensor) and stored is not None and tuple(stored) != tuple(value.shape):
+        if isinstance(value, torch.Tensor) and shapes[saved_key] not in (None, value.shape):
             raise ValueError(f"{what} does not fit the model: {saved_key!r} has shape {tuple(shapes[saved_key])} in "
-                             f"the "
-                             f"checkpoint and {tuple(value.shape)} in the model")
+                             f"the checkpoint and {tuple(value.shape)} in the model")
     for submodule in _unwrap(module).modules():  # a meta model laid out and not yet initialised: once it fits
         if submodule in _STATE.meta_init.pending:
             for name, t in _own_tensors(submodule):  # split ones are parameters, swapped in place: `current` holds them
@@ -2490,9 +2409,9 @@ def _module_targets(module, saved, reads, what, release):
 
 
 def _optimizer_targets(optimizer, saved, reads, release):
-    """Point `reads` at a tensor for each saved optimizer tensor, allocated where it will live: an
-    existing state tensor of the same shape and dtype is read into in place; a new one is laid out like
-    its parameter (XLA sharding, FSDP2 placements), or on the CPU (Adam's scalar 'step')."""
+    """Point `reads` at a tensor for each saved optimizer tensor, allocated where it will live: an existing state
+    tensor of the same shape and dtype is read into in place; a new one is laid out like its parameter (XLA
+    sharding, FSDP2 placements), or on the CPU (Adam's scalar 'step')."""
     _place_optimizer_state(optimizer)  # its parameters are the current ones (FSDP2 replaces them)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for path, key, entry in saved:
@@ -2501,53 +2420,46 @@ def _optimizer_targets(optimizer, saved, reads, release):
             continue
         param = params[int(path[1])] if len(path) == 3 and path[0] == "state" and int(path[1]) < len(params) else None
         current = optimizer.state.get(param, {}).get(path[2]) if param is not None else None
-        fits = isinstance(current, torch.Tensor) and current.shape == entry.size
-        if fits and current.dtype == entry.properties.dtype:
+        dtype = entry.properties.dtype
+        if isinstance(current, torch.Tensor) and current.shape == entry.size and current.dtype == dtype:
             reads[key] = current
+        elif param is not None and entry.size == param.shape:
+            reads[key] = release(_placed_like(torch.empty(entry.size, dtype=dtype), param))
         else:
-            reads[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-            if param is not None and entry.size == param.shape:
-                reads[key] = release(_placed_like(reads[key], param))
+            reads[key] = torch.empty(entry.size, dtype=dtype)
 
 
-def _read_objects(attempt):
-    path = os.path.join(attempt, OBJECT_STATES)
-    return torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else {}
+def _read_files(attempt):
+    """(the other stateful objects' state_dicts, the RNG states, the plain values) of one committed attempt."""
+    load = functools.partial(torch.load, map_location="cpu", weights_only=False)
+    objects = os.path.join(attempt, OBJECT_STATES)
+    stored = load(objects) if os.path.isfile(objects) else {}
+    return stored.get("objects", {}), stored.get("rng", {}), load(os.path.join(attempt, PLAIN_VALUES))
 
 
 def consolidate_checkpoint(directory, path=None):
-    """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's
-    own keys), plus the plain values, in one dict. Runs on the CPU and needs no torch_xla: the
-    bridge to from_pretrained and to a laptop. With `path`, also written there (atomically)."""
-    _wait_for_saves()  # a save in flight in this process may be about to commit the checkpoint asked for
+    """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's own keys), plus
+    the plain values, in one dict. Runs on the CPU and needs no torch_xla: the bridge to from_pretrained and to a
+    laptop. With `path`, also written there (atomically)."""
     attempt = _committed_attempt(os.fspath(directory))  # once: tensors, objects and values from one attempt
-    tensors, plain = _read_checkpoint(attempt)
-    merged = {**tensors, **_read_objects(attempt).get("objects", {}), **plain}
+    with tempfile.TemporaryDirectory() as tmp:  # the public way to read a DCP checkpoint whole, with no process group
+        importlib.import_module("torch.distributed.checkpoint.format_utils").dcp_to_torch_save(attempt, f"{tmp}/all.pt")
+        tensors = torch.load(f"{tmp}/all.pt", map_location="cpu", weights_only=False)
+    for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings, and drops an empty state
+        if isinstance(state, dict) and "param_groups" in state:
+            state["state"] = {int(k) if str(k).isdigit() else k: v for k, v in state.get("state", {}).items()}
+    objects, _, plain = _read_files(attempt)
+    merged = {**tensors, **objects, **plain}
     if path is not None:
         _atomic_write(merged, path)
     return merged
-
-
-def _read_checkpoint(path):
-    """(state_dicts by name, plain values) of one committed attempt, on the CPU."""
-    format_utils = importlib.import_module("torch.distributed.checkpoint.format_utils")
-    with tempfile.TemporaryDirectory() as tmp:
-        # The public way to read a DCP checkpoint whole, without a process group or torch_xla.
-        format_utils.dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
-        tensors = torch.load(os.path.join(tmp, "all.pt"), map_location="cpu", weights_only=False)
-    for state in tensors.values():  # DCP turns an optimizer's int parameter ids into strings, and drops an empty state
-        if isinstance(state, dict) and "param_groups" in state:
-            state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v
-                              for k, v in state.get("state", {}).items()}
-    plain = torch.load(os.path.join(path, PLAIN_VALUES), map_location="cpu", weights_only=False)
-    return tensors, plain
 
 # --- 15c. checkpoints: files and commit -----------------------------------------------------------
 
 
 def _is_stateful(value):
-    """Modules, optimizers, and any object with state_dict()/load_state_dict() (schedulers, GradScaler,
-    samplers with state): restored in place, never pickled whole. A class is not an instance."""
+    """Modules, optimizers, and any object with state_dict()/load_state_dict() (schedulers, GradScaler, samplers
+    with state): restored in place, never pickled whole. A class is not an instance."""
     methods = ("state_dict", "load_state_dict")
     return not isinstance(value, type) and all(callable(getattr(value, m, None)) for m in methods)
 
@@ -2558,19 +2470,16 @@ def _sync_if_xla():
 
 
 def _unwrap(module):
-    """The user's own module inside DDP and torch.compile wrappers, nested in any order."""
-    while True:
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
-            module = module._orig_mod
-        else:
-            return module
+    """The user's own module inside DDP and torch.compile (OptimizedModule) wrappers, nested in any order."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return _unwrap(module.module)
+    inner = getattr(module, "_orig_mod", None)
+    return _unwrap(inner) if isinstance(inner, torch.nn.Module) else module
 
 
 def _state_dicts(obj):
-    """Modules and optimizers (also as values of a dict) become their state_dicts, with the
-    model's own keys: a submodule compiled on its own adds '_orig_mod.' inside the keys."""
+    """Modules and other stateful objects (also as values of a dict) become their state_dicts, a module's with its
+    own keys: a submodule compiled on its own adds '_orig_mod.' inside them."""
     if isinstance(obj, torch.nn.Module):
         state = _unwrap(obj).state_dict()
         if any("_orig_mod." in k for k in state):
@@ -2583,19 +2492,24 @@ def _state_dicts(obj):
     return obj
 
 
-def _full_tensor(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2 DTensor: a collective, every rank calls it
+def _cpu_copy(t):
+    """`t` whole on the CPU. An FSDP2 DTensor's full_tensor() is a collective: every rank calls it."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+
+
+def _set_rng_states(states):
+    """The XLA RNG as save_checkpoint took it: every sync, even an empty one, moves it on."""
+    if "xla" in states and _STATE.xla_device is not None:
+        _import("torch_xla.core.xla_model").set_rng_state(states["xla"])
 
 
 def _agree(what, value=None, error=None, group=None):
-    """The one agreement step for collective outcomes: every rank learns whether `what` worked on every
-    rank and gets process 0's `value`; if any failed, all raise together, so nobody hangs. It is also
-    the barrier that keeps readers out of a checkpoint until it is complete."""
-    size, _ = _torch_dist_ranks()
-    if size > 1:
+    """Every rank learns whether `what` worked on every rank and gets process 0's `value`; if any failed, all raise
+    together, so nobody hangs. It is also the barrier that keeps readers out of a checkpoint until it is complete."""
+    if (size := _torch_dist_ranks()[0]) > 1:
         outcomes = [None] * size
-        torch.distributed.all_gather_object(outcomes, (value, None if error is None else f"{type(error).__name__}: "
-                                                                                         f"{error}"), group=group)
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        torch.distributed.all_gather_object(outcomes, (value, message), group=group)
         failed = [(rank, message) for rank, (_, message) in enumerate(outcomes) if message is not None]
         if failed and error is None:
             raise RuntimeError(f"{what} failed on process {failed[0][0]}: {failed[0][1]}")
@@ -2606,9 +2520,9 @@ def _agree(what, value=None, error=None, group=None):
 
 
 def _atomic_write(obj, path):
-    """Write `obj` (bytes, or anything torch.save takes) to `path` through a temporary sibling,
-    fsync and rename: `path` holds the old file or the new one, never a torn one, whatever kills
-    the process (os.replace is atomic on POSIX and Windows). A file object is written as given."""
+    """Write `obj` (bytes, or anything torch.save takes) to `path` through a temporary sibling, fsync and rename:
+    `path` holds the old file or the new one, never a torn one, whatever kills the process (os.replace is atomic
+    on POSIX and Windows). A file object is written as given."""
     write = (lambda f: f.write(obj)) if isinstance(obj, bytes) else (lambda f: torch.save(obj, f))
     if not isinstance(path, (str, os.PathLike)):
         return write(path)
@@ -2628,11 +2542,7 @@ def _atomic_write(obj, path):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory):
-    with contextlib.suppress(OSError):  # persists a rename; not possible on every platform
+    with contextlib.suppress(OSError):  # persists the rename; not possible on every platform
         fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -2641,11 +2551,9 @@ def _fsync_dir(directory):
 
 
 def _commit_checkpoint(directory, attempt, keep_last=1):
-    """Make `attempt` the newest of the kept checkpoints: HISTORY, then LATEST, each replaced by one
-    atomic rename. Then drop every other save attempt (older ones past `keep_last`, and what killed
-    saves left behind). A reader sees the old checkpoint or the new one."""
-    kept = [a for a in _history(directory) if a != attempt][-(keep_last - 1):] if keep_last > 1 else []
-    kept.append(attempt)
+    """Make `attempt` the newest kept checkpoint: HISTORY, then LATEST, each replaced by one atomic rename (a reader
+    sees the old checkpoint or the new one); then drop other attempts (past `keep_last`, or left by killed saves)."""
+    kept = ([a for a in _history(directory) if a != attempt] + [attempt])[-keep_last:]
     _atomic_write("\n".join(kept).encode(), os.path.join(directory, CHECKPOINT_HISTORY))
     _atomic_write(attempt.encode(), os.path.join(directory, CHECKPOINT_POINTER))
     for name in os.listdir(directory):
@@ -2653,38 +2561,33 @@ def _commit_checkpoint(directory, attempt, keep_last=1):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def _history(directory):
-    """The committed save attempts in `directory` that still exist, oldest first."""
+def _read_name(directory, file):
+    """The text of `directory`/`file` (LATEST: the committed attempt; HISTORY: the kept ones), or None."""
     try:
-        with open(os.path.join(directory, CHECKPOINT_HISTORY)) as f:
-            names = f.read().split()
-    except FileNotFoundError:
-        return []
-    return [n for n in names if SAVE_ATTEMPT.fullmatch(n) and os.path.isdir(os.path.join(directory, n))]
-
-
-def _pointer(directory):
-    """The attempt LATEST names, or None where there is no LATEST."""
-    try:
-        with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
+        with open(os.path.join(directory, file)) as f:
             return f.read().strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
 
 
+def _history(directory):
+    """The committed save attempts in `directory` that still exist, oldest first."""
+    names = (_read_name(directory, CHECKPOINT_HISTORY) or "").split()
+    return [n for n in names if SAVE_ATTEMPT.fullmatch(n) and os.path.isdir(os.path.join(directory, n))]
+
+
 def _committed_attempt(directory):
-    """The folder to load: the one LATEST names, or `directory` itself when it is an older checkpoint
-    that save_checkpoint(..., keep_last=K) kept (one of the names in its parent's HISTORY)."""
+    """The folder to load: the one LATEST names, or `directory` itself when it is an older checkpoint that
+    save_checkpoint(..., keep_last=K) kept (one of the names in its parent's HISTORY)."""
+    _STATE.saves.wait()  # a save in flight in this process may be about to commit the checkpoint asked for
     parent, name = os.path.split(os.path.normpath(directory))
     if SAVE_ATTEMPT.fullmatch(name) and name in _history(parent):
         return directory
-    attempt = _pointer(directory)
+    attempt = _read_name(directory, CHECKPOINT_POINTER)
     if attempt is None:
-        raise FileNotFoundError(
-            f"{directory!r} is not a seamless_tpu checkpoint: it has no {CHECKPOINT_POINTER} file, which "
-            "save_checkpoint writes last (a save that was killed leaves none). Pass the directory given to "
-            "save_checkpoint"
-        ) from None
+        raise FileNotFoundError(f"{directory!r} is not a seamless_tpu checkpoint: it has no {CHECKPOINT_POINTER} "
+                                "file, which save_checkpoint writes last (a save that was killed leaves none). Pass "
+                                "the directory given to save_checkpoint")
     path = os.path.join(directory, attempt)
     if not SAVE_ATTEMPT.fullmatch(attempt) or not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"checkpoint {directory!r} is damaged: {CHECKPOINT_POINTER} names {attempt!r}, which "
