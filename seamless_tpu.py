@@ -89,17 +89,14 @@ STRATEGIES = ("ddp", "fsdp")  # replicate the parameters, or shard them over FSD
 SPMD_CONFIG_KEYS = ("mesh_shape", "axis_names", "data_parallel_size", "model_parallel_size")
 FSDP_AXIS = "fsdp"
 MODEL_AXIS = "model"  # the axis a tensor-parallel plan splits weights over; batches split over every other axis
-# Tensor-parallel plan styles -> which features of a Linear split over MODEL_AXIS ("out": colwise,
-# "in": rowwise; an Embedding's are its dim and its vocabulary), or None: the weights stay whole.
-# Hugging Face's plan strings, and torch's ParallelStyle classes by name.
-TP_STYLES = {
-    **dict.fromkeys(("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise",
-                     "ColwiseParallel"), "out"),
-    **dict.fromkeys(("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise", "packed_rowwise",
-                     "local_packed_rowwise", "embedding_rowwise", "RowwiseParallel"), "in"),
-    **dict.fromkeys(("replicated_with_grad_allreduce", "replicate", "gather", "local", "sequence_parallel", "isolate",
-                     "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"), None),
-}
+# Tensor-parallel styles (Hugging Face's plan strings, torch's ParallelStyle class names) -> the features of a Linear
+# split over MODEL_AXIS ("out": colwise, "in": rowwise; an Embedding's dim, its vocabulary), or None: kept whole.
+TP_STYLES = {**dict.fromkeys(("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise",
+                              "ColwiseParallel"), "out"),
+             **dict.fromkeys(("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise", "packed_rowwise",
+                              "local_packed_rowwise", "embedding_rowwise", "RowwiseParallel"), "in"),
+             **dict.fromkeys(("replicated_with_grad_allreduce", "replicate", "gather", "local", "sequence_parallel",
+                              "isolate", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"), None)}
 CHECKPOINT_POINTER = "LATEST"  # names the committed save attempt; a save that never wrote it never happened
 CHECKPOINT_HISTORY = "HISTORY"  # the committed attempts kept (save_checkpoint(..., keep_last=K)), oldest first
 SAVE_ATTEMPT = re.compile(r"save-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
@@ -109,23 +106,16 @@ OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (sched
 RELEASE_EVERY = 4 << 20  # bytes a checkpoint load handles between handing freed host memory back to the OS
 WARMUP_STEPS = 2  # runs of a graph (cut to cut) that may compile: the first, the one with optimizer state
 INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
-SIGTERM_GRACE_S = 15.0  # how long SIGTERM's exit waits for the loop (a save in progress holds it): a spot VM or
-                        # a Kubernetes pod gets 30 s before SIGKILL. SEAMLESS_TPU_SIGTERM_GRACE overrides it
-AGREE_EVERY_S = 0.25  # processes agree on SIGTERM about this often, and at least every AGREE_MAX_STEPS steps (the
-AGREE_MAX_STEPS = 16  # interval at most doubles each time): on 2 gloo ranks of 2 cores an all-reduce every step cost
-                      # 1 ms, +43% of a 2.5 ms step; every 16 steps it is within the A/A noise (bench: preemption)
-AGREEMENT_PORT = 8548  # a multi-host XLA slice with no process group agrees on SIGTERM over a gloo group whose
-                       # store listens here on process 0 (the XLA coordinator's is 8547); SEAMLESS_TPU_PORT overrides
-LATE_COMPILES_TO_WARN = 2  # late compiles in a row by one pair of cuts: one is a one-off (an epoch's short
-                           # last batch, an eval pass joining a step), cached from then on; two mean shapes change
-_INSTALL = {
-    "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: pip install torch==2.9.0 torch_xla==2.9.0)",
-    "ray": "pip install 'ray[train]'",
-}
+SIGTERM_GRACE_S = 15.0  # SIGTERM's exit waits this long for a save (a spot VM's or pod's SIGKILL comes at 30 s)
+AGREE_EVERY_S, AGREE_MAX_STEPS = 0.25, 16  # processes agree on SIGTERM this often, and every 16 steps at least (the
+# interval at most doubles): an all-reduce a step cost 2 gloo ranks +43% of a 2.5 ms step; every 16, A/A noise (bench)
+AGREEMENT_PORT = 8548  # process 0's gloo store for SIGTERM agreement with no process group (XLA coordinator's: 8547)
+LATE_COMPILES_TO_WARN = 2  # by one pair of cuts in a row: one is a one-off (a short last batch), two mean shapes change
+_INSTALL = {"ray": "pip install 'ray[train]'", "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: "
+            "pip install torch==2.9.0 torch_xla==2.9.0)"}
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as PCI devices of this vendor on TPU VMs
 MAX_TOPOLOGY_CHIPS = 65536  # the largest TPU slices hold under 10k chips; more is a typo
-# fullmatch ('$' would allow a trailing newline); at most 5 digits a dimension, so int() never sees
-# a string past Python's 4300-digit conversion limit.
+# fullmatch it ('$' passes a trailing newline); {1,5} keeps int() below Python's 4300-digit conversion limit
 _TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")
 
 # --- 2. process state -----------------------------------------------------------------------------
