@@ -297,21 +297,9 @@ def _tpu_present():
 
 
 def _auto_xla_kind():
-    return "tpu" if _tpu_present() else "xla"
-
-
-def _auto_kind():
-    # Not cached: the answer must follow the user's env, and it costs a few dict lookups.
     if _STATE.xla_device is not None:
         return _STATE.xla_kind
-    if _xla_installed():
-        if _tpu_present():
-            return "tpu"
-        if _user_pjrt_device():
-            return "xla"
-    if torch.cuda.is_available():
-        return "gpu"
-    return "cpu"
+    return "tpu" if _tpu_present() else "xla"
 
 
 def _as_request(kind):
@@ -330,29 +318,27 @@ def _resolve_kind(kind=None):
     kind = _as_request(kind if kind is not None else (os.environ.get(ENV_DEVICE) or "auto"))
     if isinstance(kind, torch.device):
         if kind.type == "xla":
-            return _STATE.xla_kind if _STATE.xla_device is not None else _auto_xla_kind()
-        if kind.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {str(kind)!r} was requested but torch.cuda.is_available() is False; use "
-                               f"'auto' or 'cpu'")
-        return "gpu" if kind.type == "cuda" else "cpu"
-    if not isinstance(kind, str) or kind.lower() not in DEVICE_KINDS:
+            return _auto_xla_kind()
+        requested, name = ("gpu" if kind.type == "cuda" else "cpu"), str(kind)
+    elif isinstance(kind, str) and kind.lower() in DEVICE_KINDS:
+        requested = name = kind.lower()
+    else:
         raise ValueError(f"{where} must be one of {DEVICE_KINDS} or a torch.device string like 'cuda:0', got {kind!r}")
-    requested = kind.lower()
-    if requested == "auto":
-        return _auto_kind()
+    if requested == "auto":  # not cached: the answer must follow the user's env, and it costs a few dict lookups
+        if _STATE.xla_device is not None or (_xla_installed() and (_tpu_present() or _user_pjrt_device())):
+            return _auto_xla_kind()
+        return "gpu" if torch.cuda.is_available() else "cpu"
     if requested in XLA_DEVICE_KINDS and not _xla_installed():
         raise ImportError(f"device {requested!r} needs torch_xla, which is not installed: {_INSTALL['torch_xla']}")
     if requested == "tpu" and not _tpu_present():
         hint = os.environ.get("TPU_ACCELERATOR_TYPE")
-        raise RuntimeError(
-            f"device 'tpu' was requested but no TPU chip is visible (PJRT_DEVICE={_user_pjrt_device()!r}, "
-            f"TPU_ACCELERATOR_TYPE={hint!r}; no Google PCI device, /dev/accel* or /dev/vfio/* found). "
-            + ("TPU_ACCELERATOR_TYPE names a TPU, but this host has no chip: run on the TPU VM itself, "
-               "or " if hint else "Run on a TPU VM, or ")
-            + "ask for 'xla' / 'auto'."
-        )
+        fix = ("TPU_ACCELERATOR_TYPE names a TPU, but this host has no chip: run on the TPU VM itself" if hint
+               else "Run on a TPU VM")
+        raise RuntimeError(f"device 'tpu' was requested but no TPU chip is visible (PJRT_DEVICE={_user_pjrt_device()!r}"
+                           f", TPU_ACCELERATOR_TYPE={hint!r}; no Google PCI device, /dev/accel* or /dev/vfio/* found). "
+                           f"{fix}, or ask for 'xla' / 'auto'.")
     if requested == "gpu" and not torch.cuda.is_available():
-        raise RuntimeError("device 'gpu' was requested but torch.cuda.is_available() is False; use 'auto' or 'cpu'")
+        raise RuntimeError(f"device {name!r} was requested but torch.cuda.is_available() is False; use 'auto' or 'cpu'")
     return requested
 
 
