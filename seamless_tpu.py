@@ -884,17 +884,12 @@ class _GraphCuts:
 
 
 class _CompileWatchdog:
-    """Counts XLA compilations per iteration of the loop, and warns once per process when, after its
-    warm-up, iterations keep compiling. An iteration ends where the graph is cut: an optimizer step
-    (counted from its start, closure included) or a trainer forward that starts the next iteration
-    (counted since the previous cut). A graph is the work between two cuts, so warm-up is counted per
-    pair of consecutive cuts, and it warns when one pair, past warm-up, compiles on consecutive runs:
-    a graph met once is cached on its next run. Counted per optimizer, a loop whose cycle is longer
-    than a step warned about graphs it meets once, well after step 2: the first step after
-    an eval pass (it lacks the work the eval's cut took, or holds an eval no forward cut: an EMA
-    model's), an EMA copy's third step (its inputs are replicated after its first update), an eval
-    metric summed over epochs. Changing graphs compile on every run of some pair, and warn. A new
-    parameter group is a new cut, so its graphs warm up anew. Reads two counters per cut; no sync."""
+    """Counts XLA compiles per iteration (cut to cut: an optimizer step from its start, closure included, or a trainer
+    forward that starts the next iteration) and warns once per process when one pair of consecutive cuts, past its
+    warm-up, compiles on consecutive runs: a graph met once is cached on its next run. Counted per optimizer, it
+    warned about graphs loops meet once, well after step 2: the first step after an eval pass, an EMA copy's third
+    step (its inputs are replicated after its first update), an eval metric summed over epochs. A new parameter group
+    is a new cut, so its graphs warm up anew. Reads two counters per cut; no sync."""
 
     def __init__(self):
         self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
@@ -933,19 +928,16 @@ class _CompileWatchdog:
         self.pairs[pair], self.late_compiles = (runs + 1, in_a_row), self.late_compiles + late
         if in_a_row < LATE_COMPILES_TO_WARN or not _once("recompiles"):
             return
-        if known_cause:
-            cause = known_cause + "Other causes: "
-        elif self.sliced_input:
-            cause = ("A model input is a slice of a device tensor (e.g. source[i:i + seq_len] on XLA): each new offset "
-                     "is a new graph. Keep the source on the host and move each batch with trainer.to_device, or "
-                     "select with index_select and an index tensor. Other causes: ")
-        else:
-            cause = "Likely causes: "
+        cause = known_cause or ("A model input is a slice of a device tensor (e.g. source[i:i + seq_len] on XLA): "
+                                "each new offset is a new graph. Keep the source on the host and move each batch with "
+                                "trainer.to_device, or select with index_select and an index tensor. "
+                                if self.sliced_input else "")
         logger.warning(
-            "seamless_tpu: %s %d compiled %d new XLA graph(s) after warm-up. Each recompile stalls training. %s"
+            "seamless_tpu: %s %d compiled %d new XLA graph(s) after warm-up. Each recompile stalls training. %s%s"
             "input shapes that change between steps (a smaller last batch: use trainer.prepare_data_loader, which "
             "drops it), Python control flow on tensor values, or .item()/print(tensor) inside the step. "
-            "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause)
+            "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause,
+            "Other causes: " if cause else "Likely causes: ")
 
 
 def _has_xla_params(optimizer):
@@ -969,11 +961,10 @@ def _before_xla_step(optimizer, args, kwargs):
 
 
 def _cut_around(closure):
-    """A closure is one iteration: its forward and backward are one graph, the optimizer's work
-    between closures another. Without the cut at its end, each value LBFGS reads (the loss, its
-    convergence tests on the gradient) compiled a graph of its own that recomputed the whole forward
-    and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op graph for 3 to 4
-    minutes per read. Costs: a step with a closure is two graphs instead of one."""
+    """A closure is one iteration: its forward and backward are one graph, the optimizer's work between closures
+    another. Without these cuts each value LBFGS reads (the loss, its convergence tests) compiled a graph that
+    recomputed the whole forward and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op graph
+    for 3 to 4 minutes per read. Costs: a step with a closure is two graphs instead of one."""
 
     @functools.wraps(closure)
     def cut():
@@ -1000,15 +991,11 @@ def _cut_graph():
 
 
 def _cut_each_iteration(model):
-    """The graph rule for loops an optimizer step does not end: accumulation (k backwards per step),
-    closure optimizers (LBFGS runs k forwards and backwards inside one step; _cut_around cuts each
-    call), updates by hand, and evaluation or inference. A forward of the trainer's model starts a
-    new iteration, and cuts the graph, when a backward reached the model's parameters, or the model
-    ran under no_grad, since the last cut. So a graph is one iteration whatever the loop, and the
-    plain loop (forward, backward, step) keeps its one graph per step: its step already cut it.
-    Several forwards within one training iteration (a GAN's discriminator on real and fake, two
-    views of a batch) stay in one graph.
-    Costs: a flag set per parameter per backward, and one check per forward."""
+    """The graph rule for loops an optimizer step does not end (accumulation, closure optimizers, updates by hand,
+    evaluation, inference): a trainer model's forward cuts the graph when a backward reached its parameters, or it
+    ran under no_grad, since the last cut. So a graph is one iteration whatever the loop; the plain loop keeps one
+    graph a step (its step cut it), and several forwards in one training iteration (a GAN's discriminator on real
+    and fake, two views of a batch) stay one graph. Costs: a flag set per parameter per backward, a check a forward."""
     if model in _STATE.cuts.models:
         return
     for param in model.parameters():
