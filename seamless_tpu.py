@@ -1743,20 +1743,14 @@ def _loader_ranks(device):
     return _torch_dist_ranks()
 
 
-def _plain_sampler(sampler):
-    """Samplers whose meaning torch's DistributedSampler reproduces exactly (its fast path)."""
-    data = torch.utils.data
-    if type(sampler) is data.RandomSampler:
-        return not sampler.replacement and sampler._num_samples is None
-    return type(sampler) is data.SequentialSampler
-
-
 def _distributed_sampler(loader, replicas, rank):
-    """The DistributedSampler that gives this rank its share of a plain sampler's order, else None."""
-    if not _plain_sampler(loader.sampler):
+    """The DistributedSampler that gives this rank its share of the loader's order, where it reproduces the sampler
+    exactly (its fast path: RandomSampler without replacement or num_samples, SequentialSampler), else None."""
+    sampler, data = loader.sampler, torch.utils.data
+    shuffle = type(sampler) is data.RandomSampler and not sampler.replacement and sampler._num_samples is None
+    if not shuffle and type(sampler) is not data.SequentialSampler:
         return None
-    shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler)
-    return torch.utils.data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
+    return data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
 
 
 def _split_by_user(sampler, replicas, rank):
@@ -1764,10 +1758,9 @@ def _split_by_user(sampler, replicas, rank):
     if not isinstance(sampler, torch.utils.data.DistributedSampler):
         return False
     if (sampler.num_replicas, sampler.rank) != (replicas, rank):
-        raise ValueError(f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, "
-                         f"rank={sampler.rank}, "
-                         f"but this process is rank {rank} of {replicas}; build it with those values, or pass a plain "
-                         "DataLoader and let prepare_data_loader split it")
+        raise ValueError(f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, rank="
+                         f"{sampler.rank}, but this process is rank {rank} of {replicas}; build it with those values, "
+                         "or pass a plain DataLoader and let prepare_data_loader split it")
     return True
 
 
@@ -1779,8 +1772,8 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
     replicas, rank = data_ranks or _loader_ranks(device)
     if not isinstance(loader, data.DataLoader):
         if replicas > 1:
-            logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of "
-                           "it", type(loader).__name__)
+            logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of it",
+                           type(loader).__name__)
         return loader
     iterable = isinstance(loader.dataset, data.IterableDataset)
     own_batches = loader.batch_size is None  # a user batch_sampler, an iterable yielding batches, or no batching
@@ -1804,11 +1797,8 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
     if own_batches:
         batches = _ShardedBatches(loader.batch_sampler, replicas, rank, drop_last)
         return data.DataLoader(loader.dataset, batch_sampler=batches, **kwargs)
-    sampler = _distributed_sampler(loader, replicas, rank) if replicas > 1 else None
-    if sampler is not None:
-        replicas = 1  # split already
-    else:
-        sampler = loader.sampler
+    split = _distributed_sampler(loader, replicas, rank) if replicas > 1 else None
+    sampler, replicas = (loader.sampler, replicas) if split is None else (split, 1)  # a DistributedSampler splits it
     per_epoch = len(sampler) if hasattr(sampler, "__len__") else None
     if drop_last and per_epoch is not None and per_epoch % loader.batch_size:
         _log("seamless_tpu: dropping the last %d of %d samples per epoch to keep batch shapes fixed "
