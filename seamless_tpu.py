@@ -2822,8 +2822,8 @@ def _committed_attempt(directory):
     return path
 
 # --- 16. the Ray hook -----------------------------------------------------------------------------
-# Ray's own _TorchBackend pattern: the backend's hooks only orchestrate; the work is in the
-# top-level worker functions below, which a fake worker group can run in tests.
+# Ray's own _TorchBackend pattern: the backend's hooks only orchestrate; the work is in the top-level worker
+# functions below, which a fake worker group can run in tests.
 
 
 def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
@@ -2876,28 +2876,25 @@ def _worker_rank_and_ip():
 def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, timeout_s):
     """In each Ray worker: env (only where unset), SPMD, mesh, and a gloo group for several. Rerunnable."""
     ctx = _train_context()
-    env = _xla_worker_env(
-        rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
-        local_world_size=ctx.get_local_world_size(), node_rank=ctx.get_node_rank(),
-        master_addr=master_addr, master_port=master_port, hostnames=hostnames,
-    )
-    applied = _setdefault_env(env)
-    _log("seamless_tpu: worker %s set %s", ctx.get_world_rank(), applied, main=ctx.get_world_rank() == 0)
+    rank, size = ctx.get_world_rank(), ctx.get_world_size()
+    applied = _setdefault_env(_xla_worker_env(
+        rank=rank, world_size=size, local_rank=ctx.get_local_rank(), local_world_size=ctx.get_local_world_size(),
+        node_rank=ctx.get_node_rank(), master_addr=master_addr, master_port=master_port, hostnames=hostnames))
+    _log("seamless_tpu: worker %s set %s", rank, applied, main=rank == 0)
     if os.environ.get("TPU_VISIBLE_CHIPS") and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
         logger.warning("seamless_tpu: TPU_VISIBLE_CHIPS=%s limits this SPMD worker to part of its host; "
                        "give each Ray worker all chips of its host", os.environ["TPU_VISIBLE_CHIPS"])
     _activate_xla(_auto_xla_kind())
     mesh = create_xla_mesh(xla_spmd_config=xla_spmd_config)
-    dist = torch.distributed
-    if ctx.get_world_size() > 1 and not dist.is_initialized():
+    if size > 1 and not torch.distributed.is_initialized():
         # The compiler does the training collectives; this CPU group coordinates the hosts where XLA
         # does not: save_checkpoint's shared plan and commit (torch_xla's DCP needs one, see its
         # CheckpointManager), and every rank getting the same outcome of a save.
-        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                                rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rank=rank,
+            world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
         _STATE.group_we_started = True
-    return {"rank": ctx.get_world_rank(), "set": applied, "mesh_shape": tuple(mesh.mesh_shape)}
+    return {"rank": rank, "set": applied, "mesh_shape": tuple(mesh.mesh_shape)}
 
 
 def _xla_worker_shutdown():
@@ -2915,14 +2912,13 @@ def _check_cluster_tpus(scaling_config):
     ray = _import("ray")
     if not ray.is_initialized():
         ray.init()  # what fit() does a moment later anyway
-    need = scaling_config.num_workers * scaling_config.num_tpus_per_worker
+    workers, per_worker = scaling_config.num_workers, scaling_config.num_tpus_per_worker
     have = ray.cluster_resources().get("TPU", 0)
-    if have < need:
-        raise RuntimeError(f"ScalingConfig(use_tpu=True) asks for num_workers={scaling_config.num_workers} x "
-                           f"{scaling_config.num_tpus_per_worker:g} TPU = {need:g} TPU, but the Ray cluster has "
-                           f"{have:g} "
-                           "(ray.cluster_resources()). Connect to a cluster of TPU hosts (ray.init(address=...)), "
-                           "fewer workers or TPU per worker, or use_tpu=False for CPU/GPU")
+    if have < workers * per_worker:
+        raise RuntimeError(f"ScalingConfig(use_tpu=True) asks for num_workers={workers} x {per_worker:g} TPU = "
+                           f"{workers * per_worker:g} TPU, but the Ray cluster has {have:g} (ray.cluster_resources())."
+                           " Connect to a cluster of TPU hosts (ray.init(address=...)), fewer workers or TPU per "
+                           "worker, or use_tpu=False for CPU/GPU")
 
 
 class _RayTrainLoop:
@@ -2938,12 +2934,10 @@ class _RayTrainLoop:
     def __call__(self, *args):
         result = self.train_fn(*args)
         if _STATE.preemption.preempted_at and _STATE.preemption.delays_exit:
-            raise RuntimeError(
-                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; the loop "
-                f"returned after it, so "
-                "this attempt ends as failed for Ray to restart it from the last reported checkpoint "
-                "(ray.train.get_checkpoint()). Allow the restart with "
-                "RunConfig(failure_config=FailureConfig(max_failures=N))")
+            raise RuntimeError(f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; "
+                               "the loop returned after it, so this attempt ends as failed for Ray to restart it from "
+                               "the last reported checkpoint (ray.train.get_checkpoint()). Allow the restart with "
+                               "RunConfig(failure_config=FailureConfig(max_failures=N))")
         return result
 
 
@@ -3000,13 +2994,11 @@ def _ray_classes():
             return contextlib.nullcontext if self.backend in RAY_XLA_BACKENDS else super().train_func_context
 
     class TorchTrainer(ray_torch.TorchTrainer):
-        """Ray's TorchTrainer; with ScalingConfig(use_tpu=True) and no torch_config it runs the
-        torch_xla SPMD backend instead of Ray's torch_tpu one."""
+        """Ray's TorchTrainer; ScalingConfig(use_tpu=True) without a torch_config runs the torch_xla SPMD backend."""
 
         def __init__(self, train_loop_per_worker, *, torch_config=None, scaling_config=None, **kwargs):
-            if torch_config is None:
-                use_tpu = scaling_config is not None and getattr(scaling_config, "use_tpu", False)
-                torch_config = TorchConfig(backend="xla_tpu") if use_tpu else TorchConfig()
+            if torch_config is None:  # use_tpu: ours, not Ray's torch_tpu backend; else Ray's default (None)
+                torch_config = TorchConfig(backend="xla_tpu" if getattr(scaling_config, "use_tpu", False) else None)
             if torch_config.backend in RAY_XLA_BACKENDS and scaling_config is not None:
                 _check_tpu_scaling(scaling_config.num_workers, scaling_config.num_tpus_per_worker,
                                    scaling_config.topology)
