@@ -378,13 +378,12 @@ def _is_xla(device):
 
 
 def _map_tensors(obj, on_tensor, on_other=None):
-    """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means.
-    Mappings are walked even when they have their own .to (HF BatchEncoding), so each tensor is split
-    over the mesh; they come back as their own type with their other attributes. Other objects with
-    their own .to go to `on_other` (when given), never rebuilt from their parts: PackedSequence,
-    modules, user classes. Sequences keep their types where they can be rebuilt, else become the plain
-    list/tuple. Dataclasses are copied field by field without __init__ or __post_init__, forgetting
-    values cached from their old fields. All else passes unchanged."""
+    """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means. Mappings are walked
+    even when they have their own .to (HF BatchEncoding), so each tensor is split over the mesh; they come back as
+    their own type with their other attributes. Other objects with their own .to go to `on_other` (when given), never
+    rebuilt from their parts: PackedSequence, modules, user classes. Sequences keep their types where they can be
+    rebuilt, else become the plain list/tuple. Dataclasses are copied field by field without __init__ or
+    __post_init__, forgetting values cached from their old fields. All else passes unchanged."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
 
@@ -814,16 +813,15 @@ def _check_autograd_ready(device):
 
 
 def _patch_torch_for_xla():
-    """The process-wide changes the header lists, each undone by _reset_caches. Why each: model.to(xla)
-    would make new Parameters and strand an optimizer built before the move (the loop runs and never
-    trains); the swap setting is global, so every module's .to()/.half() swaps in place from now on, CPU
-    ones too (torch has no per-device switch). The checkpoint routing leaves CPU/GPU inputs on torch's
-    own path. torch.utils.checkpoint needs a torch.xla
-    module for the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a
-    recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back into the
-    forward, saving nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier
-    also covers the incoming gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone);
-    use_reentrant=False, which torch_xla lacks, gets the barrier on its recompute inputs.
+    """The process-wide changes the header lists, each undone by _reset_caches. Why each: model.to(xla) would make
+    new Parameters and strand an optimizer built before the move (the loop runs and never trains); the swap setting
+    is global, so every module's .to()/.half() swaps in place from now on, CPU ones too (torch has no per-device
+    switch). The checkpoint routing leaves CPU/GPU inputs on torch's own path. torch.utils.checkpoint needs a
+    torch.xla module for the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a
+    recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back into the forward, saving
+    nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier also covers the incoming
+    gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone); use_reentrant=False, which torch_xla
+    lacks, gets the barrier on its recompute inputs.
     # TODO(remove the checkpoint parts when torch_xla registers torch.xla and supports use_reentrant=False)
     """
     swap = torch.__future__.get_swap_module_params_on_conversion()
