@@ -115,8 +115,7 @@ _INSTALL = {"ray": "pip install 'ray[train]'", "torch_xla": "pip install 'torch_
             "pip install torch==2.9.0 torch_xla==2.9.0)"}
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as PCI devices of this vendor on TPU VMs
 MAX_TOPOLOGY_CHIPS = 65536  # the largest TPU slices hold under 10k chips; more is a typo
-# fullmatch it ('$' passes a trailing newline); {1,5} keeps int() below Python's 4300-digit conversion limit
-_TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")
+_TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")  # fullmatch ('$' passes "\n"); {1,5}: int()'s 4300-digit cap
 
 # --- 2. process state -----------------------------------------------------------------------------
 
@@ -2920,10 +2919,9 @@ def _check_cluster_tpus(scaling_config):
 
 
 class _RayTrainLoop:
-    """The user's train function, as seamless_tpu's TorchTrainer runs it. A preempted loop that saved and
-    returned must not end the run as finished: Ray would never restart it. Here it ends as failed, so Ray
-    restarts it (FailureConfig) and the loop resumes from ray.train.get_checkpoint(). A class, not a
-    closure: cloudpickle would ship a closure's globals by value, _STATE with them."""
+    """The user's train function, as seamless_tpu's TorchTrainer runs it. A preempted loop that saved and returned
+    ends as failed, not finished (Ray never restarts a finished run), so Ray restarts it (FailureConfig) and it resumes
+    from ray.train.get_checkpoint(). A class: cloudpickle would ship a closure's globals by value, _STATE with them."""
 
     def __init__(self, train_fn):
         self.train_fn = train_fn
