@@ -89,17 +89,14 @@ STRATEGIES = ("ddp", "fsdp")  # replicate the parameters, or shard them over FSD
 SPMD_CONFIG_KEYS = ("mesh_shape", "axis_names", "data_parallel_size", "model_parallel_size")
 FSDP_AXIS = "fsdp"
 MODEL_AXIS = "model"  # the axis a tensor-parallel plan splits weights over; batches split over every other axis
-# Tensor-parallel plan styles -> which features of a Linear split over MODEL_AXIS ("out": colwise,
-# "in": rowwise; an Embedding's are its dim and its vocabulary), or None: the weights stay whole.
-# Hugging Face's plan strings, and torch's ParallelStyle classes by name.
-TP_STYLES = {
-    **dict.fromkeys(("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise",
-                     "ColwiseParallel"), "out"),
-    **dict.fromkeys(("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise", "packed_rowwise",
-                     "local_packed_rowwise", "embedding_rowwise", "RowwiseParallel"), "in"),
-    **dict.fromkeys(("replicated_with_grad_allreduce", "replicate", "gather", "local", "sequence_parallel", "isolate",
-                     "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"), None),
-}
+# Tensor-parallel styles (Hugging Face's plan strings, torch's ParallelStyle class names) -> the features of a Linear
+# split over MODEL_AXIS ("out": colwise, "in": rowwise; an Embedding's dim, its vocabulary), or None: kept whole.
+TP_STYLES = {**dict.fromkeys(("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise",
+                              "ColwiseParallel"), "out"),
+             **dict.fromkeys(("rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise", "packed_rowwise",
+                              "local_packed_rowwise", "embedding_rowwise", "RowwiseParallel"), "in"),
+             **dict.fromkeys(("replicated_with_grad_allreduce", "replicate", "gather", "local", "sequence_parallel",
+                              "isolate", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"), None)}
 CHECKPOINT_POINTER = "LATEST"  # names the committed save attempt; a save that never wrote it never happened
 CHECKPOINT_HISTORY = "HISTORY"  # the committed attempts kept (save_checkpoint(..., keep_last=K)), oldest first
 SAVE_ATTEMPT = re.compile(r"save-[0-9]+-[0-9]+")  # save-<pid>-<ns>: one save_checkpoint call's directory
@@ -109,24 +106,16 @@ OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (sched
 RELEASE_EVERY = 4 << 20  # bytes a checkpoint load handles between handing freed host memory back to the OS
 WARMUP_STEPS = 2  # runs of a graph (cut to cut) that may compile: the first, the one with optimizer state
 INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
-SIGTERM_GRACE_S = 15.0  # how long SIGTERM's exit waits for the loop (a save in progress holds it): a spot VM or
-                        # a Kubernetes pod gets 30 s before SIGKILL. SEAMLESS_TPU_SIGTERM_GRACE overrides it
-AGREE_EVERY_S = 0.25  # processes agree on SIGTERM about this often, and at least every AGREE_MAX_STEPS steps (the
-AGREE_MAX_STEPS = 16  # interval at most doubles each time): on 2 gloo ranks of 2 cores an all-reduce every step cost
-                      # 1 ms, +43% of a 2.5 ms step; every 16 steps it is within the A/A noise (bench: preemption)
-AGREEMENT_PORT = 8548  # a multi-host XLA slice with no process group agrees on SIGTERM over a gloo group whose
-                       # store listens here on process 0 (the XLA coordinator's is 8547); SEAMLESS_TPU_PORT overrides
-LATE_COMPILES_TO_WARN = 2  # late compiles in a row by one pair of cuts: one is a one-off (an epoch's short
-                           # last batch, an eval pass joining a step), cached from then on; two mean shapes change
-_INSTALL = {
-    "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: pip install torch==2.9.0 torch_xla==2.9.0)",
-    "ray": "pip install 'ray[train]'",
-}
+SIGTERM_GRACE_S = 15.0  # SIGTERM's exit waits this long for a save (a spot VM's or pod's SIGKILL comes at 30 s)
+AGREE_EVERY_S, AGREE_MAX_STEPS = 0.25, 16  # processes agree on SIGTERM this often, and every 16 steps at least (the
+# interval at most doubles): an all-reduce a step cost 2 gloo ranks +43% of a 2.5 ms step; every 16, A/A noise (bench)
+AGREEMENT_PORT = 8548  # process 0's gloo store for SIGTERM agreement with no process group (XLA coordinator's: 8547)
+LATE_COMPILES_TO_WARN = 2  # by one pair of cuts in a row: one is a one-off (a short last batch), two mean shapes change
+_INSTALL = {"ray": "pip install 'ray[train]'", "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: "
+            "pip install torch==2.9.0 torch_xla==2.9.0)"}
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as PCI devices of this vendor on TPU VMs
 MAX_TOPOLOGY_CHIPS = 65536  # the largest TPU slices hold under 10k chips; more is a typo
-# fullmatch ('$' would allow a trailing newline); at most 5 digits a dimension, so int() never sees
-# a string past Python's 4300-digit conversion limit.
-_TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")
+_TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")  # fullmatch ('$' passes "\n"); {1,5}: int()'s 4300-digit cap
 
 # --- 2. process state -----------------------------------------------------------------------------
 
@@ -297,21 +286,9 @@ def _tpu_present():
 
 
 def _auto_xla_kind():
-    return "tpu" if _tpu_present() else "xla"
-
-
-def _auto_kind():
-    # Not cached: the answer must follow the user's env, and it costs a few dict lookups.
     if _STATE.xla_device is not None:
         return _STATE.xla_kind
-    if _xla_installed():
-        if _tpu_present():
-            return "tpu"
-        if _user_pjrt_device():
-            return "xla"
-    if torch.cuda.is_available():
-        return "gpu"
-    return "cpu"
+    return "tpu" if _tpu_present() else "xla"
 
 
 def _as_request(kind):
@@ -330,29 +307,27 @@ def _resolve_kind(kind=None):
     kind = _as_request(kind if kind is not None else (os.environ.get(ENV_DEVICE) or "auto"))
     if isinstance(kind, torch.device):
         if kind.type == "xla":
-            return _STATE.xla_kind if _STATE.xla_device is not None else _auto_xla_kind()
-        if kind.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {str(kind)!r} was requested but torch.cuda.is_available() is False; use "
-                               f"'auto' or 'cpu'")
-        return "gpu" if kind.type == "cuda" else "cpu"
-    if not isinstance(kind, str) or kind.lower() not in DEVICE_KINDS:
+            return _auto_xla_kind()
+        requested, name = ("gpu" if kind.type == "cuda" else "cpu"), str(kind)
+    elif isinstance(kind, str) and kind.lower() in DEVICE_KINDS:
+        requested = name = kind.lower()
+    else:
         raise ValueError(f"{where} must be one of {DEVICE_KINDS} or a torch.device string like 'cuda:0', got {kind!r}")
-    requested = kind.lower()
-    if requested == "auto":
-        return _auto_kind()
+    if requested == "auto":  # not cached: the answer must follow the user's env, and it costs a few dict lookups
+        if _STATE.xla_device is not None or (_xla_installed() and (_tpu_present() or _user_pjrt_device())):
+            return _auto_xla_kind()
+        return "gpu" if torch.cuda.is_available() else "cpu"
     if requested in XLA_DEVICE_KINDS and not _xla_installed():
         raise ImportError(f"device {requested!r} needs torch_xla, which is not installed: {_INSTALL['torch_xla']}")
     if requested == "tpu" and not _tpu_present():
         hint = os.environ.get("TPU_ACCELERATOR_TYPE")
-        raise RuntimeError(
-            f"device 'tpu' was requested but no TPU chip is visible (PJRT_DEVICE={_user_pjrt_device()!r}, "
-            f"TPU_ACCELERATOR_TYPE={hint!r}; no Google PCI device, /dev/accel* or /dev/vfio/* found). "
-            + ("TPU_ACCELERATOR_TYPE names a TPU, but this host has no chip: run on the TPU VM itself, "
-               "or " if hint else "Run on a TPU VM, or ")
-            + "ask for 'xla' / 'auto'."
-        )
+        fix = ("TPU_ACCELERATOR_TYPE names a TPU, but this host has no chip: run on the TPU VM itself" if hint
+               else "Run on a TPU VM")
+        raise RuntimeError(f"device 'tpu' was requested but no TPU chip is visible (PJRT_DEVICE={_user_pjrt_device()!r}"
+                           f", TPU_ACCELERATOR_TYPE={hint!r}; no Google PCI device, /dev/accel* or /dev/vfio/* found). "
+                           f"{fix}, or ask for 'xla' / 'auto'.")
     if requested == "gpu" and not torch.cuda.is_available():
-        raise RuntimeError("device 'gpu' was requested but torch.cuda.is_available() is False; use 'auto' or 'cpu'")
+        raise RuntimeError(f"device {name!r} was requested but torch.cuda.is_available() is False; use 'auto' or 'cpu'")
     return requested
 
 
@@ -392,13 +367,12 @@ def _is_xla(device):
 
 
 def _map_tensors(obj, on_tensor, on_other=None):
-    """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means.
-    Mappings are walked even when they have their own .to (HF BatchEncoding), so each tensor is split
-    over the mesh; they come back as their own type with their other attributes. Other objects with
-    their own .to go to `on_other` (when given), never rebuilt from their parts: PackedSequence,
-    modules, user classes. Sequences keep their types where they can be rebuilt, else become the plain
-    list/tuple. Dataclasses are copied field by field without __init__ or __post_init__, forgetting
-    values cached from their old fields. All else passes unchanged."""
+    """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means. Mappings are walked
+    even when they have their own .to (HF BatchEncoding), so each tensor is split over the mesh; they come back as
+    their own type with their other attributes. Other objects with their own .to go to `on_other` (when given), never
+    rebuilt from their parts: PackedSequence, modules, user classes. Sequences keep their types where they can be
+    rebuilt, else become the plain list/tuple. Dataclasses are copied field by field without __init__ or
+    __post_init__, forgetting values cached from their old fields. All else passes unchanged."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
 
@@ -811,16 +785,15 @@ def _check_autograd_ready(device):
 
 
 def _patch_torch_for_xla():
-    """The process-wide changes the header lists, each undone by _reset_caches. Why each: model.to(xla)
-    would make new Parameters and strand an optimizer built before the move (the loop runs and never
-    trains); the swap setting is global, so every module's .to()/.half() swaps in place from now on, CPU
-    ones too (torch has no per-device switch). The checkpoint routing leaves CPU/GPU inputs on torch's
-    own path. torch.utils.checkpoint needs a torch.xla
-    module for the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a
-    recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back into the
-    forward, saving nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier
-    also covers the incoming gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone);
-    use_reentrant=False, which torch_xla lacks, gets the barrier on its recompute inputs.
+    """The process-wide changes the header lists, each undone by _reset_caches. Why each: model.to(xla) would make
+    new Parameters and strand an optimizer built before the move (the loop runs and never trains); the swap setting
+    is global, so every module's .to()/.half() swaps in place from now on, CPU ones too (torch has no per-device
+    switch). The checkpoint routing leaves CPU/GPU inputs on torch's own path. torch.utils.checkpoint needs a
+    torch.xla module for the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a
+    recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back into the forward, saving
+    nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier also covers the incoming
+    gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone); use_reentrant=False, which torch_xla
+    lacks, gets the barrier on its recompute inputs.
     # TODO(remove the checkpoint parts when torch_xla registers torch.xla and supports use_reentrant=False)
     """
     swap = torch.__future__.get_swap_module_params_on_conversion()
@@ -881,17 +854,12 @@ class _GraphCuts:
 
 
 class _CompileWatchdog:
-    """Counts XLA compilations per iteration of the loop, and warns once per process when, after its
-    warm-up, iterations keep compiling. An iteration ends where the graph is cut: an optimizer step
-    (counted from its start, closure included) or a trainer forward that starts the next iteration
-    (counted since the previous cut). A graph is the work between two cuts, so warm-up is counted per
-    pair of consecutive cuts, and it warns when one pair, past warm-up, compiles on consecutive runs:
-    a graph met once is cached on its next run. Counted per optimizer, a loop whose cycle is longer
-    than a step warned about graphs it meets once, well after step 2: the first step after
-    an eval pass (it lacks the work the eval's cut took, or holds an eval no forward cut: an EMA
-    model's), an EMA copy's third step (its inputs are replicated after its first update), an eval
-    metric summed over epochs. Changing graphs compile on every run of some pair, and warn. A new
-    parameter group is a new cut, so its graphs warm up anew. Reads two counters per cut; no sync."""
+    """Counts XLA compiles per iteration (cut to cut: an optimizer step from its start, closure included, or a trainer
+    forward that starts the next iteration) and warns once per process when one pair of consecutive cuts, past its
+    warm-up, compiles on consecutive runs: a graph met once is cached on its next run. Counted per optimizer, it
+    warned about graphs loops meet once, well after step 2: the first step after an eval pass, an EMA copy's third
+    step (its inputs are replicated after its first update), an eval metric summed over epochs. A new parameter group
+    is a new cut, so its graphs warm up anew. Reads two counters per cut; no sync."""
 
     def __init__(self):
         self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
@@ -930,19 +898,16 @@ class _CompileWatchdog:
         self.pairs[pair], self.late_compiles = (runs + 1, in_a_row), self.late_compiles + late
         if in_a_row < LATE_COMPILES_TO_WARN or not _once("recompiles"):
             return
-        if known_cause:
-            cause = known_cause + "Other causes: "
-        elif self.sliced_input:
-            cause = ("A model input is a slice of a device tensor (e.g. source[i:i + seq_len] on XLA): each new offset "
-                     "is a new graph. Keep the source on the host and move each batch with trainer.to_device, or "
-                     "select with index_select and an index tensor. Other causes: ")
-        else:
-            cause = "Likely causes: "
+        cause = known_cause or ("A model input is a slice of a device tensor (e.g. source[i:i + seq_len] on XLA): "
+                                "each new offset is a new graph. Keep the source on the host and move each batch with "
+                                "trainer.to_device, or select with index_select and an index tensor. "
+                                if self.sliced_input else "")
         logger.warning(
-            "seamless_tpu: %s %d compiled %d new XLA graph(s) after warm-up. Each recompile stalls training. %s"
+            "seamless_tpu: %s %d compiled %d new XLA graph(s) after warm-up. Each recompile stalls training. %s%s"
             "input shapes that change between steps (a smaller last batch: use trainer.prepare_data_loader, which "
             "drops it), Python control flow on tensor values, or .item()/print(tensor) inside the step. "
-            "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause)
+            "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause,
+            "Other causes: " if cause else "Likely causes: ")
 
 
 def _has_xla_params(optimizer):
@@ -966,11 +931,10 @@ def _before_xla_step(optimizer, args, kwargs):
 
 
 def _cut_around(closure):
-    """A closure is one iteration: its forward and backward are one graph, the optimizer's work
-    between closures another. Without the cut at its end, each value LBFGS reads (the loss, its
-    convergence tests on the gradient) compiled a graph of its own that recomputed the whole forward
-    and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op graph for 3 to 4
-    minutes per read. Costs: a step with a closure is two graphs instead of one."""
+    """A closure is one iteration: its forward and backward are one graph, the optimizer's work between closures
+    another. Without these cuts each value LBFGS reads (the loss, its convergence tests) compiled a graph that
+    recomputed the whole forward and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op graph
+    for 3 to 4 minutes per read. Costs: a step with a closure is two graphs instead of one."""
 
     @functools.wraps(closure)
     def cut():
@@ -997,15 +961,11 @@ def _cut_graph():
 
 
 def _cut_each_iteration(model):
-    """The graph rule for loops an optimizer step does not end: accumulation (k backwards per step),
-    closure optimizers (LBFGS runs k forwards and backwards inside one step; _cut_around cuts each
-    call), updates by hand, and evaluation or inference. A forward of the trainer's model starts a
-    new iteration, and cuts the graph, when a backward reached the model's parameters, or the model
-    ran under no_grad, since the last cut. So a graph is one iteration whatever the loop, and the
-    plain loop (forward, backward, step) keeps its one graph per step: its step already cut it.
-    Several forwards within one training iteration (a GAN's discriminator on real and fake, two
-    views of a batch) stay in one graph.
-    Costs: a flag set per parameter per backward, and one check per forward."""
+    """The graph rule for loops an optimizer step does not end (accumulation, closure optimizers, updates by hand,
+    evaluation, inference): a trainer model's forward cuts the graph when a backward reached its parameters, or it
+    ran under no_grad, since the last cut. So a graph is one iteration whatever the loop; the plain loop keeps one
+    graph a step (its step cut it), and several forwards in one training iteration (a GAN's discriminator on real
+    and fake, two views of a batch) stay one graph. Costs: a flag set per parameter per backward, a check a forward."""
     if model in _STATE.cuts.models:
         return
     for param in model.parameters():
@@ -1633,20 +1593,14 @@ def _loader_ranks(device):
     return _torch_dist_ranks()
 
 
-def _plain_sampler(sampler):
-    """Samplers whose meaning torch's DistributedSampler reproduces exactly (its fast path)."""
-    data = torch.utils.data
-    if type(sampler) is data.RandomSampler:
-        return not sampler.replacement and sampler._num_samples is None
-    return type(sampler) is data.SequentialSampler
-
-
 def _distributed_sampler(loader, replicas, rank):
-    """The DistributedSampler that gives this rank its share of a plain sampler's order, else None."""
-    if not _plain_sampler(loader.sampler):
+    """The DistributedSampler that gives this rank its share of the loader's order, where it reproduces the sampler
+    exactly (its fast path: RandomSampler without replacement or num_samples, SequentialSampler), else None."""
+    sampler, data = loader.sampler, torch.utils.data
+    shuffle = type(sampler) is data.RandomSampler and not sampler.replacement and sampler._num_samples is None
+    if not shuffle and type(sampler) is not data.SequentialSampler:
         return None
-    shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler)
-    return torch.utils.data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
+    return data.DistributedSampler(loader.dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
 
 
 def _split_by_user(sampler, replicas, rank):
@@ -1654,10 +1608,9 @@ def _split_by_user(sampler, replicas, rank):
     if not isinstance(sampler, torch.utils.data.DistributedSampler):
         return False
     if (sampler.num_replicas, sampler.rank) != (replicas, rank):
-        raise ValueError(f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, "
-                         f"rank={sampler.rank}, "
-                         f"but this process is rank {rank} of {replicas}; build it with those values, or pass a plain "
-                         "DataLoader and let prepare_data_loader split it")
+        raise ValueError(f"the loader's DistributedSampler has num_replicas={sampler.num_replicas}, rank="
+                         f"{sampler.rank}, but this process is rank {rank} of {replicas}; build it with those values, "
+                         "or pass a plain DataLoader and let prepare_data_loader split it")
     return True
 
 
@@ -1669,8 +1622,8 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
     replicas, rank = data_ranks or _loader_ranks(device)
     if not isinstance(loader, data.DataLoader):
         if replicas > 1:
-            logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of "
-                           "it", type(loader).__name__)
+            logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of it",
+                           type(loader).__name__)
         return loader
     iterable = isinstance(loader.dataset, data.IterableDataset)
     own_batches = loader.batch_size is None  # a user batch_sampler, an iterable yielding batches, or no batching
@@ -1694,11 +1647,8 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
     if own_batches:
         batches = _ShardedBatches(loader.batch_sampler, replicas, rank, drop_last)
         return data.DataLoader(loader.dataset, batch_sampler=batches, **kwargs)
-    sampler = _distributed_sampler(loader, replicas, rank) if replicas > 1 else None
-    if sampler is not None:
-        replicas = 1  # split already
-    else:
-        sampler = loader.sampler
+    split = _distributed_sampler(loader, replicas, rank) if replicas > 1 else None
+    sampler, replicas = (loader.sampler, replicas) if split is None else (split, 1)  # a DistributedSampler splits it
     per_epoch = len(sampler) if hasattr(sampler, "__len__") else None
     if drop_last and per_epoch is not None and per_epoch % loader.batch_size:
         _log("seamless_tpu: dropping the last %d of %d samples per epoch to keep batch shapes fixed "
@@ -2595,8 +2545,8 @@ def _committed_attempt(directory):
     return path
 
 # --- 16. the Ray hook -----------------------------------------------------------------------------
-# Ray's own _TorchBackend pattern: the backend's hooks only orchestrate; the work is in the
-# top-level worker functions below, which a fake worker group can run in tests.
+# Ray's own _TorchBackend pattern: the backend's hooks only orchestrate; the work is in the top-level worker
+# functions below, which a fake worker group can run in tests.
 
 
 def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
@@ -2649,28 +2599,25 @@ def _worker_rank_and_ip():
 def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, timeout_s):
     """In each Ray worker: env (only where unset), SPMD, mesh, and a gloo group for several. Rerunnable."""
     ctx = _train_context()
-    env = _xla_worker_env(
-        rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
-        local_world_size=ctx.get_local_world_size(), node_rank=ctx.get_node_rank(),
-        master_addr=master_addr, master_port=master_port, hostnames=hostnames,
-    )
-    applied = _setdefault_env(env)
-    _log("seamless_tpu: worker %s set %s", ctx.get_world_rank(), applied, main=ctx.get_world_rank() == 0)
+    rank, size = ctx.get_world_rank(), ctx.get_world_size()
+    applied = _setdefault_env(_xla_worker_env(
+        rank=rank, world_size=size, local_rank=ctx.get_local_rank(), local_world_size=ctx.get_local_world_size(),
+        node_rank=ctx.get_node_rank(), master_addr=master_addr, master_port=master_port, hostnames=hostnames))
+    _log("seamless_tpu: worker %s set %s", rank, applied, main=rank == 0)
     if os.environ.get("TPU_VISIBLE_CHIPS") and os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
         logger.warning("seamless_tpu: TPU_VISIBLE_CHIPS=%s limits this SPMD worker to part of its host; "
                        "give each Ray worker all chips of its host", os.environ["TPU_VISIBLE_CHIPS"])
     _activate_xla(_auto_xla_kind())
     mesh = create_xla_mesh(xla_spmd_config=xla_spmd_config)
-    dist = torch.distributed
-    if ctx.get_world_size() > 1 and not dist.is_initialized():
+    if size > 1 and not torch.distributed.is_initialized():
         # The compiler does the training collectives; this CPU group coordinates the hosts where XLA
         # does not: save_checkpoint's shared plan and commit (torch_xla's DCP needs one, see its
         # CheckpointManager), and every rank getting the same outcome of a save.
-        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                                rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rank=rank,
+            world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
         _STATE.group_we_started = True
-    return {"rank": ctx.get_world_rank(), "set": applied, "mesh_shape": tuple(mesh.mesh_shape)}
+    return {"rank": rank, "set": applied, "mesh_shape": tuple(mesh.mesh_shape)}
 
 
 def _xla_worker_shutdown():
@@ -2688,21 +2635,19 @@ def _check_cluster_tpus(scaling_config):
     ray = _import("ray")
     if not ray.is_initialized():
         ray.init()  # what fit() does a moment later anyway
-    need = scaling_config.num_workers * scaling_config.num_tpus_per_worker
+    workers, per_worker = scaling_config.num_workers, scaling_config.num_tpus_per_worker
     have = ray.cluster_resources().get("TPU", 0)
-    if have < need:
-        raise RuntimeError(f"ScalingConfig(use_tpu=True) asks for num_workers={scaling_config.num_workers} x "
-                           f"{scaling_config.num_tpus_per_worker:g} TPU = {need:g} TPU, but the Ray cluster has "
-                           f"{have:g} "
-                           "(ray.cluster_resources()). Connect to a cluster of TPU hosts (ray.init(address=...)), "
-                           "fewer workers or TPU per worker, or use_tpu=False for CPU/GPU")
+    if have < workers * per_worker:
+        raise RuntimeError(f"ScalingConfig(use_tpu=True) asks for num_workers={workers} x {per_worker:g} TPU = "
+                           f"{workers * per_worker:g} TPU, but the Ray cluster has {have:g} (ray.cluster_resources())."
+                           " Connect to a cluster of TPU hosts (ray.init(address=...)), fewer workers or TPU per "
+                           "worker, or use_tpu=False for CPU/GPU")
 
 
 class _RayTrainLoop:
-    """The user's train function, as seamless_tpu's TorchTrainer runs it. A preempted loop that saved and
-    returned must not end the run as finished: Ray would never restart it. Here it ends as failed, so Ray
-    restarts it (FailureConfig) and the loop resumes from ray.train.get_checkpoint(). A class, not a
-    closure: cloudpickle would ship a closure's globals by value, _STATE with them."""
+    """The user's train function, as seamless_tpu's TorchTrainer runs it. A preempted loop that saved and returned
+    ends as failed, not finished (Ray never restarts a finished run), so Ray restarts it (FailureConfig) and it resumes
+    from ray.train.get_checkpoint(). A class: cloudpickle would ship a closure's globals by value, _STATE with them."""
 
     def __init__(self, train_fn):
         self.train_fn = train_fn
@@ -2711,12 +2656,10 @@ class _RayTrainLoop:
     def __call__(self, *args):
         result = self.train_fn(*args)
         if _STATE.preemption.preempted_at and _STATE.preemption.delays_exit:
-            raise RuntimeError(
-                f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; the loop "
-                f"returned after it, so "
-                "this attempt ends as failed for Ray to restart it from the last reported checkpoint "
-                "(ray.train.get_checkpoint()). Allow the restart with "
-                "RunConfig(failure_config=FailureConfig(max_failures=N))")
+            raise RuntimeError(f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; "
+                               "the loop returned after it, so this attempt ends as failed for Ray to restart it from "
+                               "the last reported checkpoint (ray.train.get_checkpoint()). Allow the restart with "
+                               "RunConfig(failure_config=FailureConfig(max_failures=N))")
         return result
 
 
@@ -2773,13 +2716,11 @@ def _ray_classes():
             return contextlib.nullcontext if self.backend in RAY_XLA_BACKENDS else super().train_func_context
 
     class TorchTrainer(ray_torch.TorchTrainer):
-        """Ray's TorchTrainer; with ScalingConfig(use_tpu=True) and no torch_config it runs the
-        torch_xla SPMD backend instead of Ray's torch_tpu one."""
+        """Ray's TorchTrainer; ScalingConfig(use_tpu=True) without a torch_config runs the torch_xla SPMD backend."""
 
         def __init__(self, train_loop_per_worker, *, torch_config=None, scaling_config=None, **kwargs):
-            if torch_config is None:
-                use_tpu = scaling_config is not None and getattr(scaling_config, "use_tpu", False)
-                torch_config = TorchConfig(backend="xla_tpu") if use_tpu else TorchConfig()
+            if torch_config is None:  # use_tpu: ours, not Ray's torch_tpu backend; else Ray's default (None)
+                torch_config = TorchConfig(backend="xla_tpu" if getattr(scaling_config, "use_tpu", False) else None)
             if torch_config.backend in RAY_XLA_BACKENDS and scaling_config is not None:
                 _check_tpu_scaling(scaling_config.num_workers, scaling_config.num_tpus_per_worker,
                                    scaling_config.topology)
