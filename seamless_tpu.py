@@ -484,12 +484,10 @@ def parse_topology(topology):
     if not isinstance(topology, str):
         raise TypeError(f"topology must be a str like '2x2' or '2x2x1', got {_shown(topology)} "
                         f"({type(topology).__name__})")
-    if not _TOPOLOGY_RE.fullmatch(topology):
+    dims = tuple(int(d) for d in topology.split("x")) if _TOPOLOGY_RE.fullmatch(topology) else ()
+    if not dims or 0 in dims:
         raise ValueError(f"topology must look like 'AxB' or 'AxBxC' with positive ints of at most 5 digits "
                          f"(e.g. '2x2', '4x4x4'), got {_shown(topology)}")
-    dims = tuple(int(d) for d in topology.split("x"))
-    if 0 in dims:
-        raise ValueError(f"topology dimensions must be positive, got {topology!r}")
     if math.prod(dims) > MAX_TOPOLOGY_CHIPS:
         raise ValueError(f"topology {topology!r} has {math.prod(dims)} chips, more than any TPU slice (at most "
                          f"{MAX_TOPOLOGY_CHIPS}); check the string")
@@ -500,13 +498,11 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
     if not isinstance(config, Mapping):
         raise TypeError(f"xla_spmd_config must be a dict like {{'mesh_shape': [2, 2]}}, got {config!r} "
                         f"({type(config).__name__})")
-    for key in config:
-        if not isinstance(key, str):
-            raise TypeError(f"xla_spmd_config keys must be strings from {SPMD_CONFIG_KEYS}, got the key {key!r} "
-                            f"({type(key).__name__})")
-    unknown = sorted(set(config) - set(SPMD_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"xla_spmd_config has unknown keys {unknown}; valid keys are {SPMD_CONFIG_KEYS}")
+    unknown = [key for key in config if key not in SPMD_CONFIG_KEYS]
+    if unknown:  # a key that is no string (1, b"mesh_shape") is a TypeError
+        error = ValueError if all(isinstance(key, str) for key in unknown) else TypeError
+        raise error(f"xla_spmd_config has unknown keys {sorted(unknown, key=repr)}; valid keys are the strings "
+                    f"{SPMD_CONFIG_KEYS}")
     dp, mp = (None if config.get(key) is None else _positive_int(key, config[key])
               for key in ("data_parallel_size", "model_parallel_size"))
     if config.get("mesh_shape") is not None:
@@ -516,14 +512,11 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
         shape = tuple(_positive_int("mesh_shape entry", d) for d in raw)
         if not shape:
             raise ValueError("mesh_shape must have at least one dimension, got []")
-    elif dp is not None or mp is not None:
-        dp = dp if dp is not None else num_devices // mp
-        mp = mp if mp is not None else num_devices // dp
-        if dp * mp != num_devices:
-            raise ValueError(f"data_parallel_size x model_parallel_size must equal the device count: "
-                             f"{config.get('data_parallel_size')} x {config.get('model_parallel_size')} != "
+    elif dp or mp:
+        shape = (dp or num_devices // mp, mp or num_devices // dp)
+        if math.prod(shape) != num_devices:
+            raise ValueError(f"data_parallel_size x model_parallel_size must equal the device count: {dp} x {mp} != "
                              f"{num_devices} devices; pick sizes whose product is the device count")
-        shape = (dp, mp)
     else:
         shape = (num_devices,)
     names = config.get("axis_names")
@@ -556,11 +549,10 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
 
 
 def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_config=None, strategy="ddp"):
-    """(mesh_shape, axis_names) for an SPMD mesh. Pure: needs no torch_xla.
-    "ddp": (N,), ("data",) however many processes hold the N devices.
-    "fsdp": (N,), ("fsdp",); P processes x L devices each -> (P, L), ("data", "fsdp"): data parallel across
-    hosts, parameters sharded within a host. An explicit xla_spmd_config wins (for "fsdp" it needs an "fsdp"
-    axis). A topology is checked against the device count, never trusted for it (a v7 chip holds 2 devices)."""
+    """(mesh_shape, axis_names) for an SPMD mesh, without torch_xla. "ddp": (N,), ("data",) however many processes
+    hold the N devices. "fsdp": (N,), ("fsdp",), or over P processes (P, N/P), ("data", "fsdp"): data parallel across
+    hosts, parameters sharded within one. An explicit xla_spmd_config wins (for "fsdp" it needs an "fsdp" axis).
+    A topology is checked against the device count, never trusted for it (a v7 chip holds 2 devices)."""
     _check_strategy(strategy)
     _positive_int("num_devices", num_devices)
     _positive_int("num_processes", num_processes)
@@ -571,8 +563,7 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
         chips = math.prod(parse_topology(topology))
         if num_devices % chips:
             raise ValueError(f"topology {topology!r} has {chips} chips but the runtime has {num_devices} devices; "
-                             "the device count must be the chip count (or a multiple: 2 devices per chip on v7). "
-                             "Check the slice you are on or drop the topology")
+                             "it must be the chip count or a multiple (2 per chip on v7): check the slice or drop it")
     if xla_spmd_config is not None:
         shape, names = _mesh_from_config(xla_spmd_config, num_devices, strategy)
         if strategy == "fsdp":
@@ -610,8 +601,7 @@ def _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy):
 
 
 def _spmd_config_devices(config):
-    """A device count that an xla_spmd_config can be checked against before any device exists: for a malformed
-    one, any count (_mesh_from_config names what is wrong with it)."""
+    """A device count to check an xla_spmd_config against before any device exists (any, if it is malformed)."""
     config = config if isinstance(config, Mapping) else {}
     shape = config.get("mesh_shape")
     if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
@@ -620,9 +610,8 @@ def _spmd_config_devices(config):
 
 
 def _model_tp_plan(model):
-    """The tensor-parallel plan a transformers model carries, with full module names: the instance's merged
-    _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix plus the class's
-    _tp_plan for the head. {} for any other model."""
+    """The tensor-parallel plan a transformers model carries, with full module names ({} for other models): the
+    instance's merged _tp_plan (transformers 5), else config.base_model_tp_plan under the base model's prefix."""
     inner = _peft_inner(model)
     if inner:  # before the attributes below, which a PeftModel forwards inward (its names lack the wrapper's path)
         return {f"{inner[0]}.{k}": v for k, v in _model_tp_plan(inner[1]).items()}
@@ -639,9 +628,7 @@ def _peft_inner(model):
     """(path, module) of the model a peft PeftModel wraps (its get_base_model()), else None."""
     get = getattr(type(model), "get_base_model", None)  # the class's: a PeftModel forwards unknown attributes inward
     inner = get(model) if callable(get) else None
-    if not isinstance(inner, torch.nn.Module) or inner is model:
-        return None
-    return next(((name, inner) for name, m in model.named_modules() if m is inner), None)
+    return next(((name, m) for name, m in model.named_modules() if name and m is inner), None)  # "": the model
 
 
 def _class_path(obj):
@@ -650,10 +637,8 @@ def _class_path(obj):
 
 
 def _tp_specs(model, plan, axis_sizes, xla=True):
-    """{parameter: partition spec} for the weights `plan` splits over MODEL_AXIS; with an fsdp axis, the other
-    dimension splits over it (2-D). Pure: checks every entry against the module tree and every split against
-    the weight's shape, before anything moves. A planned peft tuner layer splits its base_layer (XLA only:
-    off it, torch's parallelize_module cannot split the adapters beside it)."""
+    """{parameter: partition spec} of the weights `plan` splits over MODEL_AXIS (and their other dim over an fsdp
+    axis), every entry and split checked before anything moves. A planned peft tuner layer splits its base_layer."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"tp_plan must be a dict of module-name pattern -> style (e.g. "
                         f"{{'layers.*.mlp.up_proj': 'colwise'}}), got {_shown(plan)} ({type(plan).__name__})")
@@ -696,9 +681,8 @@ def _tp_specs(model, plan, axis_sizes, xla=True):
                     "split output to the adapters' whole one. Run on XLA (tensor parallelism works through peft "
                     "there), merge the adapters first (model.merge_and_unload()), or leave the adapted modules out "
                     "of tp_plan (e.g. plan only the MLP when LoRA targets attention)")
-            # LoRA's B beside a split output and its A beside a split input split as the base does: B's output
-            # adds to the base's split output and A reads its split input, so neither gathers the whole.
-            # Exact either way on XLA (sharding annotations), and A, B are r-thin: this saves reshards, not memory.
+            # LoRA's B (beside a split output) and A (beside a split input) split as the base does, so neither
+            # gathers the whole: exact either way on XLA, and A, B are r-thin, so this saves reshards, not memory.
             lora = getattr(module, "lora_B" if split == "out" else "lora_A", None) if base is not module else None
             lora = lora.values() if isinstance(lora, torch.nn.ModuleDict) else ()
             adapters = [m for m in lora if isinstance(m, torch.nn.Linear)]
