@@ -1005,9 +1005,8 @@ class _Layout:
 
 
 def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
-    """The _Layout of a trainer. Every argument and plan error is raised here, before anything moves. On XLA the
-    mesh is taken, built or found here, and the trainer keeps it for its life: a later trainer or
-    create_xla_mesh may replace the process mesh, not this one."""
+    """The _Layout of a trainer, every argument and plan error raised before anything moves. On XLA the mesh is
+    taken, built or found here and kept for the trainer's life, whatever later replaces the process mesh."""
     kind, device = _resolve_kind(device), get_device(device)
     xla, (world, rank) = _is_xla(device), _torch_dist_ranks()
     if not xla and (mesh is not None or (xla_spmd_config is not None and world == 1)):
@@ -1025,26 +1024,23 @@ def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
     if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
         _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", device.type)
     wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
-    # The ranks of one tensor-parallel group read the same batches: (data-parallel size, this rank's index).
     data_ranks = (world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]) if rank_axes else None
     return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes, data_ranks, wrap,
                    _has_meta_tensors(model))
 
 
 def _place(model, layout):
-    """The model placed as `layout` says, in the one order that works, and returned (wrapped in DDP across
-    ranks). Meta tensors are made real first, each split as it will be trained; FSDP2 splits them itself, so
-    each rank allocates only its shards. Off XLA a meta model is initialised whole before DDP or tensor
-    parallelism wrap it, or into each rank's shards after FSDP2 has split it."""
+    """The model placed as `layout` says, in the one order that works, and returned (in DDP across ranks). Meta
+    tensors are made real as they will be trained: on XLA split as they are made, under FSDP2 after it split them
+    (each rank allocates only its shards), else whole."""
     xla, fsdp, fsdp2 = _is_xla(layout.device), layout.strategy == "fsdp", layout.wrap == "fsdp2"
     if layout.meta_built:
         _materialize(model, layout.device, layout.mesh, fsdp, layout.planned, lay_out=not fsdp2)
     if not (layout.meta_built and fsdp2):
         model.to(layout.device)
     if xla:
-        # Each parameter is split as planned, else with fsdp (FSDPv2) along one dimension over the fsdp axis: XLA's
-        # sharding propagation gives the gradients the same sharding and puts the all-gathers and reduce-scatters
-        # in the step graph. Split ones stay: a meta model's were split as they were made, the user's as chosen.
+        # As planned, else with fsdp (FSDPv2) one dimension over the fsdp axis: XLA gives the gradients the same
+        # sharding and puts the all-gathers and reduce-scatters in the step graph. Split ones stay as they are.
         for param in model.parameters():
             if param in layout.planned and not _is_split(param):
                 _mark_sharding(param, layout.mesh, layout.planned[param])
@@ -1064,9 +1060,8 @@ def _place(model, layout):
 
 
 def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
-    """Build the torch_xla SPMD Mesh for this runtime and make it the process mesh (get_xla_mesh()). The device
-    count comes from the runtime: num_devices and topology are checked against it. num_processes (default: the
-    runtime's process count) picks the default "fsdp" mesh's layout."""
+    """Build the torch_xla SPMD Mesh of this runtime's devices and make it the process mesh (get_xla_mesh()).
+    num_devices and topology are checked against the runtime; num_processes (default: the runtime's) shapes "fsdp"."""
     xr, np = _import("torch_xla.runtime"), _import("numpy")  # numpy: a torch_xla dependency
     _activate_xla(_auto_xla_kind())
     runtime_devices = xr.global_runtime_device_count()
@@ -1099,14 +1094,12 @@ def get_xla_mesh():
 
 def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
     """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's tensor
-    parallelism, every plan error raised before anything moves. Off XLA the ranks are laid out as (world / N, N),
-    N = model_parallel_size, the model axis innermost: neighbouring ranks form a tensor-parallel group."""
-    rank_axes = None
+    parallelism. Off XLA the ranks form a mesh too, by default (world / N, N) for model_parallel_size N: the model
+    axis innermost, so neighbouring ranks form a tensor-parallel group."""
+    sizes = _axis_sizes(mesh) if mesh is not None else {}
     if distributed and xla_spmd_config is not None:
         shape, names = _mesh_from_config(xla_spmd_config, _torch_dist_ranks()[0], strategy)
-        rank_axes = dict(zip(names, shape))
-        rank_axes = rank_axes if rank_axes.get(MODEL_AXIS, 1) > 1 else None
-    sizes = _axis_sizes(mesh) if mesh is not None else (rank_axes or {})
+        sizes = dict(zip(names, shape))
     model_size = sizes.get(MODEL_AXIS, 1)
     if model_size == 1:
         if tp_plan is not None:
@@ -1121,29 +1114,26 @@ def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
                          "Pass tp_plan= (e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': "
                          "'rowwise'}), or drop the axis (model_parallel_size=1, or a mesh without it)")
     planned = _tp_specs(model, plan, sizes, xla=mesh is not None)
-    return (planned, None, None) if mesh is not None else ({}, _torch_tp_styles(plan, rank_axes), rank_axes)
+    return (planned, None, None) if mesh is not None else ({}, _torch_tp_styles(plan, sizes), sizes)
 
 
 class _BatchSharding:
-    """A sharding spec for whole batches: dim 0 over the batch axes, whatever each tensor's rank. torch_xla's
-    ShardingSpec fits one rank only and silently leaves the others replicated (a 1-D label beside 2-D features,
-    under MpDeviceLoader), whose send_cpu_data_to_device needs only `xla_spec(tensor)` and `minibatch`: this
-    keeps one real ShardingSpec per rank, built on first use."""
+    """Dim 0 of every batch tensor over the batch axes, whatever its rank: torch_xla's ShardingSpec fits one rank and
+    silently leaves the others replicated (a 1-D label beside 2-D features). One ShardingSpec per rank, made on
+    first use; MpDeviceLoader's send_cpu_data_to_device needs only `xla_spec(tensor)` and `minibatch`."""
 
     def __init__(self, mesh, axes, minibatch=False):
         self.mesh, self.axes, self.minibatch, self._by_rank = mesh, axes, minibatch, {}
         self.ways = math.prod(_axis_sizes(mesh)[a] for a in axes)  # devices that dim 0 splits over
 
     def from_host(self, tensor):
-        """Whether torch_xla 2.9 can send `tensor` from the host already split. It cannot send a 1-D tensor split
-        on some axes and replicated on others (IndexError inside send_cpu_data_to_device): such a tensor (labels
-        beside a model axis) moves whole, then is split in place."""
+        """Whether torch_xla 2.9 can send `tensor` from the host split: a 1-D one split on some axes and replicated
+        on others (labels beside a model axis) is an IndexError inside send_cpu_data_to_device, so it moves whole."""
         return tensor.dim() > 1 or self.ways == math.prod(self.mesh.mesh_shape)  # not replicated over a model axis
 
     @classmethod
     def for_mesh(cls, mesh):
-        """Every axis but the model axis; all of them when the mesh has nothing else. Multi-host SPMD: each host
-        feeds only its slice of the global batch."""
+        """Every axis but the model axis (all when there is no other). Multi-host, each host feeds its slice."""
         names = tuple(_axis_sizes(mesh))
         batch = tuple(n for n in names if n != MODEL_AXIS)
         return cls(mesh, batch or names, minibatch=_import("torch_xla.runtime").process_count() > 1)
@@ -1175,10 +1165,9 @@ def _to_xla(tensor, device, sharding):
 
 
 def _mark_sharding(tensor, mesh, spec=None):
-    """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding alone.
-    The data of a tensor that an asynchronous step is still computing (a step ran just before, on another
-    trainer or by hand) cannot be resharded yet: torch_xla raises "Data does not present on any device".
-    Then wait for the devices once and annotate again; nothing waits otherwise."""
+    """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding alone. A tensor
+    an asynchronous step is still computing raises "Data does not present on any device": then (only then) wait for
+    the devices once and retry."""
     annotate = (functools.partial(_import("torch_xla")._XLAC._xla_mark_sharding, tensor, mesh) if spec is None
                 else functools.partial(_import("torch_xla.distributed.spmd").mark_sharding, tensor, mesh, spec))
     try:
@@ -1200,9 +1189,8 @@ def _fsdp_spec(shape, shards):
 
 
 def _watch_inputs(model, sharding):
-    """For the model's first INPUT_CHECKS forwards, warn once about an input tensor that arrives on XLA
-    replicated where its dim 0 could be split: every device would compute all of it. Reads only what each
-    tensor already holds (its sharding annotation): no sync, no transfer, no new graph."""
+    """For the first INPUT_CHECKS forwards, warn once about an input on XLA replicated where its dim 0 could be
+    split. Reads only each tensor's sharding annotation: no sync, no transfer, no new graph."""
     ways, left = sharding.ways, [INPUT_CHECKS]
 
     def check(module, args, kwargs):
@@ -1232,9 +1220,7 @@ def _is_split(tensor):
 
 
 def _device_bytes(tensors):
-    """Bytes of `tensors` on each device. On XLA from the shards' shapes (xm.get_memory_info does not work under
-    SPMD); a tensor with no sharding is whole on every device. Off XLA, this rank's local part (an FSDP2 shard)."""
-    tensors = list(tensors)
+    """memory_stats' per_device: on XLA from the shards' shapes, off it this rank's local part (an FSDP2 shard)."""
     if _STATE.xla_device is None:
         local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
         return [sum(t.numel() * t.element_size() for t in local)]
@@ -1252,17 +1238,14 @@ _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced:
 
 
 def _replicate(model, device):
-    """DDP applied to `model` itself (torch's composable replicate, as fully_shard is FSDP2 in place): gradients
-    are averaged during backward whichever object the loop calls, trainer.model or the original, so clipping
-    and logging between backward and step see the average. The DDP state lives on the module, as long as it
-    does. find_unused_parameters: ranks may use different parameters in one step (multi-task heads,
-    conditional branches); it costs one autograd-graph walk per forward. A model the user wrapped in DDP is
-    used as is: wrapping twice all-reduces twice."""
+    """DDP on `model` itself (torch's composable replicate): backward averages the gradients whichever object the
+    loop calls, so clipping between backward and step sees the average. find_unused_parameters, for ranks that use
+    different parameters in one step, costs one autograd-graph walk per forward. A DDP model is used as is: wrapping
+    twice all-reduces twice."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model
     replicate = importlib.import_module("torch.distributed._composable.replicate")
-    device_id = device.index if device.type == "cuda" else device
-    replicate.replicate(model, device_id=device_id, find_unused_parameters=True)
+    replicate.replicate(model, device_id=device.index if device.type == "cuda" else device, find_unused_parameters=True)
     replicate.replicate.state(model).lazy_init()  # now, not at the first forward: its broadcast is a collective
     if not hasattr(model, "no_sync"):  # DDP's own spelling for gradient accumulation, on this model's class only
         type(model).no_sync = _no_sync
@@ -1271,8 +1254,7 @@ def _replicate(model, device):
 
 @contextlib.contextmanager
 def _no_sync(model):
-    """Like DistributedDataParallel.no_sync: backward passes inside accumulate local gradients; the first
-    backward after it averages everything accumulated."""
+    """DistributedDataParallel.no_sync: backward inside accumulates locally; the first one after averages it all."""
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -1281,10 +1263,9 @@ def _no_sync(model):
 
 
 def _fully_shard(model, device, styles=None, sizes=None):
-    """FSDP2 over every rank: each block of a ModuleList (a transformer's layers) is a unit of its own, gathered
-    just before its forward and freed after; the root holds the rest. With tensor-parallel `styles`, the plan
-    first goes through parallelize_module on the model dimension of a 2-D DeviceMesh (axis `sizes`), and FSDP2
-    splits over the other. Each replaces parameters: see _replacing_parameters."""
+    """FSDP2 over every rank, each block of a ModuleList (a transformer's layers) a unit gathered just for its
+    forward. Tensor-parallel `styles` go first through parallelize_module on the model dimension of a 2-D
+    DeviceMesh (axis `sizes`), and FSDP2 splits over the other."""
     fsdp = importlib.import_module("torch.distributed.fsdp")
     sizes = sizes or {FSDP_AXIS: _torch_dist_ranks()[0]}
     mesh = importlib.import_module("torch.distributed.device_mesh").init_device_mesh(
@@ -1293,8 +1274,7 @@ def _fully_shard(model, device, styles=None, sizes=None):
         tp = importlib.import_module("torch.distributed.tensor.parallel")
         _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
         mesh = mesh[FSDP_AXIS]  # FSDP2 replaces them again: optimizers follow the chain
-    # Each distinct block once: ModuleList([blk, blk, blk]) repeats one module (weight sharing by
-    # repetition), and fully_shard on a module twice is an AssertionError inside torch.
+    # Each distinct block once: ModuleList([blk] * 3) shares one, and fully_shard twice is an AssertionError in torch.
     blocks = list({id(b): b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m}.values())
 
     def shard():
@@ -1332,9 +1312,8 @@ def _torch_tp_styles(plan, sizes):
 
 
 def _replacing_parameters(model, replace):
-    """Run replace() (fully_shard, parallelize_module), which swaps in new parameters that an optimizer made
-    earlier does not hold: each replaced one names its replacement, and optimizers move over before their
-    first step (_rebind_before_step)."""
+    """Run replace() (fully_shard, parallelize_module), which swaps in parameters an optimizer made earlier lacks:
+    each replaced one names its replacement, and optimizers move over before their first step."""
     before = dict(model.named_parameters())
     replace()
     for name, param in model.named_parameters():
@@ -1352,16 +1331,14 @@ def _rebind_before_step(optimizer, args, kwargs):
 
 
 def _place_optimizer_state(optimizer):
-    """Point `optimizer` at the FSDP2 parameters that replaced its own, and lay out each state tensor like its
-    parameter (device, FSDP2 placements, XLA sharding). Every path comes here: the trainer's constructor, the
-    FSDP2 pre-step rebinding and load_checkpoint."""
+    """Point `optimizer` at the parameters that replaced its own, each state tensor laid out like its parameter.
+    The trainer's constructor, the pre-step rebinding and load_checkpoint all come here."""
     for group in optimizer.param_groups:
-        params = group["params"]
-        for i, old in enumerate(params):
+        for i, old in enumerate(group["params"]):
             param = old
             while hasattr(param, _SHARDED_AS):  # tensor parallel, then FSDP2: a chain of replacements
                 param = getattr(param, _SHARDED_AS)
-            params[i] = param
+            group["params"][i] = param
             state = optimizer.state.pop(old, None)
             if state:
                 optimizer.state[param] = {k: _placed_like(v, param, k) for k, v in state.items()}
