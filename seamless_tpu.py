@@ -536,15 +536,13 @@ def _mesh_from_config(config, num_devices, strategy="ddp"):
     if math.prod(shape) != num_devices:
         raise ValueError(f"mesh_shape {shape!r} holds {math.prod(shape)} devices but the runtime has {num_devices}; "
                          "the product of mesh_shape must equal the device count")
-    # The sizes must describe this mesh as the trainer uses it, whatever the axes are called:
-    # the axis named MODEL_AXIS carries the model, all others split the batch.
+    # The sizes describe the mesh as the trainer uses it: the axis named MODEL_AXIS holds the model, others the batch.
     model = math.prod(n for name, n in zip(names, shape) if name == MODEL_AXIS)
     for key, size, actual in (("data_parallel_size", dp, num_devices // model), ("model_parallel_size", mp, model)):
         if size is not None and size != actual:
             raise ValueError(f"xla_spmd_config contradicts itself: {key}={size}, but mesh_shape {shape!r} with "
-                             f"axis_names {names!r} has data-parallel size {num_devices // model} (axes other than "
-                             f"{MODEL_AXIS!r}) and model-parallel size {model} (the axis {MODEL_AXIS!r}); drop {key} "
-                             "or fix the mesh")
+                             f"axis_names {names!r} is {num_devices // model}-way data parallel and {model}-way model "
+                             f"parallel (over the axis {MODEL_AXIS!r}); drop {key} or fix the mesh")
     return shape, names
 
 
@@ -569,11 +567,9 @@ def mesh_shape_for(num_devices, num_processes=1, *, topology=None, xla_spmd_conf
         if strategy == "fsdp":
             _check_fsdp_axis(names, "xla_spmd_config")
         return shape, names
-    if strategy == "ddp":
-        return (num_devices,), ("data",)
-    if num_processes == 1:
-        return (num_devices,), (FSDP_AXIS,)
-    return (num_processes, num_devices // num_processes), ("data", FSDP_AXIS)
+    if strategy == "fsdp" and num_processes > 1:
+        return (num_processes, num_devices // num_processes), ("data", FSDP_AXIS)
+    return (num_devices,), ("data" if strategy == "ddp" else FSDP_AXIS,)
 
 
 def _check_strategy(strategy):
@@ -700,11 +696,8 @@ def _tp_specs(model, plan, axis_sizes, xla=True):
                                  f"{dim} over the '{MODEL_AXIS}' axis of size {model_size}, which does not divide "
                                  f"{param.shape[dim]}; pick a model_parallel_size that divides it, or leave this "
                                  "module out of the plan")
-            spec = [None] * param.dim()
-            spec[dim] = MODEL_AXIS
-            if fsdp_size > 1 and param.dim() > 1:
-                spec[1 - dim] = FSDP_AXIS  # XLA pads a dimension the fsdp axis does not divide
-            specs[param] = tuple(spec)
+            across = FSDP_AXIS if fsdp_size > 1 else None  # the other dim (XLA pads one the fsdp axis does not divide)
+            specs[param] = tuple(MODEL_AXIS if d == dim else across for d in range(param.dim()))
     return specs
 
 # --- 7. XLA activation and torch patches ----------------------------------------------------------
@@ -1068,9 +1061,8 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     if num_devices is not None and num_devices != runtime_devices:
         raise ValueError(f"num_devices={num_devices!r} does not fit the runtime, which has {runtime_devices} "
                          f"devices; omit num_devices or match it")
-    processes = num_processes if num_processes is not None else xr.process_count()
-    shape, names = mesh_shape_for(runtime_devices, processes, topology=topology, xla_spmd_config=xla_spmd_config,
-                                  strategy=strategy)
+    shape, names = mesh_shape_for(runtime_devices, xr.process_count() if num_processes is None else num_processes,
+                                  topology=topology, xla_spmd_config=xla_spmd_config, strategy=strategy)
     mesh = _import("torch_xla.distributed.spmd").Mesh(np.arange(runtime_devices), shape, names)
     _set_mesh(mesh)
     _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _STATE.batch_sharding.axes)
@@ -1093,9 +1085,8 @@ def get_xla_mesh():
 
 
 def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
-    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of this trainer's tensor
-    parallelism. Off XLA the ranks form a mesh too, by default (world / N, N) for model_parallel_size N: the model
-    axis innermost, so neighbouring ranks form a tensor-parallel group."""
+    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of the tensor parallelism. Off XLA
+    the ranks form a mesh too, by default (world / N, N), N = model_parallel_size: neighbours form a group."""
     sizes = _axis_sizes(mesh) if mesh is not None else {}
     if distributed and xla_spmd_config is not None:
         shape, names = _mesh_from_config(xla_spmd_config, _torch_dist_ranks()[0], strategy)
@@ -1166,8 +1157,7 @@ def _to_xla(tensor, device, sharding):
 
 def _mark_sharding(tensor, mesh, spec=None):
     """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding alone. A tensor
-    an asynchronous step is still computing raises "Data does not present on any device": then (only then) wait for
-    the devices once and retry."""
+    an async step still computes raises "Data does not present on any device": only then, wait once and retry."""
     annotate = (functools.partial(_import("torch_xla")._XLAC._xla_mark_sharding, tensor, mesh) if spec is None
                 else functools.partial(_import("torch_xla.distributed.spmd").mark_sharding, tensor, mesh, spec))
     try:
@@ -1181,10 +1171,8 @@ def _mark_sharding(tensor, mesh, spec=None):
 
 def _fsdp_spec(shape, shards):
     """Shard one dimension over FSDP_AXIS: the largest that splits evenly, else the largest (XLA pads)."""
-    if not shape:
-        return ()
     even = [d for d in range(len(shape)) if shape[d] % shards == 0]
-    dim = max(even or range(len(shape)), key=lambda d: shape[d])
+    dim = max(even or range(len(shape)), key=lambda d: shape[d], default=None)  # None: a scalar, ()
     return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
 
 
@@ -1239,9 +1227,8 @@ _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced:
 
 def _replicate(model, device):
     """DDP on `model` itself (torch's composable replicate): backward averages the gradients whichever object the
-    loop calls, so clipping between backward and step sees the average. find_unused_parameters, for ranks that use
-    different parameters in one step, costs one autograd-graph walk per forward. A DDP model is used as is: wrapping
-    twice all-reduces twice."""
+    loop calls. find_unused_parameters (ranks may use different parameters in one step) costs one autograd-graph
+    walk per forward. A DDP model is used as is: wrapping twice all-reduces twice."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model
     replicate = importlib.import_module("torch.distributed._composable.replicate")
