@@ -1932,14 +1932,11 @@ def _xla_processes():
 class SeamlessTPUTrainer:
     """Puts `model` on the best device and makes the user's plain loop correct there.
 
-    - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over
-      its fsdp axis ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
+    - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over its fsdp axis
+      ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
     - GPU/CPU with torch.distributed running (Ray, torchrun): DDP ("ddp") or FSDP2 ("fsdp").
-    - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA; torch's
-      parallelize_module then FSDP2 off XLA).
-    An optimizer passed here gets its existing state laid out like its parameters. trainer.preempted
-    turns True at the first optimizer step after a SIGTERM.
-    """
+    - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA, parallelize_module then
+      FSDP2 off XLA). An optimizer passed here gets its existing state laid out like its parameters."""
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
                  drop_last=None, strategy="ddp", tp_plan=None):
@@ -1954,8 +1951,8 @@ class SeamlessTPUTrainer:
 
     @property
     def preempted(self):
-        """True from the first optimizer step that ends after SIGTERM reached any process: the same step
-        on every process. The loop then saves and stops: `if trainer.preempted: trainer.save_checkpoint(...); break`."""
+        """True from the first optimizer step that ends after SIGTERM reached any process: the same step on every
+        process. The loop then saves and stops: `if trainer.preempted: trainer.save_checkpoint(...); break`."""
         return _STATE.preemption.preempted_at > 0
 
     def to_device(self, *objs):
@@ -1963,9 +1960,9 @@ class SeamlessTPUTrainer:
         return _move(objs, self.device, self.layout.batch)
 
     def prepare_data_loader(self, loader, drop_last=None):
-        """Wrap `loader` so batches arrive on the device (sharded on XLA) and each rank reads its own
-        part of the dataset. On XLA the last incomplete batch is dropped by default: its shape would
-        compile a second graph (seconds to minutes on TPU). drop_last=False (here or to the trainer) keeps it."""
+        """Wrap `loader` so batches arrive on the device (sharded on XLA) and each rank reads its own part of the
+        dataset. On XLA the last incomplete batch is dropped by default: its shape would compile a second graph
+        (seconds to minutes on TPU). drop_last=False (here or to the trainer) keeps it."""
         drop_last = self.drop_last if drop_last is None else drop_last
         drop_last = _is_xla(self.device) if drop_last is None else drop_last
         return _DeviceLoader(_rebuild_loader(loader, drop_last, self.device, self.layout.data_ranks), self.device,
@@ -1979,28 +1976,25 @@ class SeamlessTPUTrainer:
         return torch.autocast(device_type, dtype=torch.bfloat16)
 
     def save(self, obj, path):
-        """Sync, copy to CPU, write from process 0 only. The file loads on any device, with the
-        model's own keys (no DDP or torch.compile prefixes). The write is atomic: a crash mid-save
-        leaves the previous file. Every rank returns, or raises the same error, together."""
+        """Sync, copy to CPU, write from process 0 only. The file loads on any device, with the model's own keys (no
+        DDP or torch.compile prefixes). Atomic: a crash mid-save leaves the previous file. Every rank returns, or
+        raises the same error, together."""
         return _save_file(obj, path)
 
     def save_checkpoint(self, directory, *, blocking=True, keep_last=1, **state):
-        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states).
-        Every process writes only its shards (torch.distributed.checkpoint; on XLA torch_xla's SPMD
-        planner); replacing `directory/LATEST` atomically commits it, so a crash at any point leaves
-        the previous checkpoint loadable. Returns `directory`.
-        blocking=False copies the state to the host and returns a concurrent.futures.Future of
-        `directory` while a background thread writes and commits; the loop goes on meanwhile.
-        keep_last=K keeps the K newest committed checkpoints (their names are in `directory/HISTORY`;
-        load an older one by passing `directory/<name>`); LATEST is always the newest.
-        `blocking` and `keep_last` are reserved names, like `directory`."""
+        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states). Every process
+        writes only its shards (torch.distributed.checkpoint; on XLA torch_xla's SPMD planner); replacing
+        `directory/LATEST` atomically commits it, so a crash at any point leaves the previous checkpoint loadable.
+        Returns `directory`, or with blocking=False a concurrent.futures.Future of it: the state is copied to the
+        host and a background thread writes and commits while the loop goes on. keep_last=K keeps the K newest
+        committed checkpoints, named in `directory/HISTORY` (load one by passing `directory/<name>`); LATEST is the
+        newest. `blocking` and `keep_last` are reserved names, like `directory`."""
         return _save_checkpoint(directory, state, blocking, keep_last)
 
     def load_checkpoint(self, directory, **state):
-        """Load modules and optimizers saved by save_checkpoint in place, onto this trainer's device,
-        mesh and strategy, whatever they were at save time; returns the plain values (epoch, ...).
-        Each process reads only the saved chunks that overlap its own shards, straight into them, so any
-        saved layout loads into any current one without a whole copy on the host."""
+        """Load modules and optimizers saved by save_checkpoint in place, onto this trainer's device, mesh and
+        strategy, whatever they were at save time; returns the plain values (epoch, ...). Each process reads only the
+        saved chunks that overlap its own shards, straight into them: no whole copy on the host."""
         return _load_checkpoint(directory, state)
 
     def compile_stats(self):
@@ -2017,9 +2011,9 @@ class SeamlessTPUTrainer:
         }
 
     def memory_stats(self, *optimizers):
-        """{"per_device": [bytes on each device], "replica": bytes of one whole copy} of the model's
-        parameters and each optimizer's tensor state, counted from the shards (torch_xla's memory
-        query does not work under SPMD). Off XLA, per_device holds this rank's bytes."""
+        """{"per_device": [bytes on each device], "replica": bytes of one whole copy} of the model's parameters and
+        each optimizer's tensor state, counted from the shards (torch_xla's memory query does not work under SPMD).
+        Off XLA, per_device holds this rank's bytes."""
         tensors = list(self.model.parameters()) + [v for opt in optimizers for state in opt.state.values()
                                                    for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
         return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
