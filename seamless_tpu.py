@@ -1407,11 +1407,10 @@ def _placed_like(value, param, key=None):
 
 @dataclasses.dataclass
 class _MetaInit:
-    """A model built under torch.device("meta") is made real module by module, children first, Parameter objects kept
-    (an optimizer made earlier trains), each initialised on the CPU in turn from the CPU RNG as the build left it: the
-    CPU build's weights, if nothing drew in between and modules are built in registration order (a deep copy, as
-    nn.TransformerEncoder makes of its layer, draws anew). On XLA that waits for the first forward or save (tensors
-    laid out lazily till then), and a module that load_checkpoint filled first is never initialised."""
+    """A model built under torch.device("meta") is made real module by module, children first, each initialised on the
+    CPU in turn from the CPU RNG as the build left it: the CPU build's weights if nothing drew in between and modules
+    were built in registration order (a deep copy, as nn.TransformerEncoder makes of its layer, draws anew). On XLA
+    that waits for the first forward or save, and a module that load_checkpoint filled first is never initialised."""
 
     pending: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module -> (its transformers owner, RNG, first-use hook, names a load filled): laid out, not yet initialised
@@ -1460,9 +1459,8 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
 
 
 def _blank_like(t):
-    """An XLA tensor split like `t`, its contents unset, for a load to overwrite: one empty host shard sent to each
-    device, nothing computed, no whole copy (a meta model's lazy placeholder, read as it is, compiles a graph per
-    shape: 9 on the 320 MB test model)."""
+    """An XLA tensor split like `t` for a load to overwrite: an empty host shard per device, no compute, no whole copy
+    (a meta model's lazy placeholder, read as it is, compiles a graph per shape: 9 on the 320 MB test model)."""
     xla = _import("torch_xla")._XLAC
     tiles = re.search(r"devices=\[([\d,]+)\]", xla._get_xla_sharding_spec(t)).group(1).split(",")[:t.dim()]
     shard = torch.empty([-(-size // int(n)) for size, n in zip(t.shape, tiles)], dtype=t.dtype)  # XLA pads shards
@@ -1486,10 +1484,9 @@ def _set_own_tensor(module, name, value):
 
 
 def _initialize_pending(model, device=None, refuse=False):
-    """Initialise the modules of `model` that _materialize laid out and nothing filled yet, one at a time, by
-    reset_parameters(), _reset_parameters() (as MultiheadAttention has) or a transformers model's
-    _initialize_weights; then send each tensor to its place, shard by shard. A tensor the initialiser leaves unset
-    is refused (_refuse_unset) now if `refuse` (the first forward or save), else then unless a load fills it."""
+    """Initialise the laid-out modules of `model` one at a time, by reset_parameters(), _reset_parameters() (as
+    MultiheadAttention has) or a transformers owner's _initialize_weights, and send each tensor to its place shard by
+    shard. A tensor left unset is refused now if `refuse` (first forward or save), else then unless a load fills it."""
     paths = {m: p for p, m in model.named_modules()}
     release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
     for module in [m for m in list(_STATE.meta_init.pending) if m in paths]:  # the post-order they were laid out in
@@ -1501,11 +1498,10 @@ def _initialize_pending(model, device=None, refuse=False):
         for name, t in placed.items():
             stand_in = torch.full(t.shape, _mark(t), dtype=t.dtype)  # on the CPU, for the initialiser to write
             if name in module._parameters:
-                module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
-            else:
-                module._buffers[name] = stand_in
+                stand_in = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)  # sharing its version counter
+            (module._parameters if name in module._parameters else module._buffers)[name] = stand_in
             if name not in loaded:  # a loaded tensor is kept, whatever the initialiser does
-                held[name] = (getattr(module, name), stand_in._version)
+                held[name] = (stand_in, stand_in._version)
         with torch.random.fork_rng(devices=[]):  # the loop's own CPU RNG goes on untouched
             torch.set_rng_state(rng[0])
             if owner is not None:
@@ -1570,8 +1566,7 @@ def _refuse_unset(model):
 
 
 def _loaded(module):
-    """load_checkpoint filled every persistent tensor of `module`: it needs no initialisation, unless for a
-    non-persistent buffer (in no checkpoint), the only kind that may then stay unset."""
+    """load_checkpoint filled `module`'s persistent tensors: only its non-persistent buffers may still need setting."""
     own, transient = {n for n, _ in _own_tensors(module)}, module._non_persistent_buffers_set
     if module in _STATE.meta_init.pending and own & transient:
         _STATE.meta_init.pending[module][3].update(own - transient)
