@@ -1837,7 +1837,6 @@ class _Preemption:
     def saving(self):
         """A save starts; call the result when it ends. The held exit waits for it, then the grace again."""
         self.saves += 1
-
         def done():
             self.saves -= 1
             if self.deadline is not None:
@@ -1865,9 +1864,8 @@ class _Preemption:
             self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
 
     def _agree(self):
-        """The flag as every process saw it at the last agreement (False at the first), read from the MAX all-reduce
-        (gloo, CPU) it started, with the fewest steps any proposed until this one; the next one started: no device
-        sync, no wait, at step counts every process computes alike."""
+        """Reads the MAX all-reduce (gloo, CPU) the last agreement started: the flag any process saw (False at first)
+        and the fewest steps any proposed; starts the next. No device sync or wait, at step counts all compute alike."""
         if self.group is None:
             return self.sigterm
         agreed, every = False, 1
@@ -1893,9 +1891,8 @@ def _sigterm_grace():
 
 
 def _agreement_group():
-    """A CPU gloo group of every process for the agreement (a collective), or None in one process. A multi-host XLA
-    slice without torch.distributed gets one over a store that process 0 serves; torch_xla's preemption sync manager
-    needs the XLA coordinator, which replaces the SIGTERM handler in C and aborts every host if its leader exits."""
+    """A CPU gloo group of every process, or None in one. An XLA slice without torch.distributed gets one over a store
+    process 0 serves (torch_xla's preemption sync manager takes SIGTERM in C; every host aborts if its leader exits)."""
     dist = torch.distributed
     if _torch_dist_ranks()[0] > 1:
         return dist.new_group(backend="gloo")
