@@ -122,8 +122,7 @@ _TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")  # fullmatch ('$' pas
 
 @dataclasses.dataclass(eq=False)
 class _ProcessState:
-    """Everything this module remembers between calls. Tests swap in a fresh one (_reset_caches). _STATE, the one
-    instance, is made at the end of this file, once the classes of the rooms below exist."""
+    """All the module remembers between calls; _STATE, the one instance, is made once every room's class exists."""
 
     xla_device: torch.device = None  # the activated XLA device; None until first XLA use
     xla_kind: str = None  # "tpu" or "xla": what it was activated as
@@ -1761,14 +1760,12 @@ class _DeviceLoader:
 def _catch_sigterm():
     """SIGTERM's handler, installed once per process from its main thread: by the first trainer, or on each Ray
     worker by the backends' on_start (Ray runs the loop on another thread, which may not set handlers)."""
-    state, previous = _STATE.preemption, signal.getsignal(signal.SIGTERM)
-    main = threading.current_thread() is threading.main_thread()
-    if state.previous is not None or previous is signal.SIG_IGN or not main:
+    state, old = _STATE.preemption, signal.getsignal(signal.SIGTERM)
+    if state.previous is not None or old is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
         return
     _sigterm_grace()  # a bad SEAMLESS_TPU_SIGTERM_GRACE is refused now, not when the signal comes
-    state.previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
-    ray_exit = getattr(previous, "__module__", None) == "ray._private.worker"
-    state.delays_exit = state.previous is signal.SIG_DFL or ray_exit
+    state.previous = signal.SIG_DFL if old is None else old  # None: set outside Python
+    state.delays_exit = state.previous is signal.SIG_DFL or getattr(old, "__module__", None) == "ray._private.worker"
     signal.signal(signal.SIGTERM, state._on_sigterm)
     _STATE.torch_patches.append(state.close)
 
@@ -1777,14 +1774,13 @@ def _catch_sigterm():
 class _Preemption:
     """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. A user's
     handler is chained and decides, SIG_IGN stays, and an exit (the default's, Ray's) is held, never cancelled, until
-    SIGTERM_GRACE_S after the signal or the last save. Only steps of trainers' optimizers count: one that only some
-    processes step (a probe) never splits them."""
+    SIGTERM_GRACE_S after the signal or the last save."""
 
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
     sigterm: bool = False  # SIGTERM reached this process
     preempted_at: int = 0  # the step count at which every process learnt that SIGTERM reached one; 0: not yet
-    steps: int = 0  # steps of trainers' optimizers ended in this process
+    steps: int = 0  # steps of trainers' optimizers only (a probe that only some processes step would skew the counts)
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model
     owned: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> (layout, ours?)
     stepped_after: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # optimizers since `preempted`
@@ -1995,12 +1991,9 @@ class SeamlessTPUTrainer:
             return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
         met = _import("torch_xla.debug.metrics")
         transfers = met.metric_data("TransferFromDeviceTime")
-        return {
-            "compiles": met.counter_value("UncachedCompile") or 0,
-            "cached_compiles": met.counter_value("CachedCompile") or 0,
-            "executions": met.counter_value("ExecuteReplicated") or 0,
-            "device_to_host_transfers": transfers[0] if transfers else 0,
-        }
+        names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
+        stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
+        return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
 
     def memory_stats(self, *optimizers):
         """{"per_device": [bytes on each device], "replica": bytes of one whole copy} of the model's parameters and
