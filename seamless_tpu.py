@@ -1434,16 +1434,15 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
     pending, rng = {}, [torch.get_rng_state()]  # the CPU RNG as the build left it: every module draws from it in turn
     root = weakref.ref(model)
     for module, owner in dict(post_order(model, None)).items():  # children first, as their constructors ran
-        own = [name for name, t in _own_tensors(module) if t.is_meta]
+        own = {name: t for name, t in _own_tensors(module) if t.is_meta}
         if not own:
             continue
         resets = [getattr(module, m, None) for m in ("reset_parameters", "_reset_parameters")]
         if owner is None and not any(map(callable, resets)):
-            raise ValueError(f"cannot initialise the meta tensors {own} of {type(module).__name__}: it has no "
+            raise ValueError(f"cannot initialise the meta tensors {list(own)} of {type(module).__name__}: it has no "
                              "reset_parameters(), so their values are unknown. Give it a reset_parameters() that sets "
                              "them, or build the model on the CPU")
-        for name in own if lay_out else ():
-            meta = getattr(module, name)
+        for name, meta in own.items() if lay_out else ():
             made = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             split = mesh is not None and made.dim() and isinstance(meta, torch.nn.Parameter)
             if split and meta in planned:
