@@ -1424,7 +1424,6 @@ def _has_meta_tensors(model):
 def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
     """Lay out the meta tensors of `model` on `device` (unless `lay_out` is False: FSDP2 splits them on meta), each
     split over `mesh` by its `planned` spec, else fsdp's, and hook each module's initialisation to its first use."""
-
     def post_order(module, owner):  # owner: the transformers model whose _initialize_weights initialises it, or None
         owner = module if callable(getattr(module, "_initialize_weights", None)) else owner
         for child in module.children():
@@ -1923,7 +1922,8 @@ class SeamlessTPUTrainer:
       ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
     - GPU/CPU with torch.distributed running (Ray, torchrun): DDP ("ddp") or FSDP2 ("fsdp").
     - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA, parallelize_module then
-      FSDP2 off XLA). An optimizer passed here gets its existing state laid out like its parameters."""
+      FSDP2 off XLA).
+    An optimizer passed here gets its existing state laid out like its parameters."""
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
                  drop_last=None, strategy="ddp", tp_plan=None):
@@ -1938,8 +1938,7 @@ class SeamlessTPUTrainer:
 
     @property
     def preempted(self):
-        """True from the first optimizer step that ends after SIGTERM reached any process: the same step on every
-        process. The loop then saves and stops: `if trainer.preempted: trainer.save_checkpoint(...); break`."""
+        """True from the first optimizer step after SIGTERM reached any process, the same on all: save, then stop."""
         return _STATE.preemption.preempted_at > 0
 
     def to_device(self, *objs):
@@ -1969,13 +1968,12 @@ class SeamlessTPUTrainer:
         return _save_file(obj, path)
 
     def save_checkpoint(self, directory, *, blocking=True, keep_last=1, **state):
-        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states). Every process
-        writes only its shards (torch.distributed.checkpoint; on XLA torch_xla's SPMD planner); replacing
-        `directory/LATEST` atomically commits it, so a crash at any point leaves the previous checkpoint loadable.
-        Returns `directory`, or with blocking=False a concurrent.futures.Future of it: the state is copied to the
-        host and a background thread writes and commits while the loop goes on. keep_last=K keeps the K newest
-        committed checkpoints, named in `directory/HISTORY` (load one by passing `directory/<name>`); LATEST is the
-        newest. `blocking` and `keep_last` are reserved names, like `directory`."""
+        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states): every process
+        writes only its shards (torch.distributed.checkpoint; on XLA torch_xla's SPMD planner), and replacing
+        `directory/LATEST` commits it atomically, so a crash leaves the previous checkpoint loadable. Returns
+        `directory`, or with blocking=False a concurrent.futures.Future of it: the state is copied to the host and a
+        thread writes and commits it meanwhile. keep_last=K keeps the K newest commits, named in `directory/HISTORY`
+        (load one as `directory/<name>`). `blocking` and `keep_last` are reserved names, like `directory`."""
         return _save_checkpoint(directory, state, blocking, keep_last)
 
     def load_checkpoint(self, directory, **state):
