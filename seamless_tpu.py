@@ -1921,8 +1921,7 @@ class SeamlessTPUTrainer:
     - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over its fsdp axis
       ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
     - GPU/CPU with torch.distributed running (Ray, torchrun): DDP ("ddp") or FSDP2 ("fsdp").
-    - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA, parallelize_module then
-      FSDP2 off XLA).
+    - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA; off XLA torch TP, then FSDP2).
     An optimizer passed here gets its existing state laid out like its parameters."""
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
