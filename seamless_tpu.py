@@ -122,8 +122,7 @@ _TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")  # fullmatch ('$' pas
 
 @dataclasses.dataclass(eq=False)
 class _ProcessState:
-    """Everything this module remembers between calls. Tests swap in a fresh one (_reset_caches). _STATE, the one
-    instance, is made at the end of this file, once the classes of the rooms below exist."""
+    """All the module remembers between calls; _STATE, the one instance, is made once every room's class exists."""
 
     xla_device: torch.device = None  # the activated XLA device; None until first XLA use
     xla_kind: str = None  # "tpu" or "xla": what it was activated as
@@ -1355,11 +1354,10 @@ def _placed_like(value, param, key=None):
 
 @dataclasses.dataclass
 class _MetaInit:
-    """A model built under torch.device("meta") is made real module by module, children first, Parameter objects kept
-    (an optimizer made earlier trains), each initialised on the CPU in turn from the CPU RNG as the build left it: the
-    CPU build's weights, if nothing drew in between and modules are built in registration order (a deep copy, as
-    nn.TransformerEncoder makes of its layer, draws anew). On XLA that waits for the first forward or save (tensors
-    laid out lazily till then), and a module that load_checkpoint filled first is never initialised."""
+    """A model built under torch.device("meta") is made real module by module, children first, each initialised on the
+    CPU in turn from the CPU RNG as the build left it: the CPU build's weights if nothing drew in between and modules
+    were built in registration order (a deep copy, as nn.TransformerEncoder makes of its layer, draws anew). On XLA
+    that waits for the first forward or save, and a module that load_checkpoint filled first is never initialised."""
 
     pending: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module -> (its transformers owner, RNG, first-use hook, names a load filled): laid out, not yet initialised
@@ -1374,7 +1372,6 @@ def _has_meta_tensors(model):
 def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
     """Lay out the meta tensors of `model` on `device` (unless `lay_out` is False: FSDP2 splits them on meta), each
     split over `mesh` by its `planned` spec, else fsdp's, and hook each module's initialisation to its first use."""
-
     def post_order(module, owner):  # owner: the transformers model whose _initialize_weights initialises it, or None
         owner = module if callable(getattr(module, "_initialize_weights", None)) else owner
         for child in module.children():
@@ -1384,16 +1381,15 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
     pending, rng = {}, [torch.get_rng_state()]  # the CPU RNG as the build left it: every module draws from it in turn
     root = weakref.ref(model)
     for module, owner in dict(post_order(model, None)).items():  # children first, as their constructors ran
-        own = [name for name, t in _own_tensors(module) if t.is_meta]
+        own = {name: t for name, t in _own_tensors(module) if t.is_meta}
         if not own:
             continue
         resets = [getattr(module, m, None) for m in ("reset_parameters", "_reset_parameters")]
         if owner is None and not any(map(callable, resets)):
-            raise ValueError(f"cannot initialise the meta tensors {own} of {type(module).__name__}: it has no "
+            raise ValueError(f"cannot initialise the meta tensors {list(own)} of {type(module).__name__}: it has no "
                              "reset_parameters(), so their values are unknown. Give it a reset_parameters() that sets "
                              "them, or build the model on the CPU")
-        for name in own if lay_out else ():
-            meta = getattr(module, name)
+        for name, meta in own.items() if lay_out else ():
             made = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             split = mesh is not None and made.dim() and isinstance(meta, torch.nn.Parameter)
             if split and meta in planned:
@@ -1408,9 +1404,8 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
 
 
 def _blank_like(t):
-    """An XLA tensor split like `t`, its contents unset, for a load to overwrite: one empty host shard sent to each
-    device, nothing computed, no whole copy (a meta model's lazy placeholder, read as it is, compiles a graph per
-    shape: 9 on the 320 MB test model)."""
+    """An XLA tensor split like `t` for a load to overwrite: an empty host shard per device, no compute, no whole copy
+    (a meta model's lazy placeholder, read as it is, compiles a graph per shape: 9 on the 320 MB test model)."""
     xla = _import("torch_xla")._XLAC
     tiles = re.search(r"devices=\[([\d,]+)\]", xla._get_xla_sharding_spec(t)).group(1).split(",")[:t.dim()]
     shard = torch.empty([-(-size // int(n)) for size, n in zip(t.shape, tiles)], dtype=t.dtype)  # XLA pads shards
@@ -1434,10 +1429,9 @@ def _set_own_tensor(module, name, value):
 
 
 def _initialize_pending(model, device=None, refuse=False):
-    """Initialise the modules of `model` that _materialize laid out and nothing filled yet, one at a time, by
-    reset_parameters(), _reset_parameters() (as MultiheadAttention has) or a transformers model's
-    _initialize_weights; then send each tensor to its place, shard by shard. A tensor the initialiser leaves unset
-    is refused (_refuse_unset) now if `refuse` (the first forward or save), else then unless a load fills it."""
+    """Initialise the laid-out modules of `model` one at a time, by reset_parameters(), _reset_parameters() (as
+    MultiheadAttention has) or a transformers owner's _initialize_weights, and send each tensor to its place shard by
+    shard. A tensor left unset is refused now if `refuse` (first forward or save), else then unless a load fills it."""
     paths = {m: p for p, m in model.named_modules()}
     release = _HostMemoryRelease(every=0)  # after each tensor: a module may be GBs
     for module in [m for m in list(_STATE.meta_init.pending) if m in paths]:  # the post-order they were laid out in
@@ -1449,11 +1443,10 @@ def _initialize_pending(model, device=None, refuse=False):
         for name, t in placed.items():
             stand_in = torch.full(t.shape, _mark(t), dtype=t.dtype)  # on the CPU, for the initialiser to write
             if name in module._parameters:
-                module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)
-            else:
-                module._buffers[name] = stand_in
+                stand_in = torch.nn.Parameter(stand_in, requires_grad=t.requires_grad)  # sharing its version counter
+            (module._parameters if name in module._parameters else module._buffers)[name] = stand_in
             if name not in loaded:  # a loaded tensor is kept, whatever the initialiser does
-                held[name] = (getattr(module, name), stand_in._version)
+                held[name] = (stand_in, stand_in._version)
         with torch.random.fork_rng(devices=[]):  # the loop's own CPU RNG goes on untouched
             torch.set_rng_state(rng[0])
             if owner is not None:
@@ -1518,8 +1511,7 @@ def _refuse_unset(model):
 
 
 def _loaded(module):
-    """load_checkpoint filled every persistent tensor of `module`: it needs no initialisation, unless for a
-    non-persistent buffer (in no checkpoint), the only kind that may then stay unset."""
+    """load_checkpoint filled `module`'s persistent tensors: only its non-persistent buffers may still need setting."""
     own, transient = {n for n, _ in _own_tensors(module)}, module._non_persistent_buffers_set
     if module in _STATE.meta_init.pending and own & transient:
         _STATE.meta_init.pending[module][3].update(own - transient)
@@ -1714,14 +1706,12 @@ class _DeviceLoader:
 def _catch_sigterm():
     """SIGTERM's handler, installed once per process from its main thread: by the first trainer, or on each Ray
     worker by the backends' on_start (Ray runs the loop on another thread, which may not set handlers)."""
-    state, previous = _STATE.preemption, signal.getsignal(signal.SIGTERM)
-    main = threading.current_thread() is threading.main_thread()
-    if state.previous is not None or previous is signal.SIG_IGN or not main:
+    state, old = _STATE.preemption, signal.getsignal(signal.SIGTERM)
+    if state.previous is not None or old is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
         return
     _sigterm_grace()  # a bad SEAMLESS_TPU_SIGTERM_GRACE is refused now, not when the signal comes
-    state.previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
-    ray_exit = getattr(previous, "__module__", None) == "ray._private.worker"
-    state.delays_exit = state.previous is signal.SIG_DFL or ray_exit
+    state.previous = signal.SIG_DFL if old is None else old  # None: set outside Python
+    state.delays_exit = state.previous is signal.SIG_DFL or getattr(old, "__module__", None) == "ray._private.worker"
     signal.signal(signal.SIGTERM, state._on_sigterm)
     _STATE.torch_patches.append(state.close)
 
@@ -1730,14 +1720,13 @@ def _catch_sigterm():
 class _Preemption:
     """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. A user's
     handler is chained and decides, SIG_IGN stays, and an exit (the default's, Ray's) is held, never cancelled, until
-    SIGTERM_GRACE_S after the signal or the last save. Only steps of trainers' optimizers count: one that only some
-    processes step (a probe) never splits them."""
+    SIGTERM_GRACE_S after the signal or the last save."""
 
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
     sigterm: bool = False  # SIGTERM reached this process
     preempted_at: int = 0  # the step count at which every process learnt that SIGTERM reached one; 0: not yet
-    steps: int = 0  # steps of trainers' optimizers ended in this process
+    steps: int = 0  # steps of trainers' optimizers only (a probe that only some processes step would skew the counts)
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model
     owned: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> (layout, ours?)
     stepped_after: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # optimizers since `preempted`
@@ -1790,7 +1779,6 @@ class _Preemption:
     def saving(self):
         """A save starts; call the result when it ends. The held exit waits for it, then the grace again."""
         self.saves += 1
-
         def done():
             self.saves -= 1
             if self.deadline is not None:
@@ -1818,9 +1806,8 @@ class _Preemption:
             self.stepped_after.add(optimizer)  # the other optimizers of the iteration (a GAN's) may finish it
 
     def _agree(self):
-        """The flag as every process saw it at the last agreement (False at the first), read from the MAX all-reduce
-        (gloo, CPU) it started, with the fewest steps any proposed until this one; the next one started: no device
-        sync, no wait, at step counts every process computes alike."""
+        """Reads the MAX all-reduce (gloo, CPU) the last agreement started: the flag any process saw (False at first)
+        and the fewest steps any proposed; starts the next. No device sync or wait, at step counts all compute alike."""
         if self.group is None:
             return self.sigterm
         agreed, every = False, 1
@@ -1846,9 +1833,8 @@ def _sigterm_grace():
 
 
 def _agreement_group():
-    """A CPU gloo group of every process for the agreement (a collective), or None in one process. A multi-host XLA
-    slice without torch.distributed gets one over a store that process 0 serves; torch_xla's preemption sync manager
-    needs the XLA coordinator, which replaces the SIGTERM handler in C and aborts every host if its leader exits."""
+    """A CPU gloo group of every process, or None in one. An XLA slice without torch.distributed gets one over a store
+    process 0 serves (torch_xla's preemption sync manager takes SIGTERM in C; every host aborts if its leader exits)."""
     dist = torch.distributed
     if _torch_dist_ranks()[0] > 1:
         return dist.new_group(backend="gloo")
@@ -1880,14 +1866,11 @@ def _xla_processes():
 class SeamlessTPUTrainer:
     """Puts `model` on the best device and makes the user's plain loop correct there.
 
-    - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over
-      its fsdp axis ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
+    - XLA: SPMD on, model replicated over the mesh (strategy="ddp") or every parameter sharded over its fsdp axis
+      ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
     - GPU/CPU with torch.distributed running (Ray, torchrun): DDP ("ddp") or FSDP2 ("fsdp").
-    - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA; torch's
-      parallelize_module then FSDP2 off XLA).
-    An optimizer passed here gets its existing state laid out like its parameters. trainer.preempted
-    turns True at the first optimizer step after a SIGTERM.
-    """
+    - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA; off XLA torch TP, then FSDP2).
+    An optimizer passed here gets its existing state laid out like its parameters."""
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
                  drop_last=None, strategy="ddp", tp_plan=None):
@@ -1902,8 +1885,7 @@ class SeamlessTPUTrainer:
 
     @property
     def preempted(self):
-        """True from the first optimizer step that ends after SIGTERM reached any process: the same step
-        on every process. The loop then saves and stops: `if trainer.preempted: trainer.save_checkpoint(...); break`."""
+        """True from the first optimizer step after SIGTERM reached any process, the same on all: save, then stop."""
         return _STATE.preemption.preempted_at > 0
 
     def to_device(self, *objs):
@@ -1911,9 +1893,9 @@ class SeamlessTPUTrainer:
         return _move(objs, self.device, self.layout.batch)
 
     def prepare_data_loader(self, loader, drop_last=None):
-        """Wrap `loader` so batches arrive on the device (sharded on XLA) and each rank reads its own
-        part of the dataset. On XLA the last incomplete batch is dropped by default: its shape would
-        compile a second graph (seconds to minutes on TPU). drop_last=False (here or to the trainer) keeps it."""
+        """Wrap `loader` so batches arrive on the device (sharded on XLA) and each rank reads its own part of the
+        dataset. On XLA the last incomplete batch is dropped by default: its shape would compile a second graph
+        (seconds to minutes on TPU). drop_last=False (here or to the trainer) keeps it."""
         drop_last = self.drop_last if drop_last is None else drop_last
         drop_last = _is_xla(self.device) if drop_last is None else drop_last
         return _DeviceLoader(_rebuild_loader(loader, drop_last, self.device, self.layout.data_ranks), self.device,
@@ -1927,28 +1909,24 @@ class SeamlessTPUTrainer:
         return torch.autocast(device_type, dtype=torch.bfloat16)
 
     def save(self, obj, path):
-        """Sync, copy to CPU, write from process 0 only. The file loads on any device, with the
-        model's own keys (no DDP or torch.compile prefixes). The write is atomic: a crash mid-save
-        leaves the previous file. Every rank returns, or raises the same error, together."""
+        """Sync, copy to CPU, write from process 0 only. The file loads on any device, with the model's own keys (no
+        DDP or torch.compile prefixes). Atomic: a crash mid-save leaves the previous file. Every rank returns, or
+        raises the same error, together."""
         return _save_file(obj, path)
 
     def save_checkpoint(self, directory, *, blocking=True, keep_last=1, **state):
-        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states).
-        Every process writes only its shards (torch.distributed.checkpoint; on XLA torch_xla's SPMD
-        planner); replacing `directory/LATEST` atomically commits it, so a crash at any point leaves
-        the previous checkpoint loadable. Returns `directory`.
-        blocking=False copies the state to the host and returns a concurrent.futures.Future of
-        `directory` while a background thread writes and commits; the loop goes on meanwhile.
-        keep_last=K keeps the K newest committed checkpoints (their names are in `directory/HISTORY`;
-        load an older one by passing `directory/<name>`); LATEST is always the newest.
-        `blocking` and `keep_last` are reserved names, like `directory`."""
+        """A sharded checkpoint of modules, optimizers and plain picklable values (epoch, RNG states): every process
+        writes only its shards (torch.distributed.checkpoint; on XLA torch_xla's SPMD planner), and replacing
+        `directory/LATEST` commits it atomically, so a crash leaves the previous checkpoint loadable. Returns
+        `directory`, or with blocking=False a concurrent.futures.Future of it: the state is copied to the host and a
+        thread writes and commits it meanwhile. keep_last=K keeps the K newest commits, named in `directory/HISTORY`
+        (load one as `directory/<name>`). `blocking` and `keep_last` are reserved names, like `directory`."""
         return _save_checkpoint(directory, state, blocking, keep_last)
 
     def load_checkpoint(self, directory, **state):
-        """Load modules and optimizers saved by save_checkpoint in place, onto this trainer's device,
-        mesh and strategy, whatever they were at save time; returns the plain values (epoch, ...).
-        Each process reads only the saved chunks that overlap its own shards, straight into them, so any
-        saved layout loads into any current one without a whole copy on the host."""
+        """Load modules and optimizers saved by save_checkpoint in place, onto this trainer's device, mesh and
+        strategy, whatever they were at save time; returns the plain values (epoch, ...). Each process reads only the
+        saved chunks that overlap its own shards, straight into them: no whole copy on the host."""
         return _load_checkpoint(directory, state)
 
     def compile_stats(self):
@@ -1957,17 +1935,14 @@ class SeamlessTPUTrainer:
             return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
         met = _import("torch_xla.debug.metrics")
         transfers = met.metric_data("TransferFromDeviceTime")
-        return {
-            "compiles": met.counter_value("UncachedCompile") or 0,
-            "cached_compiles": met.counter_value("CachedCompile") or 0,
-            "executions": met.counter_value("ExecuteReplicated") or 0,
-            "device_to_host_transfers": transfers[0] if transfers else 0,
-        }
+        names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
+        stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
+        return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
 
     def memory_stats(self, *optimizers):
-        """{"per_device": [bytes on each device], "replica": bytes of one whole copy} of the model's
-        parameters and each optimizer's tensor state, counted from the shards (torch_xla's memory
-        query does not work under SPMD). Off XLA, per_device holds this rank's bytes."""
+        """{"per_device": [bytes on each device], "replica": bytes of one whole copy} of the model's parameters and
+        each optimizer's tensor state, counted from the shards (torch_xla's memory query does not work under SPMD).
+        Off XLA, per_device holds this rank's bytes."""
         tensors = list(self.model.parameters()) + [v for opt in optimizers for state in opt.state.values()
                                                    for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
         return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
