@@ -2046,8 +2046,7 @@ def _save_file(obj, path):
 
 
 def _save_checkpoint(directory, state, blocking=True, keep_last=1):
-    """trainer.save_checkpoint: every process writes its shards into a new attempt, which process 0 commits (LATEST
-    names it). The state is read before the call returns; blocking=False writes on a thread and returns its Future."""
+    """trainer.save_checkpoint: every process writes its shards into a new attempt folder, which process 0 commits."""
     directory = os.fspath(directory)
     if not state:
         raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, "
@@ -2149,8 +2148,7 @@ class _SaveFuture(concurrent.futures.Future):
 
 
 def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking):
-    """This process's shards, then (process 0) the other files and the commit; every rank returns `directory` or
-    raises together. Off the main thread, collectives (DCP's planning, the agreement) use the saves' own group."""
+    """This process's shards, then (process 0) the other files and the commit; all ranks return or raise together."""
     group = None if blocking else _STATE.saves.group
     path = os.path.join(directory, attempt)
     error = None
@@ -2202,8 +2200,7 @@ def _saved_form(t, blocking):
 
 
 def _refuse_nested_state(value, where):
-    """A stateful object inside a plain value would be pickled whole (a scheduler with its optimizer) and could not be
-    restored in place: refused at save, not at resume."""
+    """A stateful object inside a plain value would be pickled whole, never restored in place: refused at save."""
     if _is_stateful(value):
         raise TypeError(f"save_checkpoint: {where} is a {type(value).__name__} inside a plain value; pass it as its "
                         f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) so it is saved by its "
@@ -2216,8 +2213,7 @@ def _refuse_nested_state(value, where):
 
 
 def _load_checkpoint(directory, state):
-    """trainer.load_checkpoint: stateful objects in place, plain values returned. Each tensor is read straight into
-    its current layout, a process reading only the chunks that overlap its shards: no second copy on the host."""
+    """trainer.load_checkpoint: each tensor read straight into its current layout, other objects' state in place."""
     directory = os.fspath(directory)
     for name, obj in state.items():
         if not _is_stateful(obj):
@@ -2374,9 +2370,8 @@ def _read_files(attempt):
 
 
 def consolidate_checkpoint(directory, path=None):
-    """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's own keys), plus
-    the plain values, in one dict. Runs on the CPU and needs no torch_xla: the bridge to from_pretrained and to a
-    laptop. With `path`, also written there (atomically)."""
+    """What save_checkpoint saved as one dict of CPU state_dicts (the model's own keys) and plain values, also written
+    to `path` if given (atomically). Needs no torch_xla: the bridge to from_pretrained and to a laptop."""
     attempt = _committed_attempt(os.fspath(directory))  # once: tensors, objects and values from one attempt
     with tempfile.TemporaryDirectory() as tmp:  # the public way to read a DCP checkpoint whole, with no process group
         importlib.import_module("torch.distributed.checkpoint.format_utils").dcp_to_torch_save(attempt, f"{tmp}/all.pt")
@@ -2413,8 +2408,7 @@ def _unwrap(module):
 
 
 def _state_dicts(obj):
-    """Modules and other stateful objects (also as values of a dict) become their state_dicts, a module's with its
-    own keys: a submodule compiled on its own adds '_orig_mod.' inside them."""
+    """Stateful objects (also a dict's values) as state_dicts, a module's with its own keys (no '_orig_mod.')."""
     if isinstance(obj, torch.nn.Module):
         state = _unwrap(obj).state_dict()
         if any("_orig_mod." in k for k in state):
@@ -2511,8 +2505,7 @@ def _history(directory):
 
 
 def _committed_attempt(directory):
-    """The folder to load: the one LATEST names, or `directory` itself when it is an older checkpoint that
-    save_checkpoint(..., keep_last=K) kept (one of the names in its parent's HISTORY)."""
+    """The folder to load: the one LATEST names, or `directory` itself if its parent's HISTORY names it (keep_last)."""
     _STATE.saves.wait()  # a save in flight in this process may be about to commit the checkpoint asked for
     parent, name = os.path.split(os.path.normpath(directory))
     if SAVE_ATTEMPT.fullmatch(name) and name in _history(parent):
