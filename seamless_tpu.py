@@ -2278,10 +2278,9 @@ class _HostMemoryRelease:
 
 def _dcp_loader(path, release):
     """DCP's (reader, planner) for `path` (torch_xla's SPMD planner on XLA), calling `release` after each read. The
-    reader reads and deserialises a stored chunk once however many of this process's shards overlap it, one chunk at a
-    time; torch's does both per shard (measured: a replicated save loaded into 4 XLA shards read 4.04x the checkpoint;
-    a whole-tensor save held 4 copies of a tensor at once). Shims torch 2.9's private storage_data, _slice_file and
-    narrow_tensor_by_index: TODO(remove when DCP's reader reads a chunk once)"""
+    reader reads and deserialises a stored chunk once for all of this process's shards that overlap it; torch's does
+    both per shard (measured: a replicated save loaded into 4 XLA shards read 4.04x the checkpoint; a whole-tensor one
+    held 4 copies of a tensor at once). On torch 2.9 private API: TODO(remove when DCP's reader reads chunks once)"""
     dcp = importlib.import_module("torch.distributed.checkpoint")
     tensor_item = importlib.import_module("torch.distributed.checkpoint.planner").LoadItemType.TENSOR
     narrow = importlib.import_module("torch.distributed._shard._utils").narrow_tensor_by_index
@@ -2321,8 +2320,7 @@ def _dcp_loader(path, release):
 def _module_targets(module, saved, reads, what, release):
     """Point `reads` at the module's own tensors (read into in place) under their saved keys (no '_orig_mod.').
     Returns {own key: saved key} of its non-tensor entries (extra state), for its load_state_dict to set after."""
-    current = {key.replace("_orig_mod.", ""): (key, value)
-               for key, value in _unwrap(module).state_dict(keep_vars=True).items()}
+    current = {k.replace("_orig_mod.", ""): (k, v) for k, v in _unwrap(module).state_dict(keep_vars=True).items()}
     shapes = {path[0]: getattr(entry, "size", None) for path, _, entry in saved}
     missing, unexpected = sorted(set(current) - set(shapes)), sorted(set(shapes) - set(current))
     if missing or unexpected:
@@ -2479,8 +2477,7 @@ def _atomic_write(obj, path):
 
 
 def _commit_checkpoint(directory, attempt, keep_last=1):
-    """Make `attempt` the newest kept checkpoint: HISTORY, then LATEST, each replaced by one atomic rename (a reader
-    sees the old checkpoint or the new one); then drop other attempts (past `keep_last`, or left by killed saves)."""
+    """Make `attempt` the newest kept checkpoint (HISTORY, then LATEST, each one atomic rename); drop other attempts."""
     kept = ([a for a in _history(directory) if a != attempt] + [attempt])[-keep_last:]
     _atomic_write("\n".join(kept).encode(), os.path.join(directory, CHECKPOINT_HISTORY))
     _atomic_write(attempt.encode(), os.path.join(directory, CHECKPOINT_POINTER))
