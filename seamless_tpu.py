@@ -2049,11 +2049,9 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
     """trainer.save_checkpoint: every process writes its shards into a new attempt folder, which process 0 commits."""
     directory = os.fspath(directory)
     if not state:
-        raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, "
-                         "optimizer=optimizer, epoch=epoch)")
+        raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, epoch=epoch)")
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
-        raise ValueError(f"save_checkpoint(keep_last=...) is how many committed checkpoints to keep, at least 1; got "
-                         f"{keep_last!r}")
+        raise ValueError(f"save_checkpoint(keep_last=N) keeps the N newest checkpoints, at least 1; got {keep_last!r}")
     plain = {k: v for k, v in state.items() if not _is_stateful(v)}
     for name, value in plain.items():
         _refuse_nested_state(value, name)
@@ -2203,8 +2201,7 @@ def _refuse_nested_state(value, where):
     """A stateful object inside a plain value would be pickled whole, never restored in place: refused at save."""
     if _is_stateful(value):
         raise TypeError(f"save_checkpoint: {where} is a {type(value).__name__} inside a plain value; pass it as its "
-                        f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) so it is saved by its "
-                        f"state_dict")
+                        f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) to save its state_dict")
     if isinstance(value, (Mapping, list, tuple)):
         for k, v in value.items() if isinstance(value, Mapping) else enumerate(value):
             _refuse_nested_state(v, f"{where}[{k!r}]")
@@ -2318,8 +2315,7 @@ def _dcp_loader(path, release):
 
 
 def _module_targets(module, saved, reads, what, release):
-    """Point `reads` at the module's own tensors (read into in place) under their saved keys (no '_orig_mod.').
-    Returns {own key: saved key} of its non-tensor entries (extra state), for its load_state_dict to set after."""
+    """Point `reads` at the module's own tensors (read in place); returns {own key: saved key} of its extra state."""
     current = {k.replace("_orig_mod.", ""): (k, v) for k, v in _unwrap(module).state_dict(keep_vars=True).items()}
     shapes = {path[0]: getattr(entry, "size", None) for path, _, entry in saved}
     missing, unexpected = sorted(set(current) - set(shapes)), sorted(set(shapes) - set(current))
@@ -2341,8 +2337,7 @@ def _module_targets(module, saved, reads, what, release):
 
 
 def _optimizer_targets(optimizer, saved, reads, release):
-    """Point `reads` at a tensor per saved optimizer tensor: an existing state tensor of that shape and dtype, or a new
-    one laid out like its parameter (XLA sharding, FSDP2 placements), or on the CPU (Adam's scalar 'step')."""
+    """Point `reads` at a tensor per saved optimizer tensor: the state tensor there if it fits, or a new one."""
     _place_optimizer_state(optimizer)  # its parameters are the current ones (FSDP2 replaces them)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for path, key, entry in saved:
@@ -2354,10 +2349,10 @@ def _optimizer_targets(optimizer, saved, reads, release):
         dtype = entry.properties.dtype
         if isinstance(current, torch.Tensor) and current.shape == entry.size and current.dtype == dtype:
             reads[key] = current
-        elif param is not None and entry.size == param.shape:
+        elif param is not None and entry.size == param.shape:  # laid out like it (XLA sharding, FSDP2 placements)
             reads[key] = release(_placed_like(torch.empty(entry.size, dtype=dtype), param))
         else:
-            reads[key] = torch.empty(entry.size, dtype=dtype)
+            reads[key] = torch.empty(entry.size, dtype=dtype)  # on the CPU, as Adam's scalar 'step'
 
 
 def _read_files(attempt):
