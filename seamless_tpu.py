@@ -1969,16 +1969,12 @@ def _save_file(obj, path):
 
 
 def _save_checkpoint(directory, state, blocking=True, keep_last=1):
-    """trainer.save_checkpoint: every process writes its shards into a new save attempt, which process 0 commits
-    by pointing LATEST at it. The state is read (copied to the host, pickled) before the call returns; with
-    blocking=False a background thread writes and commits, and the call returns its Future."""
+    """trainer.save_checkpoint: every process writes its shards into a new attempt folder, which process 0 commits."""
     directory = os.fspath(directory)
     if not state:
-        raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, "
-                         "optimizer=optimizer, epoch=epoch)")
+        raise ValueError("save_checkpoint needs something to save, e.g. save_checkpoint(dir, model=model, epoch=epoch)")
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
-        raise ValueError(f"save_checkpoint(keep_last=...) is how many committed checkpoints to keep, at least 1; got "
-                         f"{keep_last!r}")
+        raise ValueError(f"save_checkpoint(keep_last=N) keeps the N newest checkpoints, at least 1; got {keep_last!r}")
     plain = {k: v for k, v in state.items() if not _is_stateful(v)}
     for name, value in plain.items():
         _refuse_nested_state(value, name)
@@ -2022,7 +2018,6 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
 @dataclasses.dataclass
 class _Saves:
     """The asynchronous save in flight (one at a time) and the gloo group its thread's collectives use."""
-
     group: object = None  # under torch.distributed: its own process group, never the training loop's
     in_flight: object = None  # the _SaveFuture not yet waited for
 
@@ -2042,8 +2037,7 @@ class _Saves:
             finally:
                 saved()
 
-        # Not a daemon: the interpreter waits for it at exit, so the last save of a run is never cut off.
-        threading.Thread(target=run, name="seamless_tpu-save").start()
+        threading.Thread(target=run, name="seamless_tpu-save").start()  # not a daemon: the exit waits for the save
         self.in_flight = future
         if _once("report_unasked_saves"):
             atexit.register(lambda: _STATE.saves.wait(at_exit=True))  # after the interpreter joined the thread
@@ -2062,9 +2056,7 @@ class _Saves:
 
 
 class _SaveFuture(concurrent.futures.Future):
-    """An asynchronous save's Future (of `path`) that remembers whether its outcome was asked for: a failure
-    nobody asked about is raised by the next save or load, or reported at exit, never lost."""
-
+    """An asynchronous save's Future (of `path`) that remembers whether its outcome was asked for (_Saves.wait)."""
     asked, path = False, None
 
     def result(self, timeout=None):
@@ -2077,8 +2069,7 @@ class _SaveFuture(concurrent.futures.Future):
 
 
 def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking):
-    """Write this process's shards, then process 0 the other files and the commit; every rank returns `directory` or
-    raises together. Off the main thread, collectives (DCP's planning, the agreement) use the saves' own group."""
+    """This process's shards, then (process 0) the other files and the commit; all ranks return or raise together."""
     group = None if blocking else _STATE.saves.group
     path = os.path.join(directory, attempt)
     error = None
@@ -2109,11 +2100,10 @@ def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking):
 
 
 def _saved_form(t, blocking):
-    """What the checkpoint writer gets for `t`: the tensor (blocking) or a host copy taken now (an FSDP2 DTensor's
-    keeps its placements). On XLA, this process's replica-0 shards of a split tensor, as torch_xla's planner writes
-    them: always when asynchronous, and when blocking for one also replicated over some mesh axes (any parameter of
-    a multi-host ("data", "fsdp") mesh, a planned weight beside a data axis), which torch_xla 2.9's SPMDSavePlanner
-    leaves out without a word (measured: its key is missing). TODO(remove when torch_xla's planner saves those)"""
+    """What the writer gets for `t`: the tensor (blocking) or a host copy taken now (a DTensor keeps its placements).
+    On XLA, this process's replica-0 shards of a split tensor when asynchronous, and when blocking of one also
+    replicated over some mesh axes (a multi-host ("data", "fsdp") mesh's parameters, a planned weight beside a data
+    axis): torch_xla 2.9's SPMDSavePlanner drops those silently (measured: key missing). TODO(remove when it doesn't)"""
     if _is_xla(t.device):
         spec = _import("torch_xla")._XLAC._get_xla_sharding_spec(t)
         if "last_tile_dim_replicate" in spec or (not blocking and _is_split(t)):
@@ -2131,12 +2121,10 @@ def _saved_form(t, blocking):
 
 
 def _refuse_nested_state(value, where):
-    """A stateful object inside a plain value would be pickled whole (a scheduler with its optimizer and
-    parameters) and could not be restored in place: refused now, not at resume."""
+    """A stateful object inside a plain value would be pickled whole, never restored in place: refused at save."""
     if _is_stateful(value):
         raise TypeError(f"save_checkpoint: {where} is a {type(value).__name__} inside a plain value; pass it as its "
-                        f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) so it is saved by its "
-                        f"state_dict")
+                        f"own keyword (save_checkpoint(dir, {where.split('[')[0]}=...)) to save its state_dict")
     if isinstance(value, (Mapping, list, tuple)):
         for k, v in value.items() if isinstance(value, Mapping) else enumerate(value):
             _refuse_nested_state(v, f"{where}[{k!r}]")
@@ -2145,9 +2133,7 @@ def _refuse_nested_state(value, where):
 
 
 def _load_checkpoint(directory, state):
-    """trainer.load_checkpoint: modules and optimizers in place, plain values returned. torch.distributed.checkpoint
-    (torch_xla's SPMD planner on XLA) reads each tensor straight into its current layout: a process reads the
-    chunks that overlap its own shards, one tensor at a time, and holds no second copy of the model on the host."""
+    """trainer.load_checkpoint: each tensor read straight into its current layout, other objects' state in place."""
     directory = os.fspath(directory)
     for name, obj in state.items():
         if not _is_stateful(obj):
@@ -2193,11 +2179,10 @@ def _load_checkpoint(directory, state):
 
 
 class _HostMemoryRelease:
-    """Hands the host memory a checkpoint load (or a meta model's initialisation) frees back to the OS (malloc_trim;
-    Linux only) every `every` bytes it handles: glibc keeps freed buffers of up to 32 MB for reuse, and a load frees one
-    or more per tensor. Measured: a 255 MB checkpoint on 4 XLA devices grew the process by 1.17x the checkpoint without
-    the release, 0.13x with one every 32 MB; a meta model's load (16 MB tensors, 4 shards each) by 0.28-0.32x releasing
-    every 32 MB, 0.23-0.25x every 4 MB, in the same time (9.5 s)."""
+    """Hands host memory freed by a checkpoint load or a meta model's initialisation back to the OS (malloc_trim, Linux)
+    every `every` bytes handled: glibc keeps freed buffers of up to 32 MB for reuse. Measured: a 255 MB checkpoint on
+    4 XLA devices grew the process by 1.17x its size without, 0.13x releasing every 32 MB; a meta model's load (16 MB
+    tensors, 4 shards each) by 0.28-0.32x releasing every 32 MB, 0.23-0.25x every 4 MB, in the same 9.5 s."""
 
     def __init__(self, every=RELEASE_EVERY):
         self.release = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
@@ -2213,10 +2198,9 @@ class _HostMemoryRelease:
 
 def _dcp_loader(path, release):
     """DCP's (reader, planner) for `path` (torch_xla's SPMD planner on XLA), calling `release` after each read. The
-    reader reads and deserialises a stored chunk once however many of this process's shards overlap it, and holds one at
-    a time; torch's does both once per shard: a replicated save loaded into 4 XLA shards read 4.04x the checkpoint, and
-    a whole-tensor save held 4 deserialised copies of a tensor at once. A shim on torch 2.9's private API (storage_data,
-    _slice_file, narrow_tensor_by_index): TODO(remove when DCP's reader reads a chunk once)"""
+    reader reads and deserialises a stored chunk once for all of this process's shards that overlap it; torch's does
+    both per shard (measured: a replicated save loaded into 4 XLA shards read 4.04x the checkpoint; a whole-tensor one
+    held 4 copies of a tensor at once). On torch 2.9 private API: TODO(remove when DCP's reader reads chunks once)"""
     dcp = importlib.import_module("torch.distributed.checkpoint")
     tensor_item = importlib.import_module("torch.distributed.checkpoint.planner").LoadItemType.TENSOR
     narrow = importlib.import_module("torch.distributed._shard._utils").narrow_tensor_by_index
@@ -2230,18 +2214,15 @@ def _dcp_loader(path, release):
 
     class Reader(dcp.FileSystemReader):
         def read_data(self, plan, planner):
-            stored = self.storage_data
-            mine, others = [], []  # plain tensors; bytes and transformed streams go torch's way
-            for item in plan.items:
-                plain = item.type == tensor_item and not stored[item.storage_index].transform_descriptors
-                (mine if plain else others).append(item)
+            stored, mine, others = self.storage_data, {}, []  # mine: {(file, offset) of a stored chunk: its requests}
+            for item in plan.items:  # plain tensors are mine; bytes and transformed streams go torch's way
+                chunk = stored[item.storage_index]
+                if item.type == tensor_item and not chunk.transform_descriptors:
+                    mine.setdefault((chunk.relative_path, chunk.offset), []).append(item)
+                else:
+                    others.append(item)
             done = super().read_data(dataclasses.replace(plan, items=others), planner)
-
-            def chunk_of(item):  # (file, offset): the stored chunk a request reads from
-                return stored[item.storage_index].relative_path, stored[item.storage_index].offset
-
-            for (relative_path, _), requests in itertools.groupby(sorted(mine, key=chunk_of), key=chunk_of):
-                requests = list(requests)
+            for (relative_path, _), requests in sorted(mine.items()):  # in file order (keys are unique)
                 chunk = stored[requests[0].storage_index]
                 with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                     whole = torch.load(self._slice_file(stream, chunk), map_location="cpu", weights_only=True)
@@ -2257,11 +2238,8 @@ def _dcp_loader(path, release):
 
 
 def _module_targets(module, saved, reads, what, release):
-    """Point `reads` at the module's own parameters and buffers (the checkpoint is read into them in place), under
-    the saved keys: a compiled submodule's '_orig_mod.' is left out. Returns {own key: saved key} of its non-tensor
-    entries (extra state), which the module's load_state_dict sets after."""
-    current = {key.replace("_orig_mod.", ""): (key, value)
-               for key, value in _unwrap(module).state_dict(keep_vars=True).items()}
+    """Point `reads` at the module's own tensors (read in place); returns {own key: saved key} of its extra state."""
+    current = {k.replace("_orig_mod.", ""): (k, v) for k, v in _unwrap(module).state_dict(keep_vars=True).items()}
     shapes = {path[0]: getattr(entry, "size", None) for path, _, entry in saved}
     missing, unexpected = sorted(set(current) - set(shapes)), sorted(set(shapes) - set(current))
     if missing or unexpected:
@@ -2282,9 +2260,7 @@ def _module_targets(module, saved, reads, what, release):
 
 
 def _optimizer_targets(optimizer, saved, reads, release):
-    """Point `reads` at a tensor for each saved optimizer tensor, allocated where it will live: an existing state
-    tensor of the same shape and dtype is read into in place; a new one is laid out like its parameter (XLA
-    sharding, FSDP2 placements), or on the CPU (Adam's scalar 'step')."""
+    """Point `reads` at a tensor per saved optimizer tensor: the state tensor there if it fits, or a new one."""
     _place_optimizer_state(optimizer)  # its parameters are the current ones (FSDP2 replaces them)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for path, key, entry in saved:
@@ -2296,24 +2272,22 @@ def _optimizer_targets(optimizer, saved, reads, release):
         dtype = entry.properties.dtype
         if isinstance(current, torch.Tensor) and current.shape == entry.size and current.dtype == dtype:
             reads[key] = current
-        elif param is not None and entry.size == param.shape:
+        elif param is not None and entry.size == param.shape:  # laid out like it (XLA sharding, FSDP2 placements)
             reads[key] = release(_placed_like(torch.empty(entry.size, dtype=dtype), param))
         else:
-            reads[key] = torch.empty(entry.size, dtype=dtype)
+            reads[key] = torch.empty(entry.size, dtype=dtype)  # on the CPU, as Adam's scalar 'step'
 
 
 def _read_files(attempt):
     """(the other stateful objects' state_dicts, the RNG states, the plain values) of one committed attempt."""
     load = functools.partial(torch.load, map_location="cpu", weights_only=False)
-    objects = os.path.join(attempt, OBJECT_STATES)
-    stored = load(objects) if os.path.isfile(objects) else {}
-    return stored.get("objects", {}), stored.get("rng", {}), load(os.path.join(attempt, PLAIN_VALUES))
+    stored = load(os.path.join(attempt, OBJECT_STATES))
+    return stored["objects"], stored["rng"], load(os.path.join(attempt, PLAIN_VALUES))
 
 
 def consolidate_checkpoint(directory, path=None):
-    """One plain CPU state_dict per module and optimizer saved by save_checkpoint (with the model's own keys), plus
-    the plain values, in one dict. Runs on the CPU and needs no torch_xla: the bridge to from_pretrained and to a
-    laptop. With `path`, also written there (atomically)."""
+    """What save_checkpoint saved as one dict of CPU state_dicts (the model's own keys) and plain values, also written
+    to `path` if given (atomically). Needs no torch_xla: the bridge to from_pretrained and to a laptop."""
     attempt = _committed_attempt(os.fspath(directory))  # once: tensors, objects and values from one attempt
     with tempfile.TemporaryDirectory() as tmp:  # the public way to read a DCP checkpoint whole, with no process group
         importlib.import_module("torch.distributed.checkpoint.format_utils").dcp_to_torch_save(attempt, f"{tmp}/all.pt")
@@ -2331,8 +2305,7 @@ def consolidate_checkpoint(directory, path=None):
 
 
 def _is_stateful(value):
-    """Modules, optimizers, and any object with state_dict()/load_state_dict() (schedulers, GradScaler, samplers
-    with state): restored in place, never pickled whole. A class is not an instance."""
+    """Modules, optimizers, any instance with state_dict()/load_state_dict(): restored in place, never pickled whole."""
     methods = ("state_dict", "load_state_dict")
     return not isinstance(value, type) and all(callable(getattr(value, m, None)) for m in methods)
 
@@ -2351,8 +2324,7 @@ def _unwrap(module):
 
 
 def _state_dicts(obj):
-    """Modules and other stateful objects (also as values of a dict) become their state_dicts, a module's with its
-    own keys: a submodule compiled on its own adds '_orig_mod.' inside them."""
+    """Stateful objects (also a dict's values) as state_dicts, a module's with its own keys (no '_orig_mod.')."""
     if isinstance(obj, torch.nn.Module):
         state = _unwrap(obj).state_dict()
         if any("_orig_mod." in k for k in state):
@@ -2393,9 +2365,8 @@ def _agree(what, value=None, error=None, group=None):
 
 
 def _atomic_write(obj, path):
-    """Write `obj` (bytes, or anything torch.save takes) to `path` through a temporary sibling, fsync and rename:
-    `path` holds the old file or the new one, never a torn one, whatever kills the process (os.replace is atomic
-    on POSIX and Windows). A file object is written as given."""
+    """Write `obj` (bytes, or anything torch.save takes) to `path` (a file object: as given) through a fsynced
+    temporary sibling and os.replace, atomic on POSIX and Windows: never a torn file, whatever kills the process."""
     write = (lambda f: f.write(obj)) if isinstance(obj, bytes) else (lambda f: torch.save(obj, f))
     if not isinstance(path, (str, os.PathLike)):
         return write(path)
@@ -2424,8 +2395,7 @@ def _atomic_write(obj, path):
 
 
 def _commit_checkpoint(directory, attempt, keep_last=1):
-    """Make `attempt` the newest kept checkpoint: HISTORY, then LATEST, each replaced by one atomic rename (a reader
-    sees the old checkpoint or the new one); then drop other attempts (past `keep_last`, or left by killed saves)."""
+    """Make `attempt` the newest kept checkpoint (HISTORY, then LATEST, each one atomic rename); drop other attempts."""
     kept = ([a for a in _history(directory) if a != attempt] + [attempt])[-keep_last:]
     _atomic_write("\n".join(kept).encode(), os.path.join(directory, CHECKPOINT_HISTORY))
     _atomic_write(attempt.encode(), os.path.join(directory, CHECKPOINT_POINTER))
@@ -2450,8 +2420,7 @@ def _history(directory):
 
 
 def _committed_attempt(directory):
-    """The folder to load: the one LATEST names, or `directory` itself when it is an older checkpoint that
-    save_checkpoint(..., keep_last=K) kept (one of the names in its parent's HISTORY)."""
+    """The folder to load: the one LATEST names, or `directory` itself if its parent's HISTORY names it (keep_last)."""
     _STATE.saves.wait()  # a save in flight in this process may be about to commit the checkpoint asked for
     parent, name = os.path.split(os.path.normpath(directory))
     if SAVE_ATTEMPT.fullmatch(name) and name in _history(parent):
