@@ -2545,8 +2545,7 @@ def _committed_attempt(directory):
     return path
 
 # --- 16. the Ray hook -----------------------------------------------------------------------------
-# Ray's own _TorchBackend pattern: the backend's hooks only orchestrate; the work is in the top-level worker
-# functions below, which a fake worker group can run in tests.
+# Ray's _TorchBackend pattern: hooks orchestrate; the work is in top-level worker functions (tests run them on fakes).
 
 
 def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
@@ -2585,15 +2584,10 @@ def _node_ip():
     return _import("ray").util.get_node_ip_address()
 
 
-def _rank0_address():
+def _worker_address():
     with socket.socket() as s:
         s.bind(("", 0))  # a free port of our own: Ray's helper for this is private
-        port = s.getsockname()[1]
-    return _node_ip(), port
-
-
-def _worker_rank_and_ip():
-    return _train_context().get_world_rank(), _node_ip()
+        return _train_context().get_world_rank(), _node_ip(), s.getsockname()[1]
 
 
 def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, timeout_s):
@@ -2610,9 +2604,8 @@ def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, time
     _activate_xla(_auto_xla_kind())
     mesh = create_xla_mesh(xla_spmd_config=xla_spmd_config)
     if size > 1 and not torch.distributed.is_initialized():
-        # The compiler does the training collectives; this CPU group coordinates the hosts where XLA
-        # does not: save_checkpoint's shared plan and commit (torch_xla's DCP needs one, see its
-        # CheckpointManager), and every rank getting the same outcome of a save.
+        # XLA does the training collectives; this CPU group coordinates the rest: save_checkpoint's shared plan and
+        # commit (torch_xla's DCP needs one: see its CheckpointManager), and every rank getting a save's same outcome.
         torch.distributed.init_process_group(
             "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rank=rank,
             world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
@@ -2645,9 +2638,8 @@ def _check_cluster_tpus(scaling_config):
 
 
 class _RayTrainLoop:
-    """The user's train function, as seamless_tpu's TorchTrainer runs it. A preempted loop that saved and returned
-    ends as failed, not finished (Ray never restarts a finished run), so Ray restarts it (FailureConfig) and it resumes
-    from ray.train.get_checkpoint(). A class: cloudpickle would ship a closure's globals by value, _STATE with them."""
+    """The user's train function. A preempted loop that returned ends as failed, since Ray never restarts a finished
+    run (FailureConfig). A class: cloudpickle would ship a closure's globals by value, _STATE with them."""
 
     def __init__(self, train_fn):
         self.train_fn = train_fn
@@ -2669,12 +2661,12 @@ def _ray_classes():
     ray_torch = _import("ray.train.torch")
 
     class _XlaSpmdBackend(_import("ray.train.backend").Backend):
-        """Ray Train backend: one torch_xla SPMD process per TPU host. The XLA compiler inserts the
-        training collectives; a gloo process group across the workers coordinates checkpoints."""
+        """One torch_xla SPMD process per TPU host; a gloo group across them coordinates checkpoints."""
 
         def on_start(self, worker_group, backend_config):
-            master_addr, master_port = worker_group.execute_single(0, _rank0_address)
-            hostnames = [ip for _, ip in sorted(worker_group.execute(_worker_rank_and_ip))]
+            addresses = sorted(worker_group.execute(_worker_address))  # (rank, IP, a free port), in rank order
+            _, master_addr, master_port = addresses[0]  # the gloo group's rendezvous, on rank 0
+            hostnames = [ip for _, ip, _ in addresses]
             reports = worker_group.execute(_xla_worker_setup, master_addr, master_port, hostnames,
                                            backend_config.xla_spmd_config, backend_config.timeout_s)
             worker_group.execute(_catch_sigterm)
