@@ -854,12 +854,10 @@ class _GraphCuts:
 
 
 class _CompileWatchdog:
-    """Counts XLA compiles per iteration (cut to cut: an optimizer step from its start, closure included, or a trainer
-    forward that starts the next iteration) and warns once per process when one pair of consecutive cuts, past its
-    warm-up, compiles on consecutive runs: a graph met once is cached on its next run. Counted per optimizer, it
-    warned about graphs loops meet once, well after step 2: the first step after an eval pass, an EMA copy's third
-    step (its inputs are replicated after its first update), an eval metric summed over epochs. A new parameter group
-    is a new cut, so its graphs warm up anew. Reads two counters per cut; no sync."""
+    """Counts XLA compiles per iteration (cut to cut: an optimizer step, closure included, or a trainer forward that
+    starts the next one); warns once per process when one pair of consecutive cuts compiles on consecutive runs past
+    warm-up (a graph met once is cached on its next run). Not per optimizer: that warned about graphs met once late
+    (the step after an eval, an EMA copy's third step, an eval metric over epochs). One counter read a cut, no sync."""
 
     def __init__(self):
         self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
@@ -868,29 +866,28 @@ class _CompileWatchdog:
         self.late_compiles = 0  # iterations after warm-up that compiled
         self.sliced_input = False  # a forward's input was a view of a larger XLA tensor
         self.in_step = False  # inside optimizer.step(): a closure's forwards belong to the step
-        self._before = self._at_cut = 0
+        self._at_cut = 0  # the compile count at the last cut, or at the start of the step in progress
 
     def before_step(self, met):
         self.in_step = True
-        self._before = met.counter_value("UncachedCompile") or 0
+        self._at_cut = met.counter_value("UncachedCompile") or 0
 
     def after_step(self, optimizer, met):
-        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
+        layout = tuple(len(group["params"]) for group in optimizer.param_groups)  # a new group: a new cut, warmed anew
         step = self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
-        self.in_step, self._at_cut = False, met.counter_value("UncachedCompile") or 0
+        self.in_step = False
         history = optimizer.defaults.get("history_size") if isinstance(optimizer, torch.optim.LBFGS) else None
-        self._count(self._at_cut - self._before, (id(optimizer), layout), step, "step", history and (
+        self._count(met, (id(optimizer), layout), step, "step", history and (
             f"LBFGS compiles new graphs until its history is full (history_size={history}), since it reads every "
             "history term in each inner iteration; a smaller history_size (e.g. 10) bounds them. "))
 
     def after_forward_cut(self, key, met):
-        if self.in_step:  # LBFGS: its step counts them
-            return
+        if not self.in_step:  # else LBFGS: its step counts a closure's forwards
+            self._count(met, key, self.cuts + 1, "iteration")
+
+    def _count(self, met, cut, index, what, known_cause=None):
         now = met.counter_value("UncachedCompile") or 0
         compiled, self._at_cut = now - self._at_cut, now
-        self._count(compiled, key, self.cuts + 1, "iteration")
-
-    def _count(self, compiled, cut, index, what, known_cause=None):
         pair, self.cut, self.cuts = (self.cut, cut), cut, self.cuts + 1
         runs, in_a_row = self.pairs.get(pair, (0, 0))
         late = bool(compiled and runs >= WARMUP_STEPS)
@@ -918,8 +915,7 @@ def _has_xla_params(optimizer):
 def _before_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
         if _STATE.cuts.accumulating:
-            # The last micro-batch becomes the same graph as the others, and the step a graph of its
-            # own: compiling k=16 then costs what k=1 does (two forward+backward graphs either way).
+            # The last micro-batch reuses the others' graph, the step gets its own: k=16 compiles what k=1 does.
             _cut_graph()
         _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
         # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
@@ -931,25 +927,21 @@ def _before_xla_step(optimizer, args, kwargs):
 
 
 def _cut_around(closure):
-    """A closure is one iteration: its forward and backward are one graph, the optimizer's work between closures
-    another. Without these cuts each value LBFGS reads (the loss, its convergence tests) compiled a graph that
-    recomputed the whole forward and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op graph
-    for 3 to 4 minutes per read. Costs: a step with a closure is two graphs instead of one."""
-
+    """A closure is one iteration, one graph; the optimizer's work between closures another. Uncut, each value LBFGS
+    reads recompiled the whole forward and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op
+    graph for 3 to 4 minutes per read. Costs: a step with a closure is two graphs instead of one."""
     @functools.wraps(closure)
     def cut():
         _cut_graph()
         loss = closure()
         _cut_graph()
         return loss
-
     return cut
 
 
 def _after_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
-        # Sync point: compiles (first time) and runs forward+backward+step as one graph.
-        _cut_graph()
+        _cut_graph()  # sync point: forward+backward+step as one graph
         _STATE.cuts.accumulating = False
         _STATE.cuts.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
 
@@ -961,11 +953,9 @@ def _cut_graph():
 
 
 def _cut_each_iteration(model):
-    """The graph rule for loops an optimizer step does not end (accumulation, closure optimizers, updates by hand,
-    evaluation, inference): a trainer model's forward cuts the graph when a backward reached its parameters, or it
-    ran under no_grad, since the last cut. So a graph is one iteration whatever the loop; the plain loop keeps one
-    graph a step (its step cut it), and several forwards in one training iteration (a GAN's discriminator on real
-    and fake, two views of a batch) stay one graph. Costs: a flag set per parameter per backward, a check a forward."""
+    """For loops no optimizer step ends (accumulation, closures, updates by hand, eval, inference): a trainer model's
+    forward cuts the graph if a backward reached its parameters, or it ran under no_grad, since the last cut. A graph
+    is one iteration in any loop; a GAN's two discriminator forwards stay one. Costs: a flag per backward and param."""
     if model in _STATE.cuts.models:
         return
     for param in model.parameters():
@@ -988,8 +978,7 @@ def _before_forward(module, args, kwargs):
         cuts.accumulating |= kind == "train"
         _cut_graph()
         cuts.watchdog.after_forward_cut((id(module), kind), _import("torch_xla.debug.metrics"))
-    if not torch.is_grad_enabled():
-        cuts.no_grad_forward = True
+    cuts.no_grad_forward |= not torch.is_grad_enabled()
     if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
         cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
                                          for t in (*args, *kwargs.values()))
@@ -2621,8 +2610,7 @@ def _xla_worker_shutdown():
 
 
 def _check_cluster_tpus(scaling_config):
-    """use_tpu=True on a cluster without the TPUs asked for: Ray 2.60 retries its controller forever
-    (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S does not end it), so check before any worker starts."""
+    """use_tpu wanting TPUs the cluster lacks: Ray 2.60 retries forever, past RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S."""
     if not getattr(scaling_config, "use_tpu", False):
         return
     ray = _import("ray")
