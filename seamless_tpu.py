@@ -66,7 +66,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 logger = logging.getLogger(__name__)
 
 # --- 1. constants ---------------------------------------------------------------------------------
-
 _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transformers": "5.23.0", "peft": "0.21.2"}
 # Private APIs used where those versions have no public one, each with when it can go:
 # - torch_xla._XLAC: _get_xla_sharding_spec, _get_xla_op_sharding, _xla_mark_sharding, _get_local_shards,
@@ -113,7 +112,6 @@ AGREEMENT_PORT = 8548  # process 0's gloo store for SIGTERM agreement with no pr
 LATE_COMPILES_TO_WARN = 2  # by one pair of cuts in a row: one is a one-off (a short last batch), two mean shapes change
 _INSTALL = {"ray": "pip install 'ray[train]'", "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: "
             "pip install torch==2.9.0 torch_xla==2.9.0)"}
-_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as PCI devices of this vendor on TPU VMs
 MAX_TOPOLOGY_CHIPS = 65536  # the largest TPU slices hold under 10k chips; more is a typo
 _TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")  # fullmatch ('$' passes "\n"); {1,5}: int()'s 4300-digit cap
 
@@ -208,7 +206,7 @@ def _tpu_chips():
     for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             with open(path) as f:
-                count += f.read().strip() == _GOOGLE_PCI_VENDOR
+                count += f.read().strip() == "0x1ae0"  # Google's PCI vendor id: TPU chips on TPU VMs
         except OSError:  # devices can vanish between glob and open; they are not ours to count
             continue
     if count:
@@ -242,9 +240,8 @@ def _note_user_pjrt():
 
 
 def _user_pjrt_device():
-    """PJRT_DEVICE as the user chose it, or None ('' counts as unset). Importing torch_xla (which
-    transformers and others do whenever it is installed) writes a default: torch_xla's guess, not
-    the user's choice, so a value counts only if it was there before torch_xla was imported."""
+    """PJRT_DEVICE as the user chose it, or None ('' counts as unset). Importing torch_xla (transformers does, when it
+    is installed) writes torch_xla's guess, so a value counts only if it was there before torch_xla was imported."""
     _note_user_pjrt()
     value = os.environ.get("PJRT_DEVICE") or None
     if value is None or "torch_xla" not in sys.modules:
@@ -280,9 +277,7 @@ _CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
 
 def _tpu_present():
     pjrt = _user_pjrt_device()
-    if pjrt:
-        return pjrt.upper() == "TPU"
-    return _tpu_chip_count() > 0
+    return pjrt.upper() == "TPU" if pjrt else _tpu_chip_count() > 0
 
 
 def _auto_xla_kind():
@@ -341,9 +336,8 @@ def is_xla_backend():
 
 
 def get_device(kind=None):
-    """The torch.device for `kind` (auto|tpu|xla|gpu|cpu; default SEAMLESS_TPU_DEVICE, else auto). A
-    torch.device is passed through. On XLA this switches SPMD on (before any XLA tensor can exist)
-    and builds the process mesh."""
+    """The torch.device for `kind` (auto|tpu|xla|gpu|cpu; default SEAMLESS_TPU_DEVICE, else auto); a torch.device
+    passes through. On XLA this switches SPMD on (before any XLA tensor can exist) and builds the process mesh."""
     request = _as_request(kind if kind is not None else os.environ.get(ENV_DEVICE) or None)
     kind = _resolve_kind(kind)
     if isinstance(request, torch.device) and request.type != "xla":
@@ -368,17 +362,12 @@ def _is_xla(device):
 
 def _map_tensors(obj, on_tensor, on_other=None):
     """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means. Mappings are walked
-    even when they have their own .to (HF BatchEncoding), so each tensor is split over the mesh; they come back as
-    their own type with their other attributes. Other objects with their own .to go to `on_other` (when given), never
-    rebuilt from their parts: PackedSequence, modules, user classes. Sequences keep their types where they can be
-    rebuilt, else become the plain list/tuple. Dataclasses are copied field by field without __init__ or
-    __post_init__, forgetting values cached from their old fields. All else passes unchanged."""
+    even when they have their own .to (HF BatchEncoding), so each tensor is split over the mesh. Other objects with
+    their own .to go to `on_other` (when given), never rebuilt from their parts: PackedSequence, modules, user classes.
+    Containers keep their types where they can be rebuilt. All else passes unchanged."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
-
-    def recurse(v):
-        return _map_tensors(v, on_tensor, on_other)
-
+    recurse = functools.partial(_map_tensors, on_tensor=on_tensor, on_other=on_other)
     if isinstance(obj, Mapping):
         return _rebuilt_mapping(obj, {k: recurse(v) for k, v in obj.items()})
     if on_other is not None and callable(getattr(obj, "to", None)) and not isinstance(obj, type):
@@ -751,7 +740,6 @@ def _activate_xla(kind):
 
 
 def _enable_spmd():
-    """Switch SPMD on. Must run before the first XLA tensor: one made earlier segfaults on use."""
     torch_xla = _import("torch_xla")
     xr = _import("torch_xla.runtime")
     if xr.is_spmd():
@@ -785,15 +773,13 @@ def _check_autograd_ready(device):
 
 
 def _patch_torch_for_xla():
-    """The process-wide changes the header lists, each undone by _reset_caches. Why each: model.to(xla) would make
-    new Parameters and strand an optimizer built before the move (the loop runs and never trains); the swap setting
-    is global, so every module's .to()/.half() swaps in place from now on, CPU ones too (torch has no per-device
-    switch). The checkpoint routing leaves CPU/GPU inputs on torch's own path. torch.utils.checkpoint needs a
-    torch.xla module for the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a
-    recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back into the forward, saving
-    nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier also covers the incoming
-    gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone); use_reentrant=False, which torch_xla
-    lacks, gets the barrier on its recompute inputs.
+    """The header's torch changes, each undone by _reset_caches. The swap: model.to(xla) would make new Parameters and
+    strand an optimizer built before the move (the loop runs and never trains); torch has no per-device switch.
+    torch.utils.checkpoint needs a torch.xla module for the RNG state, which torch_xla 2.9 never registers; ours
+    restores the XLA seed, so a recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back
+    into the forward, saving nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier also
+    covers the incoming gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone); use_reentrant=False,
+    which torch_xla lacks, gets the barrier on its recompute inputs. CPU/GPU inputs stay on torch's own path.
     # TODO(remove the checkpoint parts when torch_xla registers torch.xla and supports use_reentrant=False)
     """
     swap = torch.__future__.get_swap_module_params_on_conversion()
