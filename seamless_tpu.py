@@ -1590,9 +1590,8 @@ def _split_by_user(sampler, replicas, rank):
 
 
 def _rebuild_loader(loader, drop_last, device, data_ranks=None):
-    """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of
-    exactly what the user's sampling yields: RandomSampler and SequentialSampler take the
-    DistributedSampler fast path; other samplers, batch samplers and IterableDatasets are split by batches."""
+    """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of exactly what the
+    user's sampling yields: RandomSampler and SequentialSampler through a DistributedSampler, all else by batches."""
     data = torch.utils.data
     replicas, rank = data_ranks or _loader_ranks(device)
     if not isinstance(loader, data.DataLoader):
@@ -1600,7 +1599,6 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
             logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of it",
                            type(loader).__name__)
         return loader
-    iterable = isinstance(loader.dataset, data.IterableDataset)
     own_batches = loader.batch_size is None  # a user batch_sampler, an iterable yielding batches, or no batching
     samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
     if any(_split_by_user(sampler, replicas, rank) for sampler in samplers):
@@ -1611,7 +1609,7 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
                                               "generator", "persistent_workers")}
     if loader.num_workers:
         kwargs.update(prefetch_factor=loader.prefetch_factor, multiprocessing_context=loader.multiprocessing_context)
-    if iterable:
+    if isinstance(loader.dataset, data.IterableDataset):
         rebuilt = data.DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=drop_last and not own_batches,
                                   **kwargs)
         return _ShardedBatches(rebuilt, replicas, rank, drop_last) if replicas > 1 else rebuilt
@@ -1636,9 +1634,8 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
 
 
 class _ShardedBatches:
-    """Rank r of n takes batches r, r+n, r+2n, ... of `batches` (a batch sampler, or a loader over an
-    IterableDataset): together the ranks see each batch of the user's sampling once. Every rank gets
-    as many batches, or a collective would hang: an incomplete last round is dropped (drop_last) or
+    """Rank r of n takes batches r, r+n, r+2n, ... of `batches` (a batch sampler, or a loader over an IterableDataset).
+    Every rank gets as many batches, or a collective would hang: an incomplete last round is dropped (drop_last) or
     completed from the epoch's first batches, as DistributedSampler pads."""
 
     def __init__(self, batches, replicas, rank, drop_last):
@@ -1666,8 +1663,7 @@ class _ShardedBatches:
 
 
 def _set_epoch(loader, epoch):
-    """Reseed every part of a loader that shuffles by epoch: DistributedSampler, user samplers and
-    batch samplers, datasets (HF streaming datasets shuffle by epoch)."""
+    """Reseed every part of a loader that shuffles by epoch: samplers, batch samplers, datasets (HF streaming ones)."""
     parts = [loader] + [getattr(loader, name, None) for name in ("sampler", "batch_sampler", "dataset")]
     for part in {id(p): p for p in parts if p is not None}.values():
         if callable(getattr(part, "set_epoch", None)):
