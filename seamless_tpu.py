@@ -901,8 +901,7 @@ def _has_xla_params(optimizer):
 def _before_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
         if _STATE.cuts.accumulating:
-            # The last micro-batch reuses the others' graph, the step gets its own: k=16 compiles what k=1 does.
-            _cut_graph()
+            _cut_graph()  # the last micro-batch reuses the others' graph, the step its own: k=16 compiles what k=1 does
         _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
         # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
         if callable(kwargs.get("closure")):
@@ -913,9 +912,8 @@ def _before_xla_step(optimizer, args, kwargs):
 
 
 def _cut_around(closure):
-    """A closure is one iteration, one graph; the optimizer's work between closures another. Uncut, each value LBFGS
-    reads recompiled the whole forward and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op
-    graph for 3 to 4 minutes per read. Costs: a step with a closure is two graphs instead of one."""
+    """A closure is one graph, the optimizer's work between closures another. Uncut, each value LBFGS read recompiled
+    the whole forward and backward: time_sequence_prediction's 100-step LSTM, a 36,000-op graph for 3-4 min a read."""
     @functools.wraps(closure)
     def cut():
         _cut_graph()
@@ -2575,8 +2573,7 @@ def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, time
     _activate_xla(_auto_xla_kind())
     mesh = create_xla_mesh(xla_spmd_config=xla_spmd_config)
     if size > 1 and not torch.distributed.is_initialized():
-        # XLA does the training collectives; this CPU group coordinates the rest: save_checkpoint's shared plan and
-        # commit (torch_xla's DCP needs one: see its CheckpointManager), and every rank getting a save's same outcome.
+        # XLA does the training collectives; this group coordinates saves (torch_xla's DCP needs one: CheckpointManager)
         torch.distributed.init_process_group(
             "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rank=rank,
             world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
@@ -2608,8 +2605,7 @@ def _check_cluster_tpus(scaling_config):
 
 
 class _RayTrainLoop:
-    """The user's train function. A preempted loop that returned ends as failed, since Ray never restarts a finished
-    run (FailureConfig). A class: cloudpickle would ship a closure's globals by value, _STATE with them."""
+    """The user's train function. A class: cloudpickle would ship a closure's globals by value, _STATE with them."""
 
     def __init__(self, train_fn):
         self.train_fn = train_fn
@@ -2617,7 +2613,7 @@ class _RayTrainLoop:
 
     def __call__(self, *args):
         result = self.train_fn(*args)
-        if _STATE.preemption.preempted_at and _STATE.preemption.delays_exit:
+        if _STATE.preemption.preempted_at and _STATE.preemption.delays_exit:  # Ray never restarts a finished run
             raise RuntimeError(f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; "
                                "the loop returned after it, so this attempt ends as failed for Ray to restart it from "
                                "the last reported checkpoint (ray.train.get_checkpoint()). Allow the restart with "
