@@ -66,7 +66,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 logger = logging.getLogger(__name__)
 
 # --- 1. constants ---------------------------------------------------------------------------------
-
 _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transformers": "5.23.0", "peft": "0.21.2"}
 # Private APIs used where those versions have no public one, each with when it can go:
 # - torch_xla._XLAC: _get_xla_sharding_spec, _get_xla_op_sharding, _xla_mark_sharding, _get_local_shards,
@@ -113,7 +112,6 @@ AGREEMENT_PORT = 8548  # process 0's gloo store for SIGTERM agreement with no pr
 LATE_COMPILES_TO_WARN = 2  # by one pair of cuts in a row: one is a one-off (a short last batch), two mean shapes change
 _INSTALL = {"ray": "pip install 'ray[train]'", "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: "
             "pip install torch==2.9.0 torch_xla==2.9.0)"}
-_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as PCI devices of this vendor on TPU VMs
 MAX_TOPOLOGY_CHIPS = 65536  # the largest TPU slices hold under 10k chips; more is a typo
 _TOPOLOGY_RE = re.compile(r"[0-9]{1,5}(x[0-9]{1,5}){1,2}")  # fullmatch ('$' passes "\n"); {1,5}: int()'s 4300-digit cap
 
@@ -207,7 +205,7 @@ def _tpu_chips():
     for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             with open(path) as f:
-                count += f.read().strip() == _GOOGLE_PCI_VENDOR
+                count += f.read().strip() == "0x1ae0"  # Google's PCI vendor id: TPU chips on TPU VMs
         except OSError:  # devices can vanish between glob and open; they are not ours to count
             continue
     if count:
@@ -241,9 +239,8 @@ def _note_user_pjrt():
 
 
 def _user_pjrt_device():
-    """PJRT_DEVICE as the user chose it, or None ('' counts as unset). Importing torch_xla (which
-    transformers and others do whenever it is installed) writes a default: torch_xla's guess, not
-    the user's choice, so a value counts only if it was there before torch_xla was imported."""
+    """PJRT_DEVICE as the user chose it, or None ('' counts as unset). Importing torch_xla (transformers does, when it
+    is installed) writes torch_xla's guess, so a value counts only if it was there before torch_xla was imported."""
     _note_user_pjrt()
     value = os.environ.get("PJRT_DEVICE") or None
     if value is None or "torch_xla" not in sys.modules:
@@ -279,9 +276,7 @@ _CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
 
 def _tpu_present():
     pjrt = _user_pjrt_device()
-    if pjrt:
-        return pjrt.upper() == "TPU"
-    return _tpu_chip_count() > 0
+    return pjrt.upper() == "TPU" if pjrt else _tpu_chip_count() > 0
 
 
 def _auto_xla_kind():
@@ -340,9 +335,8 @@ def is_xla_backend():
 
 
 def get_device(kind=None):
-    """The torch.device for `kind` (auto|tpu|xla|gpu|cpu; default SEAMLESS_TPU_DEVICE, else auto). A
-    torch.device is passed through. On XLA this switches SPMD on (before any XLA tensor can exist)
-    and builds the process mesh."""
+    """The torch.device for `kind` (auto|tpu|xla|gpu|cpu; default SEAMLESS_TPU_DEVICE, else auto); a torch.device
+    passes through. On XLA this switches SPMD on (before any XLA tensor can exist) and builds the process mesh."""
     request = _as_request(kind if kind is not None else os.environ.get(ENV_DEVICE) or None)
     kind = _resolve_kind(kind)
     if isinstance(request, torch.device) and request.type != "xla":
@@ -367,17 +361,12 @@ def _is_xla(device):
 
 def _map_tensors(obj, on_tensor, on_other=None):
     """Map `on_tensor` over every tensor in a nested batch, never changing what the batch means. Mappings are walked
-    even when they have their own .to (HF BatchEncoding), so each tensor is split over the mesh; they come back as
-    their own type with their other attributes. Other objects with their own .to go to `on_other` (when given), never
-    rebuilt from their parts: PackedSequence, modules, user classes. Sequences keep their types where they can be
-    rebuilt, else become the plain list/tuple. Dataclasses are copied field by field without __init__ or
-    __post_init__, forgetting values cached from their old fields. All else passes unchanged."""
+    even when they have their own .to (HF BatchEncoding), so each tensor is split over the mesh. Other objects with
+    their own .to go to `on_other` (when given), never rebuilt from their parts: PackedSequence, modules, user classes.
+    Containers keep their types where they can be rebuilt. All else passes unchanged."""
     if isinstance(obj, torch.Tensor):
         return on_tensor(obj)
-
-    def recurse(v):
-        return _map_tensors(v, on_tensor, on_other)
-
+    recurse = functools.partial(_map_tensors, on_tensor=on_tensor, on_other=on_other)
     if isinstance(obj, Mapping):
         return _rebuilt_mapping(obj, {k: recurse(v) for k, v in obj.items()})
     if on_other is not None and callable(getattr(obj, "to", None)) and not isinstance(obj, type):
@@ -727,7 +716,6 @@ def _activate_xla(kind):
 
 
 def _enable_spmd():
-    """Switch SPMD on. Must run before the first XLA tensor: one made earlier segfaults on use."""
     torch_xla = _import("torch_xla")
     xr = _import("torch_xla.runtime")
     if xr.is_spmd():
@@ -761,15 +749,13 @@ def _check_autograd_ready(device):
 
 
 def _patch_torch_for_xla():
-    """The process-wide changes the header lists, each undone by _reset_caches. Why each: model.to(xla) would make
-    new Parameters and strand an optimizer built before the move (the loop runs and never trains); the swap setting
-    is global, so every module's .to()/.half() swaps in place from now on, CPU ones too (torch has no per-device
-    switch). The checkpoint routing leaves CPU/GPU inputs on torch's own path. torch.utils.checkpoint needs a
-    torch.xla module for the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a
-    recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back into the forward, saving
-    nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier also covers the incoming
-    gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone); use_reentrant=False, which torch_xla
-    lacks, gets the barrier on its recompute inputs.
+    """The header's torch changes, each undone by _reset_caches. The swap: model.to(xla) would make new Parameters and
+    strand an optimizer built before the move (the loop runs and never trains); torch has no per-device switch.
+    torch.utils.checkpoint needs a torch.xla module for the RNG state, which torch_xla 2.9 never registers; ours
+    restores the XLA seed, so a recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back
+    into the forward, saving nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier also
+    covers the incoming gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone); use_reentrant=False,
+    which torch_xla lacks, gets the barrier on its recompute inputs. CPU/GPU inputs stay on torch's own path.
     # TODO(remove the checkpoint parts when torch_xla registers torch.xla and supports use_reentrant=False)
     """
     swap = torch.__future__.get_swap_module_params_on_conversion()
@@ -830,12 +816,10 @@ class _GraphCuts:
 
 
 class _CompileWatchdog:
-    """Counts XLA compiles per iteration (cut to cut: an optimizer step from its start, closure included, or a trainer
-    forward that starts the next iteration) and warns once per process when one pair of consecutive cuts, past its
-    warm-up, compiles on consecutive runs: a graph met once is cached on its next run. Counted per optimizer, it
-    warned about graphs loops meet once, well after step 2: the first step after an eval pass, an EMA copy's third
-    step (its inputs are replicated after its first update), an eval metric summed over epochs. A new parameter group
-    is a new cut, so its graphs warm up anew. Reads two counters per cut; no sync."""
+    """Counts XLA compiles per iteration (cut to cut: an optimizer step, closure included, or a trainer forward that
+    starts the next one); warns once per process when one pair of consecutive cuts compiles on consecutive runs past
+    warm-up (a graph met once is cached on its next run). Not per optimizer: that warned about graphs met once late
+    (the step after an eval, an EMA copy's third step, an eval metric over epochs). One counter read a cut, no sync."""
 
     def __init__(self):
         self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
@@ -844,29 +828,28 @@ class _CompileWatchdog:
         self.late_compiles = 0  # iterations after warm-up that compiled
         self.sliced_input = False  # a forward's input was a view of a larger XLA tensor
         self.in_step = False  # inside optimizer.step(): a closure's forwards belong to the step
-        self._before = self._at_cut = 0
+        self._at_cut = 0  # the compile count at the last cut, or at the start of the step in progress
 
     def before_step(self, met):
         self.in_step = True
-        self._before = met.counter_value("UncachedCompile") or 0
+        self._at_cut = met.counter_value("UncachedCompile") or 0
 
     def after_step(self, optimizer, met):
-        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
+        layout = tuple(len(group["params"]) for group in optimizer.param_groups)  # a new group: a new cut, warmed anew
         step = self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
-        self.in_step, self._at_cut = False, met.counter_value("UncachedCompile") or 0
+        self.in_step = False
         history = optimizer.defaults.get("history_size") if isinstance(optimizer, torch.optim.LBFGS) else None
-        self._count(self._at_cut - self._before, (id(optimizer), layout), step, "step", history and (
+        self._count(met, (id(optimizer), layout), step, "step", history and (
             f"LBFGS compiles new graphs until its history is full (history_size={history}), since it reads every "
             "history term in each inner iteration; a smaller history_size (e.g. 10) bounds them. "))
 
     def after_forward_cut(self, key, met):
-        if self.in_step:  # LBFGS: its step counts them
-            return
+        if not self.in_step:  # else LBFGS: its step counts a closure's forwards
+            self._count(met, key, self.cuts + 1, "iteration")
+
+    def _count(self, met, cut, index, what, known_cause=None):
         now = met.counter_value("UncachedCompile") or 0
         compiled, self._at_cut = now - self._at_cut, now
-        self._count(compiled, key, self.cuts + 1, "iteration")
-
-    def _count(self, compiled, cut, index, what, known_cause=None):
         pair, self.cut, self.cuts = (self.cut, cut), cut, self.cuts + 1
         runs, in_a_row = self.pairs.get(pair, (0, 0))
         late = bool(compiled and runs >= WARMUP_STEPS)
@@ -894,9 +877,7 @@ def _has_xla_params(optimizer):
 def _before_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
         if _STATE.cuts.accumulating:
-            # The last micro-batch becomes the same graph as the others, and the step a graph of its
-            # own: compiling k=16 then costs what k=1 does (two forward+backward graphs either way).
-            _cut_graph()
+            _cut_graph()  # the last micro-batch reuses the others' graph, the step its own: k=16 compiles what k=1 does
         _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
         # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
         if callable(kwargs.get("closure")):
@@ -907,25 +888,20 @@ def _before_xla_step(optimizer, args, kwargs):
 
 
 def _cut_around(closure):
-    """A closure is one iteration: its forward and backward are one graph, the optimizer's work between closures
-    another. Without these cuts each value LBFGS reads (the loss, its convergence tests) compiled a graph that
-    recomputed the whole forward and backward: time_sequence_prediction's 100-step LSTM compiled a 36,000-op graph
-    for 3 to 4 minutes per read. Costs: a step with a closure is two graphs instead of one."""
-
+    """A closure is one graph, the optimizer's work between closures another. Uncut, each value LBFGS read recompiled
+    the whole forward and backward: time_sequence_prediction's 100-step LSTM, a 36,000-op graph for 3-4 min a read."""
     @functools.wraps(closure)
     def cut():
         _cut_graph()
         loss = closure()
         _cut_graph()
         return loss
-
     return cut
 
 
 def _after_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
-        # Sync point: compiles (first time) and runs forward+backward+step as one graph.
-        _cut_graph()
+        _cut_graph()  # sync point: forward+backward+step as one graph
         _STATE.cuts.accumulating = False
         _STATE.cuts.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
 
@@ -937,11 +913,9 @@ def _cut_graph():
 
 
 def _cut_each_iteration(model):
-    """The graph rule for loops an optimizer step does not end (accumulation, closure optimizers, updates by hand,
-    evaluation, inference): a trainer model's forward cuts the graph when a backward reached its parameters, or it
-    ran under no_grad, since the last cut. So a graph is one iteration whatever the loop; the plain loop keeps one
-    graph a step (its step cut it), and several forwards in one training iteration (a GAN's discriminator on real
-    and fake, two views of a batch) stay one graph. Costs: a flag set per parameter per backward, a check a forward."""
+    """For loops no optimizer step ends (accumulation, closures, updates by hand, eval, inference): a trainer model's
+    forward cuts the graph if a backward reached its parameters, or it ran under no_grad, since the last cut. A graph
+    is one iteration in any loop; a GAN's two discriminator forwards stay one. Costs: a flag per backward and param."""
     if model in _STATE.cuts.models:
         return
     for param in model.parameters():
@@ -964,8 +938,7 @@ def _before_forward(module, args, kwargs):
         cuts.accumulating |= kind == "train"
         _cut_graph()
         cuts.watchdog.after_forward_cut((id(module), kind), _import("torch_xla.debug.metrics"))
-    if not torch.is_grad_enabled():
-        cuts.no_grad_forward = True
+    cuts.no_grad_forward |= not torch.is_grad_enabled()
     if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
         cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
                                          for t in (*args, *kwargs.values()))
@@ -1555,9 +1528,8 @@ def _split_by_user(sampler, replicas, rank):
 
 
 def _rebuild_loader(loader, drop_last, device, data_ranks=None):
-    """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of
-    exactly what the user's sampling yields: RandomSampler and SequentialSampler take the
-    DistributedSampler fast path; other samplers, batch samplers and IterableDatasets are split by batches."""
+    """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of exactly what the
+    user's sampling yields: RandomSampler and SequentialSampler through a DistributedSampler, all else by batches."""
     data = torch.utils.data
     replicas, rank = data_ranks or _loader_ranks(device)
     if not isinstance(loader, data.DataLoader):
@@ -1565,7 +1537,6 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
             logger.warning("seamless_tpu: %s is not a DataLoader, so every rank iterates all of it",
                            type(loader).__name__)
         return loader
-    iterable = isinstance(loader.dataset, data.IterableDataset)
     own_batches = loader.batch_size is None  # a user batch_sampler, an iterable yielding batches, or no batching
     samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
     if any(_split_by_user(sampler, replicas, rank) for sampler in samplers):
@@ -1576,7 +1547,7 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
                                               "generator", "persistent_workers")}
     if loader.num_workers:
         kwargs.update(prefetch_factor=loader.prefetch_factor, multiprocessing_context=loader.multiprocessing_context)
-    if iterable:
+    if isinstance(loader.dataset, data.IterableDataset):
         rebuilt = data.DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=drop_last and not own_batches,
                                   **kwargs)
         return _ShardedBatches(rebuilt, replicas, rank, drop_last) if replicas > 1 else rebuilt
@@ -1601,9 +1572,8 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
 
 
 class _ShardedBatches:
-    """Rank r of n takes batches r, r+n, r+2n, ... of `batches` (a batch sampler, or a loader over an
-    IterableDataset): together the ranks see each batch of the user's sampling once. Every rank gets
-    as many batches, or a collective would hang: an incomplete last round is dropped (drop_last) or
+    """Rank r of n takes batches r, r+n, r+2n, ... of `batches` (a batch sampler, or a loader over an IterableDataset).
+    Every rank gets as many batches, or a collective would hang: an incomplete last round is dropped (drop_last) or
     completed from the epoch's first batches, as DistributedSampler pads."""
 
     def __init__(self, batches, replicas, rank, drop_last):
@@ -1631,8 +1601,7 @@ class _ShardedBatches:
 
 
 def _set_epoch(loader, epoch):
-    """Reseed every part of a loader that shuffles by epoch: DistributedSampler, user samplers and
-    batch samplers, datasets (HF streaming datasets shuffle by epoch)."""
+    """Reseed every part of a loader that shuffles by epoch: samplers, batch samplers, datasets (HF streaming ones)."""
     parts = [loader] + [getattr(loader, name, None) for name in ("sampler", "batch_sampler", "dataset")]
     for part in {id(p): p for p in parts if p is not None}.values():
         if callable(getattr(part, "set_epoch", None)):
@@ -2437,8 +2406,7 @@ def _committed_attempt(directory):
     return path
 
 # --- 16. the Ray hook -----------------------------------------------------------------------------
-# Ray's own _TorchBackend pattern: the backend's hooks only orchestrate; the work is in the top-level worker
-# functions below, which a fake worker group can run in tests.
+# Ray's _TorchBackend pattern: hooks orchestrate; the work is in top-level worker functions (tests run them on fakes).
 
 
 def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
@@ -2477,15 +2445,10 @@ def _node_ip():
     return _import("ray").util.get_node_ip_address()
 
 
-def _rank0_address():
+def _worker_address():
     with socket.socket() as s:
         s.bind(("", 0))  # a free port of our own: Ray's helper for this is private
-        port = s.getsockname()[1]
-    return _node_ip(), port
-
-
-def _worker_rank_and_ip():
-    return _train_context().get_world_rank(), _node_ip()
+        return _train_context().get_world_rank(), _node_ip(), s.getsockname()[1]
 
 
 def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, timeout_s):
@@ -2502,9 +2465,7 @@ def _xla_worker_setup(master_addr, master_port, hostnames, xla_spmd_config, time
     _activate_xla(_auto_xla_kind())
     mesh = create_xla_mesh(xla_spmd_config=xla_spmd_config)
     if size > 1 and not torch.distributed.is_initialized():
-        # The compiler does the training collectives; this CPU group coordinates the hosts where XLA
-        # does not: save_checkpoint's shared plan and commit (torch_xla's DCP needs one, see its
-        # CheckpointManager), and every rank getting the same outcome of a save.
+        # XLA does the training collectives; this group coordinates saves (torch_xla's DCP needs one: CheckpointManager)
         torch.distributed.init_process_group(
             "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rank=rank,
             world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
@@ -2520,8 +2481,7 @@ def _xla_worker_shutdown():
 
 
 def _check_cluster_tpus(scaling_config):
-    """use_tpu=True on a cluster without the TPUs asked for: Ray 2.60 retries its controller forever
-    (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S does not end it), so check before any worker starts."""
+    """use_tpu wanting TPUs the cluster lacks: Ray 2.60 retries forever, past RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S."""
     if not getattr(scaling_config, "use_tpu", False):
         return
     ray = _import("ray")
@@ -2537,9 +2497,7 @@ def _check_cluster_tpus(scaling_config):
 
 
 class _RayTrainLoop:
-    """The user's train function, as seamless_tpu's TorchTrainer runs it. A preempted loop that saved and returned
-    ends as failed, not finished (Ray never restarts a finished run), so Ray restarts it (FailureConfig) and it resumes
-    from ray.train.get_checkpoint(). A class: cloudpickle would ship a closure's globals by value, _STATE with them."""
+    """The user's train function. A class: cloudpickle would ship a closure's globals by value, _STATE with them."""
 
     def __init__(self, train_fn):
         self.train_fn = train_fn
@@ -2547,7 +2505,7 @@ class _RayTrainLoop:
 
     def __call__(self, *args):
         result = self.train_fn(*args)
-        if _STATE.preemption.preempted_at and _STATE.preemption.delays_exit:
+        if _STATE.preemption.preempted_at and _STATE.preemption.delays_exit:  # Ray never restarts a finished run
             raise RuntimeError(f"seamless_tpu: preempted (SIGTERM) at optimizer step {_STATE.preemption.preempted_at}; "
                                "the loop returned after it, so this attempt ends as failed for Ray to restart it from "
                                "the last reported checkpoint (ray.train.get_checkpoint()). Allow the restart with "
@@ -2561,12 +2519,12 @@ def _ray_classes():
     ray_torch = _import("ray.train.torch")
 
     class _XlaSpmdBackend(_import("ray.train.backend").Backend):
-        """Ray Train backend: one torch_xla SPMD process per TPU host. The XLA compiler inserts the
-        training collectives; a gloo process group across the workers coordinates checkpoints."""
+        """One torch_xla SPMD process per TPU host; a gloo group across them coordinates checkpoints."""
 
         def on_start(self, worker_group, backend_config):
-            master_addr, master_port = worker_group.execute_single(0, _rank0_address)
-            hostnames = [ip for _, ip in sorted(worker_group.execute(_worker_rank_and_ip))]
+            addresses = sorted(worker_group.execute(_worker_address))  # (rank, IP, a free port), in rank order
+            _, master_addr, master_port = addresses[0]  # the gloo group's rendezvous, on rank 0
+            hostnames = [ip for _, ip, _ in addresses]
             reports = worker_group.execute(_xla_worker_setup, master_addr, master_port, hostnames,
                                            backend_config.xla_spmd_config, backend_config.timeout_s)
             worker_group.execute(_catch_sigterm)
