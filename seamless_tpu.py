@@ -1179,21 +1179,6 @@ def _is_split(tensor):
     return _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor) not in ("", "{replicated}")
 
 
-def _device_bytes(tensors):
-    """memory_stats' per_device: on XLA from the shards' shapes, off it this rank's local part (an FSDP2 shard)."""
-    if _STATE.xla_device is None:
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-        return [sum(t.numel() * t.element_size() for t in local)]
-    xlac = _import("torch_xla")._XLAC
-    _import("torch_xla.core.xla_model").wait_device_ops()  # shards are readable once the step that made them ran
-    per_device = [0] * _import("torch_xla.runtime").global_runtime_device_count()
-    for t in tensors:  # torch_xla lists no shards of a tensor without a sharding: it is whole everywhere
-        shards = xlac._get_local_shards([t])[0] if xlac._get_xla_sharding_spec(t) else [(t, None)] * len(per_device)
-        for i, (shard, _) in enumerate(shards):
-            per_device[i] += shard.numel() * shard.element_size()
-    return per_device
-
-
 _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced: the DTensor that replaced it
 
 
@@ -1900,21 +1885,46 @@ class SeamlessTPUTrainer:
 
     def compile_stats(self):
         """XLA compiles, cached compiles, executions and device->host transfers (all 0 off XLA)."""
-        if not _is_xla(self.device):
-            return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
-        met = _import("torch_xla.debug.metrics")
-        transfers = met.metric_data("TransferFromDeviceTime")
-        names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
-        stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
-        return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
+        return _compile_stats(_is_xla(self.device))
 
     def memory_stats(self, *optimizers):
         """{"per_device": [bytes on each device], "replica": bytes of one whole copy} of the model's parameters and
         each optimizer's tensor state, counted from the shards (torch_xla's memory query does not work under SPMD).
         Off XLA, per_device holds this rank's bytes."""
-        tensors = list(self.model.parameters()) + [v for opt in optimizers for state in opt.state.values()
-                                                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
-        return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
+        return _memory_stats(self.model, optimizers)
+
+# --- 14. what a run costs -------------------------------------------------------------------------
+
+
+def _compile_stats(xla):
+    if not xla:
+        return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
+    met = _import("torch_xla.debug.metrics")
+    transfers = met.metric_data("TransferFromDeviceTime")
+    names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
+    stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
+    return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
+
+
+def _memory_stats(model, optimizers):
+    tensors = list(model.parameters()) + [v for opt in optimizers for state in opt.state.values()
+                                          for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
+
+
+def _device_bytes(tensors):
+    """memory_stats' per_device: on XLA from the shards' shapes, off it this rank's local part (an FSDP2 shard)."""
+    if _STATE.xla_device is None:
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        return [sum(t.numel() * t.element_size() for t in local)]
+    xlac = _import("torch_xla")._XLAC
+    _import("torch_xla.core.xla_model").wait_device_ops()  # shards are readable once the step that made them ran
+    per_device = [0] * _import("torch_xla.runtime").global_runtime_device_count()
+    for t in tensors:  # torch_xla lists no shards of a tensor without a sharding: it is whole everywhere
+        shards = xlac._get_local_shards([t])[0] if xlac._get_xla_sharding_spec(t) else [(t, None)] * len(per_device)
+        for i, (shard, _) in enumerate(shards):
+            per_device[i] += shard.numel() * shard.element_size()
+    return per_device
 
 # --- 15a. checkpoints: save -----------------------------------------------------------------------
 
