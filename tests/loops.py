@@ -202,10 +202,12 @@ def inference():
 
 
 class Epochs:
-    """The epoch loops' record: losses on the device, compiles after each step and each epoch."""
+    """The epoch loops' record: losses on the device, compiles after each step and each epoch; and, given draw(),
+    their data: EPOCH_STEPS batches it draws once, moved to the device, the same every epoch."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, draw=None):
         self.trainer, self.losses, self.compiles, self.transfers, self.epochs = trainer, [], [], [], []
+        self.batches = [trainer.to_device(*draw()) for _ in range(EPOCH_STEPS)] if draw else None
 
     def step(self, *losses):
         self.losses += [loss.detach() for loss in losses]
@@ -238,12 +240,10 @@ def gan_eval(two=False, ema=False):
     total = 0
     g = torch.Generator().manual_seed(1)
     centre = torch.tensor([2.0, -1.0])
-    batches = [trainer.to_device(centre + 0.3 * torch.randn(8, 2, generator=g), torch.randn(8, 8, generator=g))
-               for _ in range(EPOCH_STEPS)]
+    record = Epochs(trainer, lambda: (centre + 0.3 * torch.randn(8, 2, generator=g), torch.randn(8, 8, generator=g)))
     ones, zeros, eval_z = trainer.to_device(torch.ones(8, 1), torch.zeros(8, 1), torch.randn(16, 8, generator=g))
-    record = Epochs(trainer)
     for _ in range(EPOCHS):
-        for real, z in batches:
+        for real, z in record.batches:
             opt_d.zero_grad()
             d_real = F.binary_cross_entropy_with_logits(disc(real), ones)
             d_real.backward()
@@ -284,12 +284,10 @@ def ema_eval(decay=0.9):
     trainer = st.SeamlessTPUTrainer(model)
     ema.to(trainer.device)
     g = torch.Generator().manual_seed(1)
-    batches = [trainer.to_device(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g))
-               for _ in range(EPOCH_STEPS)]
+    record = Epochs(trainer, lambda: (torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g)))
     x_val, y_val = trainer.to_device(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g))
-    record = Epochs(trainer)
     for _ in range(EPOCHS):
-        for x, y in batches:
+        for x, y in record.batches:
             optimizer.zero_grad()
             loss = F.mse_loss(model(x), y)
             loss.backward()
