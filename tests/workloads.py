@@ -710,20 +710,11 @@ def torch_xla_spec(t):
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-SCENARIOS = {  # name -> (XLA scenario, eager reference or None)
-    "lm_lora": (lm_lora, lm_lora_eager),
-    "lm_lora_bf16": (lm_lora_bf16, lm_lora_eager),
-    "lm_fsdp": (lm_fsdp, lm_full_eager),
-    "resnet18_bn": (resnet18_bn, resnet_eager),
-    "gan_two_optimizers": (gan_two_optimizers, gan_eager),
-    "checkpoint_torch_utils": (checkpoint_torch_utils, checkpoint_torch_utils_eager),
-    "checkpoint_hf": (checkpoint_hf, checkpoint_hf_eager),
-    "hf_save_pretrained_pin": (hf_save_pretrained_pin, None),
-    "hf_attention_transfers_pin": (hf_attention_transfers_pin, None),
-    "hf_batches_are_sharded": (hf_batches_are_sharded, None),
-    "lm_tensor_parallel": (lm_tensor_parallel, lm_tp_eager),
-    "lm_lora_tensor_parallel": (lm_lora_tensor_parallel, lm_lora_eager),
-}
+SCENARIOS = {f.__name__: (f, eager) for f, eager in (  # name -> (XLA scenario, eager reference or None)
+    (lm_lora, lm_lora_eager), (lm_lora_bf16, lm_lora_eager), (lm_fsdp, lm_full_eager), (resnet18_bn, resnet_eager),
+    (gan_two_optimizers, gan_eager), (checkpoint_torch_utils, checkpoint_torch_utils_eager),
+    (checkpoint_hf, checkpoint_hf_eager), (hf_save_pretrained_pin, None), (hf_attention_transfers_pin, None),
+    (hf_batches_are_sharded, None), (lm_tensor_parallel, lm_tp_eager), (lm_lora_tensor_parallel, lm_lora_eager))}
 
 
 def main(argv):
