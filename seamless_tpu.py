@@ -1,7 +1,7 @@
 """seamless_tpu: one plain PyTorch training loop on TPU (XLA SPMD), GPU or CPU, and under Ray Train.
 
     trainer = SeamlessTPUTrainer(model)          # TPU, then GPU, then CPU; the optimizer may predate it
-    x, y = trainer.to_device(x, y)               # on XLA: dim 0 split over the mesh's batch axes
+    x, y = trainer.to_device(x, y)               # on XLA: the batch dim split over the mesh's batch axes
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step (and loop iteration) is one graph
 
 Backends: "tpu" (PJRT_DEVICE=TPU), "xla" (torch_xla on another PJRT device), "gpu", "cpu"; torch_xla and ray load only
@@ -13,7 +13,8 @@ Process-wide changes (nothing at import), each undone by _reset_caches for the t
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
   swap_module_params_on_conversion on, so .to()/.half() of EVERY module swaps in place, CPU ones too (raising
   "Couldn't swap" if a weakref holds a parameter); a torch.xla device module; torch.utils.checkpoint routed through
-  an optimization barrier for XLA inputs; global optimizer-step hooks (the graph cut, the recompile watchdog).
+  an optimization barrier for XLA inputs; F.linear, F.layer_norm and F.multi_head_attention_forward keep the batch
+  dimension of XLA inputs; global optimizer-step hooks (the graph cut, the recompile watchdog).
 - FSDP2 or tensor parallelism off XLA: a global pre-step hook that rebinds optimizers built before the trainer.
 - first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler that chains
   the user's and leaves SIG_IGN alone; a default or Ray exit is held until trainer.preempted's save, for the grace at
@@ -445,7 +446,8 @@ def _move_by_own_to(obj, device):
 def to_device(*objs, device=None):
     """Move tensors, nested batches (dict, list, tuple, namedtuple, dataclass) and modules to `device`
     (default: get_device()'s choice). One argument returns it moved; several return a tuple. On XLA,
-    every tensor's dim 0 is split over the process mesh's batch axes: each device computes its slice."""
+    every tensor's batch dimension (that of the last trainer built; else 0) is split over the process mesh's batch
+    axes: each device computes its slice."""
     target = get_device(device)
     sharding = _STATE.batch_sharding if _is_xla(target) else None
     return _move(objs, target, sharding)
@@ -591,6 +593,25 @@ def _spmd_config_devices(config):
     if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
         return math.prod(shape)
     return (config.get("data_parallel_size") or 1) * (config.get("model_parallel_size") or 1)
+
+
+def _batch_dim(model, batch_dim):
+    """Which dimension of a batch tensor holds its samples: `batch_dim` when given (it wins: a model may transpose its
+    input), else where the model's RNNs and attention say they take it (all batch_first=False: 1), else 0."""
+    if batch_dim is not None:
+        if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+            raise ValueError(f"batch_dim must be a dimension index >= 0 (0 for (B, T, ...) batches, 1 for (T, B, "
+                             f"...)), got {_shown(batch_dim)}")
+        return batch_dim
+    said = {}  # batch_first -> the first module saying it
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.RNNBase, torch.nn.MultiheadAttention)):
+            said.setdefault(bool(module.batch_first), name)
+    if len(said) == 2:
+        raise ValueError(f"the model's modules disagree on where the batch is: {said[True]!r} takes it first "
+                         f"(batch_first=True), {said[False]!r} second (batch_first=False); pass batch_dim=0 for (B, "
+                         "T, ...) batches or batch_dim=1 for (T, B, ...) ones to SeamlessTPUTrainer")
+    return 1 if set(said) == {False} else 0
 
 
 def _model_tp_plan(model):
@@ -771,6 +792,7 @@ def _patch_torch_for_xla():
         torch._register_device_module("xla", module)
         _STATE.torch_patches.append(lambda: (delattr(torch, "xla"), sys.modules.pop("torch.xla", None)))
 
+    _keep_batch_dims()
     ckpt = importlib.import_module("torch.utils.checkpoint")
     if getattr(ckpt.CheckpointFunction, "routes_xla", False):  # patched by an earlier process state
         return
@@ -800,6 +822,71 @@ def _patch_torch_for_xla():
 
     _patch(ckpt, "CheckpointFunction", RoutedCheckpointFunction)
     _patch(ckpt._CheckpointFrame, "__init__", init_with_barrier)
+
+def _keep_batch_dims():
+    """XLA lowers three torch functionals by folding the batch into another dimension, which GSPMD cannot split, so
+    from there on each device computed the whole batch (4 devices: nn.TransformerEncoder 1.00 of the step's dot FLOPs
+    per device, a seq-first one 0.85, ViT 0.63; "fsdp" then all-gathered activations, 3 MB a step against 0.27 MB of
+    weights): linear on > 2-D inputs (matmul views (T, B, E) as (T*B, E)), layer_norm (a batch-norm over (1, B*T, E))
+    and multi-head attention ((T, B, H, d) viewed as (T*B, E)). On XLA inputs these keep every dimension, and GSPMD
+    splits them all (0.25, weights gathered); eager's numbers to 1e-6. Others' inputs take torch's own path."""
+    F = torch.nn.functional
+    if getattr(F.linear, "keeps_batch_dims", False):  # patched by an earlier process state
+        return
+    linear, layer_norm, attention = F.linear, F.layer_norm, F.multi_head_attention_forward
+    signature = inspect.signature(attention)
+
+    def xla_linear(input, weight, bias=None):
+        if input.dim() <= 2 or input.device.type != "xla":
+            return linear(input, weight, bias)
+        out = torch.einsum("...n,mn->...m", input, weight)  # autocast casts it as it casts linear
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def xla_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        if input.device.type != "xla":
+            return layer_norm(input, normalized_shape, weight, bias, eps)
+        dims, x = tuple(range(-len(normalized_shape), 0)), input.float()  # fp32 statistics, as torch's kernel
+        mean = x.mean(dims, keepdim=True)
+        y = (x - mean) * torch.rsqrt((x - mean).square().mean(dims, keepdim=True) + eps)
+        y = y if weight is None else y * weight
+        return (y if bias is None else y + bias).to(input.dtype)
+
+    def xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, batch-first inside
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = types.SimpleNamespace(**a.arguments)
+        query, key, value, heads = a.query, a.key, a.value, a.num_heads
+        if (query.device.type != "xla" or query.dim() != 3 or a.bias_k is not None or a.add_zero_attn
+                or a.static_k is not None or a.static_v is not None or (a.is_causal and a.attn_mask is None)):
+            return attention(*args, **kwargs)  # torch's path: unbatched, rare options, or its own error
+        (t, b, _), s = query.shape, key.shape[0]
+        weights = ((a.q_proj_weight, a.k_proj_weight, a.v_proj_weight) if a.use_separate_proj_weight
+                   else a.in_proj_weight.chunk(3))
+        biases = (None,) * 3 if a.in_proj_bias is None else a.in_proj_bias.chunk(3)
+        q, k, v = (xla_linear(x.transpose(0, 1), w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
+                   for x, w, bias in zip((query, key, value), weights, biases))  # (B, heads, T or S, head dim)
+        mask = F._canonical_mask(mask=a.attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                                 target_type=q.dtype, check_other=False)
+        mask = mask.view(b, heads, t, s) if mask is not None and mask.dim() == 3 else mask
+        pad = F._canonical_mask(mask=a.key_padding_mask, mask_name="key_padding_mask", target_type=q.dtype,
+                                other_type=F._none_or_dtype(a.attn_mask), other_name="attn_mask")
+        if pad is not None:
+            mask = pad.view(b, 1, 1, s) if mask is None else mask + pad.view(b, 1, 1, s)
+        dropout = a.dropout_p if a.training else 0.0
+        if a.need_weights:  # as torch: scores scaled before the product, weights returned after dropout
+            scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+            probs = torch.softmax(scores if mask is None else scores + mask, -1)
+            probs = F.dropout(probs, dropout) if dropout > 0 else probs
+            out, probs = probs @ v, probs.mean(1) if a.average_attn_weights else probs
+        else:
+            out, probs = F.scaled_dot_product_attention(q, k, v, mask, dropout), None
+        out = xla_linear(out.transpose(1, 2).flatten(2), a.out_proj_weight, a.out_proj_bias)
+        return out.transpose(0, 1), probs
+
+    xla_linear.keeps_batch_dims = True
+    _patch(F, "linear", xla_linear)
+    _patch(F, "layer_norm", xla_layer_norm)
+    _patch(F, "multi_head_attention_forward", xla_attention)
 
 # --- 8. graph cuts and the recompile watchdog -----------------------------------------------------
 
@@ -955,7 +1042,7 @@ class _Layout:
     device: torch.device
     strategy: str  # as asked: "ddp" or "fsdp"
     mesh: object = None  # XLA: the SPMD mesh the trainer keeps for its life
-    batch: object = None  # XLA: the _BatchSharding of its batches (dim 0 over every axis but the model's)
+    batch: object = None  # XLA: the _BatchSharding of its batches (their batch dim over all axes but the model's)
     planned: dict = dataclasses.field(default_factory=dict)  # XLA: {parameter: spec} of the tensor-parallel plan
     styles: dict = None  # torch.distributed: {pattern: ParallelStyle} of the tensor-parallel plan
     rank_axes: dict = None  # torch.distributed with a plan: {data or fsdp axis: size, "model": size} of the ranks
@@ -969,10 +1056,10 @@ class _Layout:
         return "_Layout(" + ", ".join(f"{k}={brief.get(k, v)!r}" for k, v in vars(self).items()) + ")"
 
 
-def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
+def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim=None):
     """The _Layout of a trainer, every argument and plan error raised before anything moves. On XLA the mesh is
     taken, built or found here and kept for the trainer's life, whatever later replaces the process mesh."""
-    kind, device = _resolve_kind(device), get_device(device)
+    kind, device, dim = _resolve_kind(device), get_device(device), _batch_dim(model, batch_dim)
     xla, (world, rank) = _is_xla(device), _torch_dist_ranks()
     if not xla and (mesh is not None or (xla_spmd_config is not None and world == 1)):
         raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but the "
@@ -984,6 +1071,12 @@ def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan):
     elif xla and (xla_spmd_config is not None or strategy == "fsdp"):
         create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
     mesh, batch = (_STATE.mesh, _STATE.batch_sharding) if xla else (None, None)
+    if xla and dim != batch.dim:  # to_device() then splits batches as this trainer's
+        if batch.minibatch:
+            raise ValueError(f"batch_dim={dim} on several hosts: torch_xla 2.9 assembles a multi-host batch along "
+                             f"dim 0 only (ShardingSpec minibatch); move batches with the batch first (x.transpose(0, "
+                             f"{dim})) and pass batch_dim=0")
+        batch = _STATE.batch_sharding = _BatchSharding.for_mesh(mesh, dim)
     distributed = mesh is None and world > 1
     planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
     if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
@@ -1012,6 +1105,7 @@ def _place(model, layout):
             elif fsdp and param.dim() and not _is_split(param):
                 _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
         _watch_inputs(model, layout.batch)
+        _shard_activations(model, layout.batch)
         _cut_each_iteration(model)
     if layout.meta_built and not xla and not fsdp2:
         _initialize_pending(model)  # whole on each process, as DDP and TP want it
@@ -1081,13 +1175,14 @@ def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
 
 
 class _BatchSharding:
-    """Dim 0 of every batch tensor over the batch axes, whatever its rank: torch_xla's ShardingSpec fits one rank and
-    silently leaves the others replicated (a 1-D label beside 2-D features). One ShardingSpec per rank, made on
-    first use; MpDeviceLoader's send_cpu_data_to_device needs only `xla_spec(tensor)` and `minibatch`."""
+    """The batch dimension `dim` of every batch tensor over the batch axes, whatever its rank (dim 0 of one with no
+    dimension `dim`: (B,) labels beside (T, B) tokens): torch_xla's ShardingSpec fits one rank and silently leaves the
+    others replicated. One ShardingSpec per rank, made on first use; MpDeviceLoader's send_cpu_data_to_device needs
+    only `xla_spec(tensor)` and `minibatch`."""
 
-    def __init__(self, mesh, axes, minibatch=False):
-        self.mesh, self.axes, self.minibatch, self._by_rank = mesh, axes, minibatch, {}
-        self.ways = math.prod(_axis_sizes(mesh)[a] for a in axes)  # devices that dim 0 splits over
+    def __init__(self, mesh, axes, minibatch=False, dim=0):
+        self.mesh, self.axes, self.minibatch, self.dim, self._by_rank = mesh, axes, minibatch, dim, {}
+        self.ways = math.prod(_axis_sizes(mesh)[a] for a in axes)  # devices that the batch splits over
 
     def from_host(self, tensor):
         """Whether torch_xla 2.9 can send `tensor` from the host split: a 1-D one split on some axes and replicated
@@ -1095,15 +1190,18 @@ class _BatchSharding:
         return tensor.dim() > 1 or self.ways == math.prod(self.mesh.mesh_shape)  # not replicated over a model axis
 
     @classmethod
-    def for_mesh(cls, mesh):
+    def for_mesh(cls, mesh, dim=0):
         """Every axis but the model axis (all when there is no other). Multi-host, each host feeds its slice."""
         names = tuple(_axis_sizes(mesh))
         batch = tuple(n for n in names if n != MODEL_AXIS)
-        return cls(mesh, batch or names, minibatch=_import("torch_xla.runtime").process_count() > 1)
+        return cls(mesh, batch or names, minibatch=_import("torch_xla.runtime").process_count() > 1, dim=dim)
+
+    def batch_dim(self, ndim):
+        return self.dim if ndim > self.dim else 0
 
     def spec_for(self, ndim):
-        head = self.axes[0] if len(self.axes) == 1 else tuple(self.axes)
-        return (head,) + (None,) * (ndim - 1) if ndim else ()
+        head, at = self.axes[0] if len(self.axes) == 1 else tuple(self.axes), self.batch_dim(ndim)
+        return tuple(head if d == at else None for d in range(ndim))
 
     def xla_spec(self, tensor):
         ndim = tensor.dim()
@@ -1149,15 +1247,15 @@ def _fsdp_spec(shape, shards):
 
 
 def _watch_inputs(model, sharding):
-    """For the first INPUT_CHECKS forwards, warn once about an input on XLA replicated where its dim 0 could be
-    split. Reads only each tensor's sharding annotation: no sync, no transfer, no new graph."""
+    """For the first INPUT_CHECKS forwards, warn once about an input on XLA replicated where its batch dimension
+    could be split. Reads only each tensor's sharding annotation: no sync, no transfer, no new graph."""
     ways, left = sharding.ways, [INPUT_CHECKS]
 
     def check(module, args, kwargs):
         found = []
         _map_tensors([args, kwargs], lambda t: found.append(t) or t, lambda obj: obj)
         for t in found:
-            if not _is_xla(t.device) or t.dim() == 0 or t.shape[0] % ways or _is_split(t):
+            if not _is_xla(t.device) or t.dim() == 0 or t.shape[sharding.batch_dim(t.dim())] % ways or _is_split(t):
                 continue
             # A tensor the step computes has no annotation until the compiler propagates one: not evidence.
             ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(t).partition("IR: ")[2].partition("\n")[0]
@@ -1165,13 +1263,47 @@ def _watch_inputs(model, sharding):
                 logger.warning("seamless_tpu: a tensor of shape %s reaches the model replicated on XLA. If it is a "
                                "batch, each of the %d devices computes all of it (%dx the work for 1x the data). Move "
                                "batches with trainer.to_device(...) or trainer.prepare_data_loader(...), which split "
-                               "dim 0, not with .to(device)", tuple(t.shape), ways, ways)
+                               "the batch dimension, not with .to(device)", tuple(t.shape), ways, ways)
         left[0] -= 1
         if not left[0]:
             handle.remove()
 
     if ways > 1:
         handle = model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def _shard_activations(model, batch):
+    """Keep the batch split through the model, as torch_xla's FSDPv2 does with each wrapped module's output: mark the
+    batch dimension of each block's output (a child of a ModuleList or Sequential of repeated blocks, when its output
+    has its input's shape: transformer layers, ViT's EncoderBlock, HF decoder layers), and of each RNN's input and
+    state (an LSTM's per-step matmuls otherwise ran whole). Without it "fsdp" let GSPMD split the matmuls the tensor-
+    parallel way and all-gather activations (a ViT: 1.5 MB a step against 0.32 MB of weights; with it 0.33)."""
+    if batch.ways == 1:
+        return
+    blocks = {id(child) for parent in model.modules() if isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential))
+              and len(parent) > 1 and len({type(c) for c in parent}) == 1 for child in parent}
+
+    def mark(t, dim):
+        if isinstance(t, torch.Tensor) and _is_xla(t.device) and t.dim() > dim and not t.shape[dim] % batch.ways:
+            head = batch.axes[0] if len(batch.axes) == 1 else tuple(batch.axes)
+            _mark_sharding(t, batch.mesh, tuple(head if d == dim else None for d in range(t.dim())))
+
+    def block_output(module, args, output):
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        residual = args and isinstance(args[0], torch.Tensor) and isinstance(first, torch.Tensor)
+        if residual and first.shape == args[0].shape:
+            mark(first, batch.batch_dim(first.dim()))
+
+    def rnn_inputs(module, args):
+        mark(args[0], 0 if module.batch_first else 1)
+        for state in (args[1] if len(args) > 1 and isinstance(args[1], tuple) else args[1:]):
+            mark(state, 1)  # (layers * directions, B, hidden)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.RNNBase):
+            module.register_forward_pre_hook(rnn_inputs)
+        elif id(module) in blocks:
+            module.register_forward_hook(block_output)
 
 
 def _is_split(tensor):
@@ -1824,12 +1956,14 @@ class SeamlessTPUTrainer:
       ("fsdp"); every optimizer.step() ends in torch_xla.sync(); recompile watchdog.
     - GPU/CPU with torch.distributed running (Ray, torchrun): DDP ("ddp") or FSDP2 ("fsdp").
     - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA; off XLA torch TP, then FSDP2).
+    - batch_dim: where batches hold their samples (default: 1 when the model's RNNs and attention are batch_first=False,
+      else 0). On XLA that dimension is split, and stays split through linear, layer_norm and attention.
     An optimizer passed here gets its existing state laid out like its parameters."""
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
-                 drop_last=None, strategy="ddp", tp_plan=None):
+                 drop_last=None, strategy="ddp", tp_plan=None, batch_dim=None):
         _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy)
-        self.layout = _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan)
+        self.layout = _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim)
         self.device, self.kind, self.mesh = self.layout.device, self.layout.kind, self.layout.mesh
         self.precision, self.drop_last, self.strategy = precision, drop_last, strategy
         self.model = _place(model, self.layout)
@@ -1843,7 +1977,7 @@ class SeamlessTPUTrainer:
         return _STATE.preemption.preempted_at > 0
 
     def to_device(self, *objs):
-        """Like to_device(); on XLA every tensor's dim 0 is sharded over this trainer's mesh."""
+        """Like to_device(); on XLA every tensor's batch dimension (batch_dim) is split over this trainer's mesh."""
         return _move(objs, self.device, self.layout.batch)
 
     def prepare_data_loader(self, loader, drop_last=None):
