@@ -900,6 +900,7 @@ class _GraphCuts:
     no_grad_forward: bool = False  # a trainer's model ran under no_grad since the graph was last cut
     accumulating: bool = False  # a forward cut a backward off since the last optimizer step
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
+    after_cut: list = dataclasses.field(default_factory=list)  # run once after the next cut: the work check
 
 
 class _CompileWatchdog:
@@ -997,6 +998,8 @@ def _cut_graph():
     """Compile (the first time) and run everything pending as one graph, asynchronously."""
     _import("torch_xla").sync()
     _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
+    while _STATE.cuts.after_cut:
+        _STATE.cuts.after_cut.pop()()
 
 
 def _cut_each_iteration(model):
@@ -1106,6 +1109,7 @@ def _place(model, layout):
                 _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
         _watch_inputs(model, layout.batch)
         _shard_activations(model, layout.batch)
+        _check_work(model, layout)
         _cut_each_iteration(model)
     if layout.meta_built and not xla and not fsdp2:
         _initialize_pending(model)  # whole on each process, as DDP and TP want it
@@ -2038,6 +2042,71 @@ def _compile_stats(xla):
     names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
     stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
     return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
+
+
+def _check_work(model, layout):
+    """The guard for models nobody tried: on the first forward, hold the output of the first module of each name
+    pattern (layers.#.mlp.up_proj) that does matmuls; once the graph computing them has run (the next cut), read how
+    XLA split each one (its sharding annotation: no transfer, compile or execution; the first graph has them as
+    outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them."""
+    devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), [], collections.Counter(), []
+    matmuls = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.MultiheadAttention)
+
+    def hold(module, args, output):
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor) and _is_xla(out.device) and out.dim() > 1:
+            held.append((names[module], module, out))
+
+    def check():
+        total, whole = 0, []
+        for name, module, out in held:
+            # 2 x rows x weights: exact for Linear, conv and an RNN's input and state products
+            rows = out.numel() // out.shape[1 if isinstance(module, torch.nn.modules.conv._ConvNd) else -1]
+            flops = 2 * rows * sum(p.numel() for p in module.parameters() if p.dim() > 1) * counts[pattern(name)]
+            weight = getattr(module, "weight", None)
+            ways = _split_ways(out) * (_split_ways(weight, dim=-1) if weight in layout.planned else 1)  # rowwise
+            total += flops
+            if ways < devices:
+                whole.append((flops, name, module, ways))
+        held.clear()
+        share = sum(w[0] for w in whole) / total if total else 0
+        if share > 0.05 and _once("replicated_work"):
+            _, name, module, ways = whole[0]
+            logger.warning(
+                "seamless_tpu: %.0f%% of the model's matmul FLOPs run whole where %d devices should split them (%dx "
+                "their cost), first at %r (%s, its output split %d ways): XLA lost the batch split there. Keep the "
+                "batch dimension through that module's reshapes (fold (T, B) into B*T, not T*B), pass batch_dim= if "
+                "batches hold their samples elsewhere than dim %d, or mark its input with torch_xla.distributed.spmd."
+                "mark_sharding", 100 * share, devices, devices // ways, name, type(module).__name__, ways,
+                layout.batch.dim)
+
+    def first_forward_done(module, args, output):
+        for handle in handles:
+            handle.remove()
+        _STATE.cuts.after_cut.append(check)
+
+    def pattern(name):
+        return re.sub(r"\.\d+(?=\.|$)", ".#", name)
+
+    names = {m: n for n, m in model.named_modules()}
+    if devices > 1:
+        for module, name in names.items():
+            if isinstance(module, matmuls):
+                counts[pattern(name)] += 1
+                if counts[pattern(name)] == 1:
+                    handles.append(module.register_forward_hook(hold))
+        handles.append(model.register_forward_hook(first_forward_done))
+
+
+def _split_ways(tensor, dim=None):
+    """How many ways XLA split `tensor` (its dimension `dim` only, if given), from its sharding annotation."""
+    spec = _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor)
+    tiles = re.search(r"devices=\[([\d,]+)\]", spec)
+    if not tiles:
+        return 1
+    tiles = [int(t) for t in tiles.group(1).split(",")]
+    tiles = tiles[:-1] if "last_tile_dim_replicate" in spec else tiles
+    return tiles[dim] if dim is not None else math.prod(tiles)
 
 
 def _memory_stats(model, optimizers):

@@ -37,17 +37,22 @@ def dot_flops(hlo):
                for out, lhs, contracted in DOT.findall(hlo))
 
 
-def dot_flops_per_device(dump):
+def dot_flops_per_device(dump, skip=()):
     """(whole step's dot FLOPs, one device's, the ratio) for the graph with the most dot FLOPs that XLA
-    compiled into `dump` (the training step: the graphs that read losses back hold no dots)."""
+    compiled into `dump` (the training step: the graphs that read losses back hold no dots), leaving out
+    the files in `skip` (those of an earlier run in the same process: dumped_files(dump))."""
     best = (0, 0)
-    for before in glob.glob(os.path.join(dump, "module_*before_spmd-partitioning.txt")):
+    for before in set(glob.glob(os.path.join(dump, "module_*before_spmd-partitioning.txt"))) - set(skip):
         module = re.sub(r"\.[0-9]{4}\.spmd-partitioner\..*", "", before)  # module_0001.SyncTensorsGraph.122
         after = glob.glob(glob.escape(module) + ".*.after_spmd-partitioning*.txt")
         with open(before) as f, open(after[0]) as g:
             best = max(best, (dot_flops(f.read()), dot_flops(g.read())))
     assert best[0], f"no partitioned graph with a dot in {dump}: was XLA_FLAGS set before XLA started?"
     return best[0], best[1], best[1] / best[0]
+
+
+def dumped_files(dump):
+    return set(glob.glob(os.path.join(dump, "*")))
 
 
 def step_collectives(dump, param_shapes):

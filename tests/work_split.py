@@ -1,0 +1,193 @@
+"""Every device does its own share of the work (issue 27): the models users write, trained 3 AdamW steps on 4
+virtual XLA devices through SeamlessTPUTrainer with "ddp" and "fsdp", read from the partitioned HLO.
+
+    python tests/work_split.py eager          # every model's eager losses (a process without XLA)
+    python tests/work_split.py MODEL          # MODEL on XLA: losses, dot FLOPs per device, collectives, warnings
+
+Each reports one RESULT line (child.report).
+"""
+
+import logging
+import os
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import child
+
+B, T, E, V = 16, 12, 64, 100
+STEPS = 3
+
+
+class Encoder(nn.Module):
+    def __init__(self, batch_first):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(E, 4, 2 * E, dropout=0.0, batch_first=batch_first)
+        self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(E, 1)
+        self.seq_dim = 1 if batch_first else 0
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(self.seq_dim))
+
+
+class WordLM(nn.Module):
+    """pytorch/examples' word_language_model: (T, B) token batches through an LSTM."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.dec = nn.Embedding(V, E), nn.LSTM(E, E, 2), nn.Linear(E, V)
+
+    def forward(self, x):
+        out, _ = self.rnn(self.emb(x))
+        return self.dec(out).view(-1, V)
+
+
+class Block(nn.Module):  # nanoGPT's: pre-norm, causal SDPA
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(E), nn.Linear(E, 3 * E), nn.Linear(E, E)
+        self.ln2, self.fc, self.out = nn.LayerNorm(E), nn.Linear(E, 4 * E), nn.Linear(4 * E, E)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (z.view(b, t, 4, e // 4).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(E, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, e)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(T, E) * 0.02)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.ln, self.head = nn.LayerNorm(E), nn.Linear(E, V, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h)).view(-1, V)
+
+
+class Folded(nn.Module):
+    """Defeats propagation: folds (B, T, E) into T*B rows, the batch minor, before its big Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(E, 4 * E), nn.Linear(4 * E, 1)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        return self.head(self.proj(x.transpose(0, 1).reshape(t * b, e)).view(t, b, -1).mean(0))
+
+
+def qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=E, intermediate_size=2 * E, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=64))
+
+
+def vit():
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=E, mlp_dim=2 * E,
+                             num_classes=10)
+
+
+def conv():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def build(name):
+    """(model, batch, loss of (model, batch)): the same seeds in every process."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(V, (B, T), generator=g)
+    images = torch.randn(B, 3, 32, 32, generator=g)
+    classes = torch.randint(10, (B,), generator=g)
+    if name in ("encoder", "encoder_seq_first", "folded"):
+        x = torch.randn(B, T, E, generator=g)
+        x = x.transpose(0, 1).contiguous() if name == "encoder_seq_first" else x
+        model = Folded() if name == "folded" else Encoder(batch_first=name == "encoder")
+        return model, (x, torch.randn(B, 1, generator=g)), lambda m, b: F.mse_loss(m(b[0]), b[1])
+    if name == "word_lm":
+        x = torch.randint(V, (T, B), generator=g)
+        return WordLM(), (x, torch.randint(V, (T * B,), generator=g)), lambda m, b: F.cross_entropy(m(b[0]), b[1])
+    if name == "gpt":
+        return GPT(), (tokens, tokens.roll(-1, 1).flatten()), lambda m, b: F.cross_entropy(m(b[0]), b[1])
+    if name in ("vit", "conv"):
+        model, x = (vit(), images) if name == "vit" else (conv(), images[:, :, :16, :16].contiguous())
+        return model, (x, classes), lambda m, b: F.cross_entropy(m(b[0]), b[1])
+    if name == "qwen3":
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[: B // 2, -3:] = 0  # padded rows
+        batch = {"input_ids": tokens, "attention_mask": mask, "labels": tokens}
+        return qwen3(), batch, lambda m, b: m(**b).loss
+    raise KeyError(name)
+
+
+MODELS = ["encoder", "encoder_seq_first", "gpt", "word_lm", "vit", "conv", "qwen3"]
+
+
+def train(model, batch, loss_of, trainer=None):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if trainer is not None:
+        batch = trainer.to_device(batch)
+    losses, stats = [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = loss_of(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        if trainer is not None:  # counted once the step ran: executions are counted as they end
+            import torch_xla.core.xla_model as xm
+
+            xm.wait_device_ops()
+            stats.append(trainer.compile_stats())
+    return [float(loss.cpu()) for loss in losses], stats
+
+
+def on_xla(name):
+    import hlo
+    import seamless_tpu as st
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("seamless_tpu").addHandler(handler)
+    dump, out = os.environ["SEAMLESS_TPU_HLO_DUMP"], {}
+    layouts = {"ddp": {}, "fsdp": {"strategy": "fsdp"}}
+    if name == "qwen3":
+        layouts["tp"] = {"xla_spmd_config": {"model_parallel_size": 2}}
+    for layout, kwargs in layouts.items():
+        before = hlo.dumped_files(dump)
+        model, batch, loss_of = build(name)
+        trainer = st.SeamlessTPUTrainer(model, **kwargs)
+        losses, stats = train(model, batch, loss_of, trainer)
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        gathers = hlo.step_collectives(dump, shapes).get("all-gather", (0, 0))[1]
+        out[layout] = {"losses": losses, "dots": hlo.dot_flops_per_device(dump, skip=before)[2],
+                       "all_gather_bytes": gathers, "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
+                       "batch_dim": trainer.layout.batch.dim, "stats": stats}
+    out["warnings"] = warnings
+    return out
+
+
+if __name__ == "__main__":
+    which = sys.argv[1]
+    if which == "eager":
+        child.report({name: train(*build(name))[0] for name in MODELS + ["folded"]})
+    else:
+        import hlo
+
+        os.environ["SEAMLESS_TPU_HLO_DUMP"] = dump = tempfile.mkdtemp()
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(dump)}".strip()
+        child.report(on_xla(which))
