@@ -846,8 +846,8 @@ def _keep_batch_dims():
         if input.device.type != "xla":
             return layer_norm(input, normalized_shape, weight, bias, eps)
         dims, x = tuple(range(-len(normalized_shape), 0)), input.float()  # fp32 statistics, as torch's kernel
-        mean = x.mean(dims, keepdim=True)
-        y = (x - mean) * torch.rsqrt((x - mean).square().mean(dims, keepdim=True) + eps)
+        centred = x - x.mean(dims, keepdim=True)
+        y = centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
         y = y if weight is None else y * weight
         return (y if bias is None else y + bias).to(input.dtype)
 
@@ -1203,8 +1203,9 @@ class _BatchSharding:
     def batch_dim(self, ndim):
         return self.dim if ndim > self.dim else 0
 
-    def spec_for(self, ndim):
-        head, at = self.axes[0] if len(self.axes) == 1 else tuple(self.axes), self.batch_dim(ndim)
+    def spec_for(self, ndim, at=None):
+        """The batch axes on dimension `at` (default: this sharding's batch dim for that rank), None elsewhere."""
+        head, at = self.axes[0] if len(self.axes) == 1 else tuple(self.axes), self.batch_dim(ndim) if at is None else at
         return tuple(head if d == at else None for d in range(ndim))
 
     def xla_spec(self, tensor):
@@ -1289,8 +1290,7 @@ def _shard_activations(model, batch):
 
     def mark(t, dim):
         if isinstance(t, torch.Tensor) and _is_xla(t.device) and t.dim() > dim and not t.shape[dim] % batch.ways:
-            head = batch.axes[0] if len(batch.axes) == 1 else tuple(batch.axes)
-            _mark_sharding(t, batch.mesh, tuple(head if d == dim else None for d in range(t.dim())))
+            _mark_sharding(t, batch.mesh, batch.spec_for(t.dim(), dim))
 
     def block_output(module, args, output):
         first = output[0] if isinstance(output, (tuple, list)) and output else output
