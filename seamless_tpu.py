@@ -109,6 +109,7 @@ INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then
 SIGTERM_GRACE_S = 15.0  # SIGTERM's exit waits this long for a save (a spot VM's or pod's SIGKILL comes at 30 s)
 AGREE_EVERY_S, AGREE_MAX_STEPS = 0.25, 16  # processes agree on SIGTERM this often, and every 16 steps at least (the
 # interval at most doubles): an all-reduce a step cost 2 gloo ranks +43% of a 2.5 ms step; every 16, A/A noise (bench)
+SETTLE_S = 60  # at exit, how long the agreement in flight may wait for a peer (they start it at one step)
 AGREEMENT_PORT = 8548  # process 0's gloo store for SIGTERM agreement with no process group (XLA coordinator's: 8547)
 LATE_COMPILES_TO_WARN = 2  # by one pair of cuts in a row: one is a one-off (a short last batch), two mean shapes change
 _INSTALL = {"ray": "pip install 'ray[train]'", "torch_xla": "pip install 'torch_xla[tpu]==2.9.0' (XLA on CPU/GPU: "
@@ -1836,10 +1837,27 @@ class _Preemption:
         if self.previous is not None and "preemption" not in _STATE.optimizer_hooks:
             self.group = _agreement_group()
             _add_step_hook("preemption", "post", self._after_step)
+            if self.group is not None:
+                atexit.register(self.settle)
 
     def close(self):  # _reset_caches: the previous handler is back, and the held exit no longer applies
         self.closed = True
         signal.signal(signal.SIGTERM, self.previous)
+        self.settle()
+
+    def settle(self):
+        """At exit: ends the all-reduce the last agreement started, and the group, while the interpreter runs. Left to
+        end during finalization (a peer a little behind), gloo's thread freed its tensor there and the process aborted
+        ("terminate called without an active exception"). Every process starts it at the same step count: a crashed
+        peer fails it at once, a stuck one is waited for SETTLE_S."""
+        try:
+            if self.pending is not None:
+                self.pending[0].wait(datetime.timedelta(seconds=SETTLE_S))
+        except RuntimeError as e:  # a peer gone or stuck: this process is ending all the same
+            logger.warning("seamless_tpu: the SIGTERM agreement in flight did not end at exit (%s); gloo may abort "
+                           "this process as it ends", e)
+        self.group = None  # first: ending a group joins its threads, which need no GIL while `pending` holds the
+        self.pending = None  # tensor; freed after them, here, with the GIL
 
     def _on_sigterm(self, signum, frame):
         if not self.delays_exit or self.expired or "preemption" not in _STATE.optimizer_hooks:

@@ -519,6 +519,33 @@ def meta_unset_fsdp2(out_dir):
     return seen
 
 
+def exit_while_the_agreement_is_in_flight(out_dir):
+    """Rank 0 steps 3 s after rank 1, so rank 1 reaches its exit while the SIGTERM agreement's all-reduce it
+    started at that step still waits for rank 0. Left to end during finalization, gloo's thread freed its tensor
+    there and aborted the process ("terminate called without an active exception"). An atexit handler
+    registered before the trainer's (so it runs after it) writes what the trainer left: the all-reduce ended and
+    dropped, and when."""
+    import atexit
+    import json
+    import time
+
+    def at_exit():
+        with open(os.path.join(out_dir, f"exit{dist.get_rank() if dist.is_initialized() else rank}.json"), "w") as f:
+            json.dump({"pending": st._STATE.preemption.pending is not None, "waited": time.monotonic() - stepped}, f)
+
+    rank = dist.get_rank()
+    atexit.register(at_exit)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    st.SeamlessTPUTrainer(model, device="cpu")
+    model(torch.ones(2, 4)).sum().backward()
+    if rank == 0:
+        time.sleep(3)
+    optimizer.step()
+    stepped = time.monotonic()
+    return {"in_flight": st._STATE.preemption.pending is not None}
+
+
 if __name__ == "__main__":
     case, rank, world, store, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
