@@ -1197,6 +1197,59 @@ def test_fake_xla_sets_pjrt_device_only_when_unset(fake, monkeypatch):
 # --- mesh rules and bad input --------------------------------------------------------------------
 
 
+def seq_first_lm():
+    """word_language_model's shape: (T, B) tokens through a batch_first=False LSTM."""
+    return torch.nn.ModuleDict({"emb": torch.nn.Embedding(20, 8), "rnn": torch.nn.LSTM(8, 8),
+                                "out": torch.nn.Linear(8, 20)})
+
+
+@pytest.mark.parametrize("make,given,dim", [
+    (scenarios.mlp, None, 0),
+    (seq_first_lm, None, 1),  # batch_first=False RNNs and attention take (T, B, ...)
+    (lambda: torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2), 2), None, 1),
+    (lambda: torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, batch_first=True), 2), None, 0),
+    (lambda: torch.nn.GRU(4, 4, batch_first=True), None, 0),
+    (seq_first_lm, 0, 0),  # given, it wins: the model may transpose its input
+    (scenarios.mlp, 2, 2),
+])
+def test_the_batch_dimension_is_where_the_model_says_or_where_the_user_does(make, given, dim):
+    assert st._batch_dim(make(), given) == dim
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, True, "1", (0,)])
+def test_a_batch_dim_that_is_no_dimension_index_is_refused_with_the_rule(cpu, bad):
+    with pytest.raises(ValueError, match=r"batch_dim must be a dimension index >= 0 \(0 for \(B, T, ...\) batches, "
+                                         rf"1 for \(T, B, ...\)\), got {re.escape(st._shown(bad))}$"):
+        st.SeamlessTPUTrainer(scenarios.mlp(), device="cpu", batch_dim=bad)
+
+
+def test_modules_that_disagree_on_the_batch_dimension_are_refused_naming_both(cpu):
+    model = torch.nn.ModuleDict({"enc": torch.nn.GRU(4, 4, batch_first=True), "dec": torch.nn.LSTM(4, 4)})
+    with pytest.raises(ValueError, match=r"disagree on where the batch is: 'enc' takes it first \(batch_first=True\), "
+                                         r"'dec' second \(batch_first=False\); pass batch_dim=0 .* or batch_dim=1"):
+        st.SeamlessTPUTrainer(model, device="cpu")
+    st.SeamlessTPUTrainer(model, device="cpu", batch_dim=0)  # stated, there is nothing to decide
+
+
+def test_seq_first_batches_split_their_batch_dimension_on_xla(fake):
+    trainer = st.SeamlessTPUTrainer(seq_first_lm())
+    assert trainer.layout.batch.dim == 1
+    tokens = trainer.to_device(torch.zeros(5, 8, dtype=torch.long))  # (T, B)
+    assert scenarios.sharding(tokens).startswith("{devices=[1,4]"), scenarios.sharding(tokens)
+    assert scenarios.sharding(st.to_device(torch.zeros(5, 8))).startswith("{devices=[1,4]"), (
+        "to_device() splits batches as the last trainer built does"
+    )
+
+
+def test_a_batch_dim_other_than_0_on_several_hosts_is_refused_with_the_fix(monkeypatch, fresh):
+    FakeXLA(num_devices=16, process_count=4).install(monkeypatch)
+    monkeypatch.setattr(st, "_agreement_group", lambda: None)  # its 3 peers do not exist
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    with pytest.raises(ValueError, match=r"batch_dim=1 on several hosts: torch_xla 2.9 assembles a multi-host batch "
+                                         r"along dim 0 only .*x.transpose\(0, 1\)\) and pass batch_dim=0"):
+        st.SeamlessTPUTrainer(seq_first_lm(), device="xla")
+
+
 @pytest.mark.parametrize("devices,processes,shape,names", [
     (8, 1, (8,), ("data",)),
     (4, 1, (4,), ("data",)),

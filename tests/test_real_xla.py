@@ -416,7 +416,8 @@ def eager_work_losses():
 def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
     """From the partitioned HLO of 3 AdamW steps on 4 devices: each device holds <= 0.26 of the step's dot FLOPs
     with "ddp" and "fsdp" (and a 2 x 2 tensor-parallel mesh on Qwen3), the losses are eager's, "fsdp" gathers
-    weights (<= 2.5x their bytes), seq-first batches split on dim 1, and the replicated-work check is silent on
+    weights (<= 2.5x their bytes) and holds <= 0.30 of them per device, seq-first batches split on dim 1, and the
+    replicated-work check is silent on
     all of them and adds no compile, execution or transfer after step 1. A model that folds its batch into T*B
     rows defeats GSPMD: the check names its module."""
     out = child.result(python(["tests/work_split.py", name], XLA_ENV, timeout=420))
@@ -430,7 +431,21 @@ def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
         assert run["dots"] <= 0.26, f"{name} {layout}: a device holds {run['dots']:.3f} of the step's dot FLOPs"
         assert run["batch_dim"] == (1 if name in ("word_lm", "encoder_seq_first") else 0)
         first, second, third = run["stats"]
-        assert third["compiles"] == second["compiles"] and third["executions"] == second["executions"] + 1
-        assert third["device_to_host_transfers"] == first["device_to_host_transfers"]
+        reads = 2 if name == "qwen3" else 0  # transformers' sdpa_mask reads the padding mask's .all() on the host
+        assert third["compiles"] == second["compiles"] and third["executions"] == second["executions"] + 1 + reads
+        assert third["device_to_host_transfers"] == second["device_to_host_transfers"] + reads
         if layout == "fsdp" and name in ("encoder", "encoder_seq_first", "gpt", "vit"):
             assert run["all_gather_bytes"] <= 2.5 * run["param_bytes"], (run["all_gather_bytes"], run["param_bytes"])
+        if layout == "fsdp":
+            assert run["device_share"] <= 0.30, f"{name}: a device holds {run['device_share']:.2f} of the weights"
+
+
+def test_the_functionals_that_keep_the_batch_equal_torchs():
+    """linear, layer_norm and multi-head attention as the trainer replaces them on XLA, against torch's own on
+    the CPU: outputs and every input's gradient, relative to the largest value, over masks (key padding, float,
+    bool causal, per head), need_weights (averaged or per head), separate kdim weights, no bias, and bf16.
+    bf16 differs by bf16 rounding: torch's CPU kernel also sums layer_norm's bias gradient in bf16."""
+    out = child.result(python(["tests/work_split.py", "functionals"], XLA_ENV))
+    assert len(out) == 15, out
+    wrong = {case: d for case, d in out.items() if not d <= (3e-2 if "bf16" in case else 2e-6)}
+    assert not wrong, wrong

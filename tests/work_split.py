@@ -3,11 +3,13 @@ virtual XLA devices through SeamlessTPUTrainer with "ddp" and "fsdp", read from 
 
     python tests/work_split.py eager          # every model's eager losses (a process without XLA)
     python tests/work_split.py MODEL          # MODEL on XLA: losses, dot FLOPs per device, collectives, warnings
+    python tests/work_split.py functionals    # the three functionals replaced on XLA against torch's own
 
 Each reports one RESULT line (child.report).
 """
 
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -173,17 +175,88 @@ def on_xla(name):
         trainer = st.SeamlessTPUTrainer(model, **kwargs)
         losses, stats = train(model, batch, loss_of, trainer)
         shapes = [tuple(p.shape) for p in model.parameters()]
-        gathers = hlo.step_collectives(dump, shapes).get("all-gather", (0, 0))[1]
+        collectives, memory = hlo.step_collectives(dump, shapes), trainer.memory_stats()
         out[layout] = {"losses": losses, "dots": hlo.dot_flops_per_device(dump, skip=before)[2],
-                       "all_gather_bytes": gathers, "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
+                       "all_gather_bytes": collectives.get("all-gather", (0, 0))[1],
+                       "all_reduce_bytes": collectives.get("all-reduce", (0, 0))[1],
+                       "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
+                       "device_share": max(memory["per_device"]) / memory["replica"],
                        "batch_dim": trainer.layout.batch.dim, "stats": stats}
     out["warnings"] = warnings
     return out
 
 
+def functionals():
+    """The three functionals the trainer replaces on XLA against torch's own (the same call on CPU tensors), over
+    the options that reach them: per case, the largest difference of the outputs and of every input's gradient,
+    relative to the largest value."""
+    import seamless_tpu as st
+
+    st.SeamlessTPUTrainer(nn.Linear(2, 2))  # the replacements are in place from the first XLA trainer
+    device, g = st.get_device(), torch.Generator().manual_seed(0)
+    e, heads, t, s, b = 16, 4, 5, 7, 8
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def diff(fn, tensors, masks=(), autocast=False):
+        results = []
+        for where in ("cpu", device):
+            inputs = [x.to(where).requires_grad_() for x in tensors]
+            with torch.autocast(torch.device(where).type, dtype=torch.bfloat16, enabled=autocast):
+                outs = fn(*inputs, *(m if m is None else m.to(where) for m in masks))
+                outs = [o for o in (outs if isinstance(outs, tuple) else [outs]) if o is not None]
+            loss = sum((o.float() * torch.arange(o.numel(), device=where).view(o.shape).cos()).sum() for o in outs)
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)  # a weight the options leave out
+            results.append([x.detach().float().cpu() if x is not None else None for x in (*outs, *grads)])
+        if [x is None for x in results[0]] != [x is None for x in results[1]]:
+            return math.inf  # they use different inputs
+        return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(*results) if x is not None)
+
+    def mha(need_weights=False, average=True, separate=False, bias=True):
+        def run(q, k, v, w_in, b_in, w_out, b_out, wq, wk, wv, mask=None, key_padding_mask=None):
+            return F.multi_head_attention_forward(
+                q, k, v, e, heads, w_in, b_in if bias else None, None, None, False, 0.0, w_out,
+                b_out if bias else None, training=True, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                attn_mask=mask, use_separate_proj_weight=separate, q_proj_weight=wq, k_proj_weight=wk,
+                v_proj_weight=wv, average_attn_weights=average)
+        return run
+
+    def qkv(kdim=e):  # (T, B, E) query, (S, B, kdim) key and value, then the weights
+        w = e ** -0.5  # weights as nn.MultiheadAttention's init scales them
+        return [randn(t, b, e), randn(s, b, kdim), randn(s, b, kdim), randn(3 * e, e) * w, randn(3 * e) * w,
+                randn(e, e) * w, randn(e) * w, randn(e, e) * w, randn(e, kdim) * w, randn(e, kdim) * w]
+
+    pad = torch.zeros(b, s, dtype=torch.bool)
+    pad[::2, -2:] = True
+    causal, no_mask = torch.ones(t, s, dtype=torch.bool).triu(1), None
+    cases = {  # name: (fn, differentiable inputs, masks, autocast)
+        "linear 3-D": (F.linear, [randn(4, b, e), randn(3, e), randn(3)], (), False),
+        "linear 4-D no bias": (F.linear, [randn(2, 3, b, e), randn(5, e)], (), False),
+        "linear 3-D bf16 autocast": (F.linear, [randn(4, b, e), randn(3, e), randn(3)], (), True),
+        "layer_norm affine": (lambda x, w, c: F.layer_norm(x, (e,), w, c), [randn(b, t, e) * 3 + 1, randn(e),
+                                                                         randn(e)], (), False),
+        "layer_norm 2 dims, no affine": (lambda x: F.layer_norm(x, (t, e)), [randn(b, t, e)], (), False),
+        "layer_norm bf16 input": (lambda x, w, c: F.layer_norm(x.bfloat16(), (e,), w, c), [randn(b, t, e),
+                                                                                       randn(e), randn(e)], (), False),
+        "mha no mask": (mha(), qkv(), (), False),
+        "mha key padding": (mha(), qkv(), (no_mask, pad), False),
+        "mha float mask + key padding": (mha(), qkv(), (randn(t, s), pad), False),
+        "mha bool causal mask": (mha(), qkv(), (causal,), False),
+        "mha per-head 3-D mask": (mha(), qkv(), (randn(b * heads, t, s),), False),
+        "mha need_weights averaged": (mha(need_weights=True), qkv(), (no_mask, pad), False),
+        "mha need_weights per head": (mha(need_weights=True, average=False), qkv(), (causal,), False),
+        "mha separate kdim weights, no bias": (mha(separate=True, bias=False), qkv(kdim=6), (), False),
+        "mha bf16 autocast": (mha(), qkv(), (no_mask, pad), True),
+    }
+    return {name: diff(*case) for name, case in cases.items()}
+
+
 if __name__ == "__main__":
     which = sys.argv[1]
-    if which == "eager":
+    if which == "functionals":
+        child.report(functionals())
+    elif which == "eager":
         child.report({name: train(*build(name))[0] for name in MODELS + ["folded"]})
     else:
         import hlo
