@@ -11,15 +11,14 @@ SEAMLESS_TPU_SIGTERM_GRACE; on a slice without torch.distributed MASTER_ADDR, SE
 unset, and logged: PJRT_DEVICE; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*.
 Process-wide changes (nothing at import), each undone by _reset_caches for the tests:
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
-  swap_module_params_on_conversion on, so .to()/.half() of EVERY module swaps in place, CPU ones too (raising
-  "Couldn't swap" if a weakref holds a parameter); a torch.xla device module; torch.utils.checkpoint routed through
-  an optimization barrier for XLA inputs; F.linear, F.layer_norm and F.multi_head_attention_forward keep the batch
-  dimension of XLA inputs; global optimizer-step hooks (the graph cut, the recompile watchdog).
+  swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place: "Couldn't swap" if a weakref holds a
+  parameter); a torch.xla device module; torch.utils.checkpoint, F.linear, layer_norm, batch_norm and
+  multi_head_attention_forward changed for XLA inputs only; global optimizer-step hooks (graph cut, watchdog).
 - FSDP2 or tensor parallelism off XLA: a global pre-step hook that rebinds optimizers built before the trainer.
-- first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler that chains
-  the user's and leaves SIG_IGN alone; a default or Ray exit is held until trainer.preempted's save, for the grace at
-  most, by a daemon thread started at the signal; a global post-step hook. With several processes the first trainer
-  also builds a gloo group (a collective; over a TCPStore that process 0 serves on a slice without torch.distributed).
+- first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler chaining the
+  user's (SIG_IGN left alone); a default or Ray exit held until trainer.preempted's save, the grace at most (a daemon
+  thread from the signal); a global post-step hook. Several processes: a gloo group (a collective; on a slice without
+  torch.distributed over a TCPStore process 0 serves) and an atexit that ends its last all-reduce.
 - first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits for it), an atexit report of a
   failure nobody asked about, and under torch.distributed one more gloo group.
 - Ray: the xla_tpu backend starts a gloo default process group on each worker (ended at shutdown); TorchTrainer.fit
@@ -825,16 +824,17 @@ def _patch_torch_for_xla():
     _patch(ckpt._CheckpointFrame, "__init__", init_with_barrier)
 
 def _keep_batch_dims():
-    """XLA lowers three torch functionals by folding the batch into another dimension, which GSPMD cannot split, so
-    from there on each device computed the whole batch (4 devices: nn.TransformerEncoder 1.00 of the step's dot FLOPs
-    per device, a seq-first one 0.85, ViT 0.63; "fsdp" then all-gathered activations, 3 MB a step against 0.27 MB of
-    weights): linear on > 2-D inputs (matmul views (T, B, E) as (T*B, E)), layer_norm (a batch-norm over (1, B*T, E))
-    and multi-head attention ((T, B, H, d) viewed as (T*B, E)). On XLA inputs these keep every dimension, and GSPMD
-    splits them all (0.25, weights gathered); eager's numbers to 1e-6. Others' inputs take torch's own path."""
+    """XLA lowers four torch functionals in ways GSPMD cannot split over the batch, so from there on each device
+    computed the whole batch (4 devices: nn.TransformerEncoder 1.00 of the step's dot FLOPs per device, a seq-first
+    one 0.85, ViT 0.63, a ResNet's convolutions 1.00; "fsdp" then all-gathered activations, 3 MB a step against 0.27
+    MB of weights): linear on > 2-D inputs (matmul views (T, B, E) as (T*B, E)), layer_norm (a batch-norm over (1,
+    B*T, E)), multi-head attention ((T, B, H, d) viewed as (T*B, E)) and training batch_norm (one op over the batch).
+    On XLA inputs these keep every dimension and reduce where GSPMD can split (0.25, weights gathered); eager's numbers
+    to 1e-6. Others' inputs take torch's own path."""
     F = torch.nn.functional
     if getattr(F.linear, "keeps_batch_dims", False):  # patched by an earlier process state
         return
-    linear, layer_norm, attention = F.linear, F.layer_norm, F.multi_head_attention_forward
+    linear, layer_norm, batch_norm, attention = F.linear, F.layer_norm, F.batch_norm, F.multi_head_attention_forward
     signature = inspect.signature(attention)
 
     def xla_linear(input, weight, bias=None):
@@ -851,6 +851,24 @@ def _keep_batch_dims():
         y = centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
         y = y if weight is None else y * weight
         return (y if bias is None else y + bias).to(input.dtype)
+
+    def xla_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                       eps=1e-5):  # training: statistics by reductions (XLA's batch-norm op ran whole on each device)
+        if input.device.type != "xla" or not (training or running_mean is None):
+            return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+        F._verify_batch_size(input.size())
+        dims, shape, x = [0, *range(2, input.dim())], (1, -1) + (1,) * (input.dim() - 2), input.float()
+        mean = x.mean(dims)
+        centred = x - mean.view(shape)
+        var = centred.square().mean(dims)
+        y = centred * torch.rsqrt(var + eps).view(shape)
+        y = y if weight is None else y * weight.view(shape)
+        if running_mean is not None:  # as eager: the unbiased variance (torch_xla's own op keeps the biased one)
+            n = input.numel() // input.shape[1]
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                running_var.mul_(1 - momentum).add_((var * (n / max(n - 1, 1))).to(running_var.dtype), alpha=momentum)
+        return (y if bias is None else y + bias.view(shape)).to(input.dtype)
 
     def xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, batch-first inside
         a = signature.bind(*args, **kwargs)
@@ -887,6 +905,7 @@ def _keep_batch_dims():
     xla_linear.keeps_batch_dims = True
     _patch(F, "linear", xla_linear)
     _patch(F, "layer_norm", xla_layer_norm)
+    _patch(F, "batch_norm", xla_batch_norm)
     _patch(F, "multi_head_attention_forward", xla_attention)
 
 # --- 8. graph cuts and the recompile watchdog -----------------------------------------------------
@@ -902,6 +921,7 @@ class _GraphCuts:
     accumulating: bool = False  # a forward cut a backward off since the last optimizer step
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     after_cut: list = dataclasses.field(default_factory=list)  # run once after the next cut: the work check
+    held: list = dataclasses.field(default_factory=list)  # (name, module, output) the work check reads then
 
 
 class _CompileWatchdog:
@@ -990,13 +1010,17 @@ def _cut_around(closure):
 
 def _after_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
-        _cut_graph()  # sync point: forward+backward+step as one graph
+        _cut_graph(step=True)  # sync point: forward+backward+step as one graph
         _STATE.cuts.accumulating = False
         _STATE.cuts.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
 
 
-def _cut_graph():
-    """Compile (the first time) and run everything pending as one graph, asynchronously."""
+def _cut_graph(step=False):
+    """Compile (the first time) and run everything pending as one graph, asynchronously. The work check's outputs
+    are held through a step's cut only: other graphs repeat (accumulation, a closure), and outputs held there made
+    the first one a graph of its own, a second compile."""
+    if not step:
+        _STATE.cuts.held.clear()
     _import("torch_xla").sync()
     _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
     while _STATE.cuts.after_cut:
@@ -1264,8 +1288,7 @@ def _watch_inputs(model, sharding):
             if not _is_xla(t.device) or t.dim() == 0 or t.shape[sharding.batch_dim(t.dim())] % ways or _is_split(t):
                 continue
             # A tensor the step computes has no annotation until the compiler propagates one: not evidence.
-            ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(t).partition("IR: ")[2].partition("\n")[0]
-            if (ir.startswith("None") or "device_data" in ir) and _once("replicated_input"):
+            if _is_device_data(t) and _once("replicated_input"):
                 logger.warning("seamless_tpu: a tensor of shape %s reaches the model replicated on XLA. If it is a "
                                "batch, each of the %d devices computes all of it (%dx the work for 1x the data). Move "
                                "batches with trainer.to_device(...) or trainer.prepare_data_loader(...), which split "
@@ -1289,8 +1312,9 @@ def _shard_activations(model, batch):
     blocks = {id(child) for parent in model.modules() if isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential))
               and len(parent) > 1 and len({type(c) for c in parent}) == 1 for child in parent}
 
-    def mark(t, dim):
-        if isinstance(t, torch.Tensor) and _is_xla(t.device) and t.dim() > dim and not t.shape[dim] % batch.ways:
+    def mark(t, dim):  # not data on the devices (a carried RNN state): marking that reshards it through the host
+        if (isinstance(t, torch.Tensor) and _is_xla(t.device) and t.dim() > dim and not t.shape[dim] % batch.ways
+                and not _is_device_data(t)):
             _mark_sharding(t, batch.mesh, batch.spec_for(t.dim(), dim))
 
     def block_output(module, args, output):
@@ -1309,6 +1333,12 @@ def _shard_activations(model, batch):
             module.register_forward_pre_hook(rnn_inputs)
         elif id(module) in blocks:
             module.register_forward_hook(block_output)
+
+
+def _is_device_data(tensor):
+    """Data on the devices (a moved batch, a graph's output), not a value the pending graph computes."""
+    ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(tensor).partition("IR: ")[2].partition("\n")[0]
+    return ir.startswith("None") or "device_data" in ir
 
 
 def _is_split(tensor):
@@ -2067,13 +2097,13 @@ def _check_work(model, layout):
     pattern (layers.#.mlp.up_proj) that does matmuls; once the graph computing them has run (the next cut), read how
     XLA split each one (its sharding annotation: no transfer, compile or execution; the first graph has them as
     outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them."""
-    devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), [], collections.Counter(), []
+    devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
     matmuls = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.MultiheadAttention)
 
     def hold(module, args, output):
         out = output[0] if isinstance(output, (tuple, list)) else output
         if isinstance(out, torch.Tensor) and _is_xla(out.device) and out.dim() > 1:
-            held.append((names[module], module, out))
+            held.append((names[module], module, out.detach()))  # not its autograd graph (the forward's tensors)
 
     def check():
         total, whole = 0, []

@@ -4,7 +4,7 @@
     ./dev.sh bench --smoke              # a few steps of every section (CI); writes nothing unless --out is given
     ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd,
                                         # eager_cpu, compiles, overhead, imports, ray, fsdp, accumulate,
-                                        # preemption, tp); writes nothing unless --out is given
+                                        # preemption, tp, work); writes nothing unless --out is given
 
 RESULTS.md holds one block per section (between <!-- bench:NAME --> and <!-- /bench:NAME -->), whose
 first line names the commit it ran at and the command that runs it alone. A write to --out replaces
@@ -1378,6 +1378,35 @@ def run_fsdp(s):
 
 CHILDREN = {"import": import_child, "ray-fit": ray_fit_child, "rule-cost": rule_cost_child,  # --child NAME ARGS
             "save-while-training": save_while_training_child, "preemption-rank": preemption_rank}
+WORK_MODELS = ["encoder", "encoder_seq_first", "gpt", "word_lm", "vit", "conv", "qwen3", "folded"]
+
+
+def run_work(s):
+    """tests/work_split.py per model (each in its own process): 3 AdamW steps on 4 devices per strategy, read from
+    the partitioned HLO of the last step graph. A smoke run reads two models."""
+    path = os.pathsep.join([TESTS_PATH, os.path.join(ROOT, "bench")])  # work_split imports child and hlo
+    env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla", PYTHONPATH=path)
+    return {name: run_script(["tests/work_split.py", name], env, timeout=600)
+            for name in (WORK_MODELS[:1] + ["word_lm"] if s.smoke else WORK_MODELS)}
+
+
+def render_work(work, s):
+    md = ["Per device and step, from the partitioned HLO (XLA:CPU here: these numbers carry over to a TPU, step "
+          "times do not). dots: the step's dot FLOPs one device runs (0.25 = split 4 ways). Bytes are per device.",
+          "", "| model | strategy | dots | all-gather | all-reduce | parameters | weights held |",
+          "|---|---|---|---|---|---|---|"]
+    headline = []
+    for name, out in work.items():
+        warned = [w for w in out.pop("warnings") if "run whole" in w]
+        for layout, run in out.items():
+            md.append(f"| {name} | {layout} | {run['dots']:.2f} | {mb(run['all_gather_bytes'])} | "
+                      f"{mb(run['all_reduce_bytes'])} | {mb(run['param_bytes'])} | {run['device_share']:.2f} |")
+        worst = max(run["dots"] for run in out.values())
+        headline.append(f"work {name}: dots per device <= {worst:.2f}" + (f"; warned: {warned[0][:90]}" if warned
+                                                                          else ""))
+    return md, headline
+
+
 SECTIONS = {  # the order of a full run and of RESULTS.md
     "xla_spmd": Section(
         "XLA SPMD on 4 devices: seamless_tpu vs hand-written torch_xla, step time",
@@ -1422,6 +1451,9 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
         run_tp,
         tp_section,
         charted=True,
+    ),
+    "work": Section(
+        "Every device's share of the work (4 devices, 3 AdamW steps per model and strategy)", run_work, render_work
     ),
 }
 

@@ -271,7 +271,10 @@ def test_loops_without_a_plain_step_have_bounded_graphs_and_eager_losses(loop):
     # hidden state, a running sum) is a graph of its own; from the third on nothing compiles.
     if loop == "manual_rnn":  # training, then evaluation (its first graph is cut by the second forward)
         half = len(compiles) // 2
-        assert compiles[2] == compiles[half - 1] and compiles[half + 1] == compiles[-1], compiles
+        # evaluation starts from a replicated state (init_hidden's zeros, made data by the cut) and the batch-split
+        # marks settle the state it carries one graph later: not marked itself, as marking data resharded it via
+        # the host (2 transfers)
+        assert compiles[2] == compiles[half - 1] and compiles[half + 2] == compiles[-1], compiles
         assert transfers[-1] == 0, transfers
     elif loop == "lbfgs":  # LBFGS's history fills over its first steps; it reads the loss itself, 7 times a step
         # 12 graphs, as the loop hand-written for torch_xla with a sync at the closure's end. Without the
@@ -441,11 +444,12 @@ def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
 
 
 def test_the_functionals_that_keep_the_batch_equal_torchs():
-    """linear, layer_norm and multi-head attention as the trainer replaces them on XLA, against torch's own on
-    the CPU: outputs and every input's gradient, relative to the largest value, over masks (key padding, float,
-    bool causal, per head), need_weights (averaged or per head), separate kdim weights, no bias, and bf16.
+    """linear, layer_norm, multi-head attention and training batch_norm as the trainer replaces them on XLA,
+    against torch's own on the CPU: outputs (and batch_norm's running statistics) and every input's gradient,
+    relative to the largest value, over masks (key padding, float, bool causal, per head), need_weights (averaged
+    or per head), separate kdim weights, no bias, no running statistics, and bf16.
     bf16 differs by bf16 rounding: torch's CPU kernel also sums layer_norm's bias gradient in bf16."""
     out = child.result(python(["tests/work_split.py", "functionals"], XLA_ENV))
-    assert len(out) == 15, out
+    assert len(out) == 18, out
     wrong = {case: d for case, d in out.items() if not d <= (3e-2 if "bf16" in case else 2e-6)}
     assert not wrong, wrong

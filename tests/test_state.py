@@ -101,7 +101,7 @@ def test_default_ddp_mesh_has_no_model_axis_whatever_the_host_count(four_hosts):
 
 def test_reset_undoes_every_process_wide_change(fake):
     ckpt, F = torch.utils.checkpoint, torch.nn.functional
-    functionals = (F.linear, F.layer_norm, F.multi_head_attention_forward)
+    functionals = (F.linear, F.layer_norm, F.batch_norm, F.multi_head_attention_forward)
     originals = (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
@@ -111,18 +111,18 @@ def test_reset_undoes_every_process_wide_change(fake):
     hooks = len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
     st.get_device()
     assert ckpt.CheckpointFunction is not originals[0] and ckpt._CheckpointFrame.__init__ is not originals[1]
-    assert all(now is not then for now, then in zip((F.linear, F.layer_norm, F.multi_head_attention_forward),
-                                                    functionals)), "the batch-keeping functionals are not in"
+    now = (F.linear, F.layer_norm, F.batch_norm, F.multi_head_attention_forward)
+    assert all(new is not old for new, old in zip(now, functionals)), "the batch-keeping functionals are not in"
     assert torch.__future__.get_swap_module_params_on_conversion() and hasattr(torch, "xla")
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1
     state = st._STATE
-    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 7
+    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 8
     st._reset_caches()
     assert (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
         torch.__future__.get_swap_module_params_on_conversion(),
-        F.linear, F.layer_norm, F.multi_head_attention_forward,
+        F.linear, F.layer_norm, F.batch_norm, F.multi_head_attention_forward,
     ) == originals
     assert not hasattr(torch, "xla") and "torch.xla" not in sys.modules
     assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks

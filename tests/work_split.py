@@ -3,7 +3,7 @@ virtual XLA devices through SeamlessTPUTrainer with "ddp" and "fsdp", read from 
 
     python tests/work_split.py eager          # every model's eager losses (a process without XLA)
     python tests/work_split.py MODEL          # MODEL on XLA: losses, dot FLOPs per device, collectives, warnings
-    python tests/work_split.py functionals    # the three functionals replaced on XLA against torch's own
+    python tests/work_split.py functionals    # the four functionals replaced on XLA against torch's own
 
 Each reports one RESULT line (child.report).
 """
@@ -107,6 +107,11 @@ def conv():
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
+def conv_bn():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                         nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
 def build(name):
     """(model, batch, loss of (model, batch)): the same seeds in every process."""
     torch.manual_seed(0)
@@ -124,8 +129,10 @@ def build(name):
         return WordLM(), (x, torch.randint(V, (T * B,), generator=g)), lambda m, b: F.cross_entropy(m(b[0]), b[1])
     if name == "gpt":
         return GPT(), (tokens, tokens.roll(-1, 1).flatten()), lambda m, b: F.cross_entropy(m(b[0]), b[1])
-    if name in ("vit", "conv"):
-        model, x = (vit(), images) if name == "vit" else (conv(), images[:, :, :16, :16].contiguous())
+    if name in ("vit", "conv", "conv_bn"):
+        small = images[:, :, :16, :16].contiguous()
+        model, x = {"vit": (vit, images), "conv": (conv, small), "conv_bn": (conv_bn, small)}[name]
+        model = model()
         return model, (x, classes), lambda m, b: F.cross_entropy(m(b[0]), b[1])
     if name == "qwen3":
         mask = torch.ones(B, T, dtype=torch.long)
@@ -135,7 +142,7 @@ def build(name):
     raise KeyError(name)
 
 
-MODELS = ["encoder", "encoder_seq_first", "gpt", "word_lm", "vit", "conv", "qwen3"]
+MODELS = ["encoder", "encoder_seq_first", "gpt", "word_lm", "vit", "conv", "conv_bn", "qwen3"]
 
 
 def train(model, batch, loss_of, trainer=None):
@@ -187,7 +194,7 @@ def on_xla(name):
 
 
 def functionals():
-    """The three functionals the trainer replaces on XLA against torch's own (the same call on CPU tensors), over
+    """The four functionals the trainer replaces on XLA against torch's own (the same call on CPU tensors), over
     the options that reach them: per case, the largest difference of the outputs and of every input's gradient,
     relative to the largest value."""
     import seamless_tpu as st
@@ -227,6 +234,11 @@ def functionals():
         return [randn(t, b, e), randn(s, b, kdim), randn(s, b, kdim), randn(3 * e, e) * w, randn(3 * e) * w,
                 randn(e, e) * w, randn(e) * w, randn(e, e) * w, randn(e, kdim) * w, randn(e, kdim) * w]
 
+    def batch_norm(x, w=None, c=None, stats=True):  # the output, and the running statistics it updated
+        mean, var = (torch.zeros(x.shape[1], device=x.device), torch.ones(x.shape[1], device=x.device)) if stats \
+            else (None, None)
+        return F.batch_norm(x, mean, var, w, c, True, 0.1, 1e-5), mean, var
+
     pad = torch.zeros(b, s, dtype=torch.bool)
     pad[::2, -2:] = True
     causal, no_mask = torch.ones(t, s, dtype=torch.bool).triu(1), None
@@ -248,6 +260,9 @@ def functionals():
         "mha need_weights per head": (mha(need_weights=True, average=False), qkv(), (causal,), False),
         "mha separate kdim weights, no bias": (mha(separate=True, bias=False), qkv(kdim=6), (), False),
         "mha bf16 autocast": (mha(), qkv(), (no_mask, pad), True),
+        "batch_norm training 4-D": (batch_norm, [randn(b, 3, 4, 4) * 2 + 1, randn(3), randn(3)], (), False),
+        "batch_norm no running stats": (lambda x: batch_norm(x, stats=False), [randn(b, 5)], (), False),
+        "batch_norm bf16 autocast": (batch_norm, [randn(b, 3, 4, 4), randn(3), randn(3)], (), True),
     }
     return {name: diff(*case) for name, case in cases.items()}
 

@@ -332,8 +332,9 @@ def lm_lora_bf16():
 # --- b. torchvision resnet18 + BatchNorm ---------------------------------------------------------
 
 
-def bn_running_var(trainer):
-    """One train-mode forward of BatchNorm1d(3) on 4 samples; running_var after it."""
+def bn_running_var(trainer, aten=False):
+    """One train-mode forward of BatchNorm1d(3) on 4 samples; running_var after it. aten: through torch.batch_norm,
+    torch_xla's own lowering (the trainer replaces F.batch_norm, which the module calls, on XLA inputs)."""
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm1d(3)
     x = torch.randn(4, 3)
@@ -341,7 +342,10 @@ def bn_running_var(trainer):
         bn = bn.to(trainer.device)
         x = trainer.to_device(x)
     bn.train()
-    bn(x)
+    if aten:
+        torch.batch_norm(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5, False)
+    else:
+        bn(x)
     return bn.running_var.cpu().tolist()
 
 
@@ -364,6 +368,7 @@ def resnet_loop(xla, steps=4):
     return {
         **result,
         "bn_running_var": bn_running_var(trainer),
+        "bn_running_var_aten": bn_running_var(trainer, aten=True) if xla else None,
         "bn1_running_var": model.bn1.running_var.cpu().tolist(),
     }
 
@@ -406,12 +411,15 @@ def resnet_handwritten(steps=4):
 
 # XLA:CPU convolution gradients differ from eager's, and resnet18 with 4-sample BatchNorm amplifies
 # that, so "shim vs eager" mixes the shim with XLA's own numerics. The test asks two questions.
-# (1) Is the shim the hand-written torch_xla loop? Same graphs, same process: measured bitwise equal
-# over 11 runs. (2) Is XLA within its measured spread of eager? The 4-step loss difference is
+# (1) Is the shim the hand-written torch_xla loop, within XLA's numerics? It was bitwise equal over 11 runs
+# until the shim marked each block's output batch-split (issue 27; the hand-written loop, run in this process
+# after the trainer, shares its replaced F.batch_norm but marks the input only): the partitioned programs now
+# differ and reduce in another order (9.5e-5 in 4 steps). (2) Is XLA
+# within its measured spread of eager? The 4-step loss difference is
 # repeatable on one machine and configuration (1.08e-4 in 11 runs, 1 or 2 cores) but moves with XLA's
 # CPU code generation: 2.81e-4 with --xla_cpu_multi_thread_eigen=false, 1.83e-4 and ~6e-5 on other
 # machines. The bound is 3x the worst of those (README, "Tolerances").
-RESNET_VS_HANDWRITTEN = 1e-6
+RESNET_VS_HANDWRITTEN = 3e-4  # 3x the 9.5e-5 measured
 RESNET_VS_EAGER = 1e-3
 
 
@@ -424,8 +432,9 @@ def resnet18_bn():
                  "resnet18 bn1.running_var shim vs hand-written torch_xla")
     assert_close(got["losses"], want["losses"], RESNET_VS_EAGER, "resnet18 vs eager")
     assert_flat(got["compiles"], 2, "resnet18")
-    # Pin torch_xla 2.9's BatchNorm: running_var takes the biased batch variance (divide by n),
-    # eager the unbiased one (n - 1). When this fails, torch_xla changed: update this pin.
+    # Pin torch_xla 2.9's BatchNorm (torch.batch_norm, which the trainer's F.batch_norm does not call in
+    # training): running_var takes the biased batch variance (divide by n), eager the unbiased one (n - 1), as
+    # does the trainer. When this fails, torch_xla changed: update this pin.
     torch.manual_seed(0)
     torch.nn.BatchNorm1d(3)  # same RNG use as bn_running_var
     x = torch.randn(4, 3)
@@ -433,7 +442,8 @@ def resnet18_bn():
     unbiased = (0.9 + 0.1 * x.var(0, unbiased=True)).tolist()
     print(f"BatchNorm1d(3) running_var after one step: xla {got['bn_running_var']} eager {want['bn_running_var']}")
     assert_close(want["bn_running_var"], unbiased, 1e-6, "eager running_var = unbiased")
-    assert_close(got["bn_running_var"], biased, 1e-6, "xla running_var = biased (torch_xla 2.9)")
+    assert_close(got["bn_running_var_aten"], biased, 1e-6, "xla running_var = biased (torch_xla 2.9)")
+    assert_close(got["bn_running_var"], unbiased, 1e-6, "the trainer's running_var = eager's, unbiased")
     # resnet18's bn1 counts 4 x 16 x 16 values per channel, so biased and unbiased variance differ by
     # 1/1024 relative, and running_var follows: measured 3.5e-5 in every configuration above.
     assert_close(got["bn1_running_var"], want["bn1_running_var"], 3e-4, "resnet18 bn1.running_var vs eager")
