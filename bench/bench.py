@@ -1378,7 +1378,7 @@ def run_fsdp(s):
 
 CHILDREN = {"import": import_child, "ray-fit": ray_fit_child, "rule-cost": rule_cost_child,  # --child NAME ARGS
             "save-while-training": save_while_training_child, "preemption-rank": preemption_rank}
-WORK_MODELS = ["encoder", "encoder_seq_first", "gpt", "word_lm", "vit", "conv", "qwen3", "folded"]
+WORK_MODELS = ["encoder", "encoder_seq_first", "gpt", "word_lm", "vit", "conv", "conv_bn", "qwen3", "folded"]
 
 
 def run_work(s):
