@@ -2094,9 +2094,10 @@ def _compile_stats(xla):
 
 def _check_work(model, layout):
     """The guard for models nobody tried: on the first forward, hold the output of the first module of each name
-    pattern (layers.#.mlp.up_proj) that does matmuls; once the graph computing them has run (the next cut), read how
-    XLA split each one (its sharding annotation: no transfer, compile or execution; the first graph has them as
-    outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them."""
+    pattern (layers.#.mlp.up_proj) that does matmuls; once an optimizer step's cut has run that graph, read how XLA
+    split each one (its sharding annotation: no transfer, compile or execution; that graph, new anyway, has them as
+    outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them. Any
+    other cut drops them first (_cut_graph), so a loop whose first graph repeats is not checked."""
     devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
     matmuls = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.MultiheadAttention)
 
