@@ -80,6 +80,7 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 # - ray.train.torch.config._TorchBackend; ray._private.worker, the module of Ray's SIGTERM handler.
 #   TODO(remove when Ray Train has a public backend hook and a preemption callback)
 ENV_DEVICE = "SEAMLESS_TPU_DEVICE"
+COMPILE_CACHE_ENV = "SEAMLESS_TPU_COMPILE_CACHE"  # off, or the root of the per-host TPU compile caches
 DEVICE_KINDS = ("auto", "tpu", "xla", "gpu", "cpu")
 XLA_DEVICE_KINDS = ("tpu", "xla")  # device kinds that run on torch_xla
 RAY_XLA_BACKENDS = ("xla_tpu", "xla")  # TorchConfig(backend=...) names that pick the torch_xla backend
@@ -138,6 +139,9 @@ class _ProcessState:
     cuts: object = dataclasses.field(default_factory=lambda: _GraphCuts())  # 8. graph cuts and the watchdog
     meta_init: object = dataclasses.field(default_factory=lambda: _MetaInit())  # 10. models built on meta
     preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # 12. SIGTERM -> trainer.preempted
+    meter: object = dataclasses.field(default_factory=lambda: _Meter())  # 14. what the steps cost
+    run_log: object = dataclasses.field(default_factory=lambda: _RunLog())  # 14. trainer.log()'s values in flight
+    profile: object = None  # 14. the trace trainer.profile() is writing
     saves: object = dataclasses.field(default_factory=lambda: _Saves())  # 15a. saves in flight
 
 
@@ -172,6 +176,9 @@ def _reset_caches():
     global _STATE
     if _STATE.saves.in_flight is not None:
         concurrent.futures.wait([_STATE.saves.in_flight])
+    _STATE.run_log.close()
+    if _STATE.profile is not None:
+        _STATE.profile.stop()
     hooks, patches = _STATE.optimizer_hooks.values(), reversed(_STATE.torch_patches)
     for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches]:
         undo()
@@ -217,6 +224,16 @@ def _tpu_chips():
         if nodes:
             return pattern, len(nodes)
     return None, 0
+
+
+@functools.lru_cache(maxsize=None)
+def _peak_flops(kind):
+    """Dense bf16 FLOP/s of one device of a `kind` run (PEAK_FLOPS), or None: CPU, XLA:CPU, an unknown chip."""
+    if kind == "tpu":
+        name = os.environ.get("TPU_ACCELERATOR_TYPE") or _import("torch_xla.core.xla_model").xla_device_kind()
+    else:
+        name = torch.cuda.get_device_name() if kind == "gpu" else ""
+    return next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, name.lower())), None) if name else None
 
 
 def _tpu_chip_count():
@@ -270,7 +287,7 @@ def _is_main_process():
     return os.environ.get("RANK", "0") in ("0", "")
 
 
-_CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ)
+_CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ, _peak_flops)
 
 # --- 4. device detection --------------------------------------------------------------------------
 
@@ -722,6 +739,7 @@ def _activate_xla(kind):
             _STATE.env_we_set["PJRT_DEVICE"] = os.environ["PJRT_DEVICE"] = pjrt
             _log("seamless_tpu: set PJRT_DEVICE=%s", pjrt)
         torch_xla = _import("torch_xla")
+        _init_compile_cache(kind)  # before the runtime starts
         _enable_spmd()
         # The device count must be known before the first backward on XLA, or autograd has no
         # queue for the device (INTERNAL ASSERT device_ready_queues_); the query starts the runtime.
@@ -1021,6 +1039,7 @@ def _cut_graph(step=False):
     the first one a graph of its own, a second compile."""
     if not step:
         _STATE.cuts.held.clear()
+    _STATE.meter.before_cut()
     _import("torch_xla").sync()
     _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
     while _STATE.cuts.after_cut:
@@ -2013,7 +2032,8 @@ class SeamlessTPUTrainer:
     An optimizer passed here gets its existing state laid out like its parameters."""
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
-                 drop_last=None, strategy="ddp", tp_plan=None, batch_dim=None):
+                 drop_last=None, strategy="ddp", tp_plan=None, batch_dim=None, log_every=None, log_to=None,
+                 progress=None):
         _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy)
         self.layout = _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim)
         self.device, self.kind, self.mesh = self.layout.device, self.layout.kind, self.layout.mesh
@@ -2022,6 +2042,10 @@ class SeamlessTPUTrainer:
         if optimizer is not None:
             _place_optimizer_state(optimizer)
         _STATE.preemption.watch(self.model)
+        _STATE.meter.watch(self.model, self.layout)
+        self.log_every, self.log_to, self.progress = log_every, log_to, progress
+        table = _describe(self.model, self.layout, ()).split("\n")
+        _log("seamless_tpu: %s; %s", table[0], table[-1])  # the whole table: trainer.describe()
 
     @property
     def preempted(self):
@@ -2079,7 +2103,362 @@ class SeamlessTPUTrainer:
         Off XLA, per_device holds this rank's bytes."""
         return _memory_stats(self.model, optimizers)
 
+    def stats(self):
+        """What the last RATE_WINDOW optimizer steps cost, read with no sync, compile or transfer: steps, samples and
+        tokens so far (of all processes), step_time_s (wall time between step ends), device_time_s (XLA: the devices'
+        execution time per step) and host_bound, samples_per_s, tokens_per_s, flops_per_device (XLA: of the compiled
+        step; else 6 x trainable parameters x tokens, or samples: flops_from says which), tflops_per_device, and mfu
+        against the device's dense bf16 peak (None where it is not known: CPU, XLA:CPU). Samples and tokens: the
+        batch dim of the model's first tensor input, and the size of its first integer one, in forwards under grad."""
+        return _STATE.meter.stats()
+
+    def log(self, step, **metrics):
+        """Log numbers and one-element tensors (loss=loss, lr=...) without stalling the step: their values are read
+        once their step's graph has run, on a thread of their own, and every log_every steps (default: 5 s worth)
+        one line of their means plus throughput and MFU goes to the logger at info on rank 0, and to log_to(dict).
+        progress=True shows a tqdm bar (default: when stderr is a terminal). An error there is raised by the next
+        call."""
+        _STATE.run_log.log(step, metrics, self.log_every, self.log_to, self.progress, self.stats())
+
+    def describe(self, *optimizers):
+        """A text table: the mesh, how batches split, and for each parameter its shape, how each dimension is split
+        and its bytes per device, with the parameter and optimizer-state totals against one replica. Read from the
+        tensors' real shardings (XLA specs, DTensor placements), not the plan."""
+        return _describe(self.model, self.layout, optimizers)
+
+    def profile(self, logdir, steps=None):
+        """Trace from now until `steps` optimizer steps end (or the with-block exits) into `logdir`, for TensorBoard's
+        profiler: `with trainer.profile("runs/prof", steps=3): ...`. Waits for the devices at its start and end only."""
+        return _Profile(logdir, steps, _is_xla(self.device))
+
 # --- 14. what a run costs -------------------------------------------------------------------------
+
+
+# Dense bf16 peak FLOP/s per device, for MFU, matched in order against the device kind (torch_xla's, or CUDA's name).
+# Where none matches (CPU, XLA:CPU, an unknown chip) MFU is None. v4 and v5p show a chip's 2 cores as one device.
+PEAK_FLOPS = (
+    (r"7x|v7", 2307e12 / 2),  # cloud.google.com/tpu/docs/tpu7x: 4614 TFLOPs fp8 per chip, bf16 half; 2 devices
+    (r"v6", 918e12),  # cloud.google.com/tpu/docs/v6e: 918 TFLOPs per chip (bf16)
+    (r"v5 ?lite|v5e", 197e12),  # cloud.google.com/tpu/docs/v5e: 197 TFLOPs per chip (bf16)
+    (r"v5", 459e12),  # cloud.google.com/tpu/docs/v5p: 459 TFLOPs per chip (bf16)
+    (r"v4", 275e12),  # cloud.google.com/tpu/docs/v4: 275 TFLOPs per chip (bf16)
+    (r"b200", 2250e12),  # NVIDIA HGX B200 datasheet: 4.5 PFLOPS bf16 with sparsity, dense half
+    (r"h100.*pcie", 756e12),  # NVIDIA H100 datasheet, PCIe: 1513 TFLOPs bf16 with sparsity
+    (r"h100|h200|gh200", 989e12),  # NVIDIA H100 SXM / H200 datasheets: 1979 TFLOPs bf16 with sparsity
+    (r"a100", 312e12),  # NVIDIA A100 datasheet: 312 TFLOPs bf16 dense
+)
+RATE_WINDOW = 20  # step ends the rates are measured over: recent enough to follow the run, long enough to be stable
+_HLO_DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(\w+\[([\d,]*)\]\S* [^,]+, .*?lhs_contracting_dims=\{([\d,]*)\}")
+_HLO_CONV = re.compile(r"= \w+\[([\d,]*)\]\S* convolution\(\w+\[[\d,]*\]\S* [^,]+, \w+\[([\d,]*)\]\S* .*?"
+                       r"dim_labels=\w+_(\w+)->")
+
+
+@dataclasses.dataclass
+class _Meter:
+    """What the trainers' steps cost, counted at each optimizer step's end with no sync: the samples and tokens their
+    models took under grad, the wall time, and on XLA the devices' execution time (torch_xla's metrics) and the FLOPs
+    XLA was given (the step graph's dots and convolutions, read from its HLO text on the first steps only)."""
+
+    steps: int = 0  # this process's optimizer steps, samples and tokens since the first trainer
+    samples: int = 0
+    tokens: int = 0
+    kind: str = None  # of the last trainer built: its device kind, data-parallel and model ways, trainable params
+    data_ways: int = 1
+    model_ways: int = 1
+    params: int = 0
+    graph_flops: int = None  # XLA: a step's FLOPs over the whole mesh, every graph in it (step_flops: so far)
+    step_flops: int = 0
+    ends: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=RATE_WINDOW + 1))
+
+    def watch(self, model, layout):
+        self.kind, self.params = layout.kind, sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.data_ways = layout.batch.ways if layout.batch else (layout.data_ranks or _torch_dist_ranks())[0]
+        self.model_ways = (layout.rank_axes or {}).get(MODEL_AXIS, 1)
+        model.register_forward_pre_hook(self._count_inputs, with_kwargs=True)
+        _add_step_hook("meter", "post", self._step_end)
+
+    def _count_inputs(self, module, args, kwargs):
+        if torch.is_grad_enabled():  # a training forward; eval batches are not the step's work
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            ids = [t for t in tensors if t.dim() > 1 and not (t.is_floating_point() or t.is_complex())]
+            dim = _STATE.batch_sharding.dim if _STATE.batch_sharding else 0
+            self.samples += tensors[0].shape[dim if tensors[0].dim() > dim else 0] if tensors else 0
+            self.tokens += ids[0].numel() if ids else 0
+
+    def before_cut(self):
+        """XLA, in the first WARMUP_STEPS steps: add the FLOPs of the graph about to run, read from the HLO text of
+        the trainers' parameters and gradients (IR lowering only: no compile, no transfer). A step's graphs (micro-
+        batches, closures) add up; the second step's total, with the optimizer state, is kept."""
+        if self.steps < WARMUP_STEPS:
+            tensors = [t for m in _STATE.cuts.models for p in m.parameters() for t in (p, p.grad) if t is not None]
+            self.step_flops += _hlo_flops(_import("torch_xla")._XLAC._get_xla_tensors_hlo(tensors))
+
+    def _step_end(self, optimizer, args, kwargs):
+        device_s = 0.0
+        if _STATE.xla_device is not None:
+            data = _import("torch_xla.debug.metrics").metric_data("ExecuteReplicatedTime")
+            device_s = data[1] / 1e9 if data else 0.0  # total ns of every execution so far: no sync
+            if self.steps < WARMUP_STEPS:
+                self.graph_flops, self.step_flops = self.step_flops or None, 0
+        self.steps += 1
+        self.ends.append((time.perf_counter(), device_s, self.steps, self.samples, self.tokens))
+
+    def stats(self):
+        xla, (first, last) = _STATE.xla_device is not None, (self.ends[0], self.ends[-1]) if self.ends else (None,) * 2
+        out = {"steps": self.steps, "samples": self.samples * (1 if xla else self.data_ways),
+               "tokens": self.tokens * (1 if xla else self.data_ways)}
+        keys = ("step_time_s", "device_time_s", "host_bound", "samples_per_s", "tokens_per_s", "flops_per_device",
+                "tflops_per_device", "mfu")
+        out.update(dict.fromkeys(keys), flops_from=None, peak_tflops=None)
+        if not self.ends or last[2] == first[2]:
+            return out
+        steps, wall = last[2] - first[2], last[0] - first[0]
+        out["step_time_s"] = wall / steps
+        out["samples_per_s"] = (last[3] - first[3]) * (1 if xla else self.data_ways) / wall
+        out["tokens_per_s"] = (last[4] - first[4]) * (1 if xla else self.data_ways) / wall or None
+        if xla:
+            out["device_time_s"] = (last[1] - first[1]) / steps
+            out["host_bound"] = out["step_time_s"] > 1.25 * out["device_time_s"]  # tracing sets the pace
+            devices = _import("torch_xla.runtime").global_runtime_device_count()
+            flops, out["flops_from"] = self.graph_flops and self.graph_flops / devices, "xla_hlo"
+        else:  # the stated formula: 6 x trainable parameters x tokens (or samples: one dense pass of each weight)
+            per = (last[4] - first[4]) or (last[3] - first[3])
+            flops = 6 * self.params * per / steps / self.model_ways
+            out["flops_from"] = "6*params*tokens" if last[4] > first[4] else "6*params*samples"
+        if flops:
+            peak = _peak_flops(self.kind)
+            out["flops_per_device"], out["tflops_per_device"] = flops, flops / out["step_time_s"] / 1e12
+            out["peak_tflops"], out["mfu"] = peak and peak / 1e12, peak and flops / out["step_time_s"] / peak
+        return out
+
+
+LOG_EVERY_S = 5.0  # trainer.log()'s default: one line per few seconds of training, whatever a step costs
+
+
+@dataclasses.dataclass
+class _RunLog:
+    """trainer.log()'s values: fetched on one thread of their own once their step's graph has run (XLA: a torch_xla
+    step closure hands them over at the cut, never mid-trace; CUDA: an async copy and its event), averaged, and every
+    `every` steps (default: LOG_EVERY_S seconds) written with the throughput to the logger on rank 0, and to `to`."""
+
+    thread: object = None  # the one thread that reads values and writes lines, from the first log()
+    sums: dict = dataclasses.field(default_factory=dict)  # name -> (sum, count) since the last line
+    last: float = 0.0  # time.monotonic() of the last line: the first value makes one
+    bar: object = None  # the tqdm bar; False where tqdm is missing
+    failed: BaseException = None  # the thread's error, raised by the next log()
+
+    def log(self, step, metrics, every, to, progress, stats):
+        if self.failed is not None:  # the thread's error (a hook's, a transfer's), raised where the user can see it
+            error, self.failed = self.failed, None
+            raise RuntimeError(f"seamless_tpu: trainer.log() failed on an earlier step: {error!r}") from error
+        tensors, values = {}, {}
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                tensors[name] = value.detach()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[name] = float(value)
+            else:
+                raise TypeError(f"trainer.log() takes numbers and one-element tensors, got {name}={value!r}: log a "
+                                "reduction of it (loss.mean()) or a float")
+        if self.thread is None:
+            self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seamless_tpu_log")
+        cuda = {k: (t.to("cpu", non_blocking=True), torch.cuda.Event()) for k, t in tensors.items() if t.is_cuda}
+        for _, event in cuda.values():
+            event.record()  # after the copy, on the stream that computes the value
+        job = functools.partial(self._take, step, values, {**tensors, **cuda}, every, to, progress, stats,
+                                _is_main_process())
+        xla = [t for t in tensors.values() if _is_xla(t.device)]
+        if xla and not all(_is_device_data(t) for t in xla):  # the pending graph computes them: after its cut
+            _import("torch_xla.core.xla_model").add_step_closure(self.thread.submit, (job,))
+        else:
+            self.thread.submit(job)
+
+    def _take(self, step, values, tensors, every, to, progress, stats, main):
+        try:
+            xla = [k for k, t in tensors.items() if isinstance(t, torch.Tensor) and _is_xla(t.device)]
+            fetched = _import("torch_xla")._XLAC._xla_get_cpu_tensors([tensors[k] for k in xla]) if xla else []
+            values.update({k: t.item() for k, t in zip(xla, fetched)})  # one transfer for all of them
+            for k, t in ((k, t) for k, t in tensors.items() if k not in values):  # CUDA and CPU
+                if isinstance(t, tuple):
+                    t[1].synchronize()  # this thread waits for the copy; the training thread never does
+                values[k] = (t[0] if isinstance(t, tuple) else t).item()
+            self._add(step, values, every, to, progress, stats, main)
+        except BaseException as e:  # nothing here may die unseen: the next log() call raises it
+            self.failed = e
+
+    def _add(self, step, values, every, to, progress, stats, main):
+        for k, v in values.items():
+            total, count = self.sums.get(k, (0.0, 0))
+            self.sums[k] = (total + v, count + 1)
+        if main and (progress or (progress is None and sys.stderr.isatty())) and self.bar is None:
+            tqdm = importlib.util.find_spec("tqdm") and importlib.import_module("tqdm")
+            self.bar = tqdm.tqdm(desc="steps", initial=step, dynamic_ncols=True) if tqdm else False
+        if self.bar:
+            self.bar.update(step - self.bar.n)
+        now = time.monotonic()
+        if not (step % every == 0 if every else now - self.last >= LOG_EVERY_S):
+            return
+        line = {"step": step, **{k: total / count for k, (total, count) in self.sums.items()}}
+        line.update((k, stats[k]) for k in ("samples_per_s", "tokens_per_s", "tflops_per_device", "mfu") if stats[k])
+        self.sums, self.last = {}, now
+        if main:
+            text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in line.items())
+            if self.bar:
+                self.bar.set_postfix_str(text[len(f"step {step}  "):], refresh=True)
+            logger.info("seamless_tpu: %s", text)
+            if to is not None:
+                to(line)
+
+    def close(self):  # _reset_caches and tests: the values in flight are written first
+        if self.thread is not None:
+            self.thread.shutdown(wait=True)
+        if self.bar:
+            self.bar.close()
+
+
+def _hlo_flops(hlo):
+    """2 x multiply-adds of every dot (output x contracted size) and convolution (output x kernel / its outputs)."""
+    def dims(text):
+        return [int(d) for d in text.split(",") if d]
+    flops = sum(2 * math.prod(dims(out)) * math.prod(dims(lhs)[i] for i in dims(contracted))
+                for out, lhs, contracted in _HLO_DOT.findall(hlo))
+    for out, kernel, labels in _HLO_CONV.findall(hlo):
+        kernel = dims(kernel)
+        flops += 2 * math.prod(dims(out)) * math.prod(kernel) // kernel[labels.index("o")]
+    return flops
+
+
+def _describe(model, layout, optimizers):
+    """trainer.describe(): the mesh, the batch split, and per parameter (repeated blocks folded into one row) how
+    each dimension is split and the bytes a device holds, all read from the tensors' own shardings."""
+    if layout.mesh is not None:
+        names = _axis_sizes(layout.mesh)
+        where = (f"mesh {tuple(layout.mesh.mesh_shape)} {tuple(layout.mesh.axis_names)} over "
+                 f"{math.prod(layout.mesh.mesh_shape)} {layout.kind} devices; batches split {layout.batch.ways} ways "
+                 f"on dim {layout.batch.dim} over {tuple(layout.batch.axes)}")
+    else:
+        names = {}
+        where = f"{layout.device}, {_torch_dist_ranks()[0]} process(es), {layout.wrap or 'no wrapper'}"
+    rows = collections.OrderedDict()
+    for name, p in model.named_parameters():
+        splits = _splits(p, names)
+        key = (re.sub(r"\.\d+(?=\.|$)", ".#", name), tuple(p.shape), splits)
+        count, _ = rows.get(key, (0, 0))
+        rows[key] = (count + 1, _bytes_per_device(p))
+    params, state = list(model.parameters()), _state_tensors(optimizers)
+    table = [where, f"{'parameter':48} {'shape':>18} {'split':>14} {'per device':>11}"]
+    table += [f"{(name + (f' (x{count})' if count > 1 else ''))[:48]:48} {str(shape):>18} "
+              f"{'[' + ', '.join(splits) + ']':>14} {_fmt_bytes(each):>11}"
+              for (name, shape, splits), (count, each) in rows.items()]
+    for what, tensors in (("parameters", params), ("optimizer state", state)):
+        if tensors:
+            mine, whole = sum(map(_bytes_per_device, tensors)), sum(t.numel() * t.element_size() for t in tensors)
+            table.append(f"{what}: {_fmt_bytes(mine)} per device of {_fmt_bytes(whole)} in one replica "
+                         f"({mine / whole:.2f})")
+    return "\n".join(table)
+
+
+def _splits(tensor, axis_sizes):
+    """How each dimension of `tensor` is split: a mesh axis name (its size where names are ambiguous), or '-'."""
+    if hasattr(tensor, "placements"):  # a DTensor: its placements over its device mesh's dimensions
+        ways, mesh = [1] * tensor.dim(), tensor.device_mesh
+        for i, placement in enumerate(tensor.placements):
+            if placement.is_shard():
+                ways[placement.dim] *= mesh.size(i)
+        axis_sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+    elif _is_xla(tensor.device):
+        ways = [_split_ways(tensor, d) for d in range(tensor.dim())] if _is_split(tensor) else [1] * tensor.dim()
+    else:
+        ways = [1] * tensor.dim()
+    named = {size: [a for a, s in axis_sizes.items() if s == size] for size in ways}
+    return tuple("-" if w == 1 else (named[w][0] if len(named[w]) == 1 else str(w)) for w in ways)
+
+
+def _bytes_per_device(tensor):
+    """Bytes of `tensor` on one device: its local shard (DTensor), its tile (XLA pads uneven splits), or all of it."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    elif _is_xla(tensor.device) and _is_split(tensor):
+        return math.prod(-(-n // _split_ways(tensor, d)) for d, n in enumerate(tensor.shape)) * tensor.element_size()
+    return tensor.numel() * tensor.element_size()
+
+
+def _fmt_bytes(n):
+    return next(f"{n / 1024 ** i:.1f} {unit}" for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
+                if n < 1024 ** (i + 1) or unit == "TiB")
+
+
+class _Profile:
+    """trainer.profile(): a trace TensorBoard's profiler opens, from now until `steps` optimizer steps have ended or
+    the with-block exits. XLA: torch_xla's profiler session (xplane.pb); else torch.profiler (a Chrome trace). It
+    waits for the devices at its start and end only."""
+
+    def __init__(self, logdir, steps, xla):
+        self.logdir, self.left, self.xla, self.torch_profiler = os.fspath(logdir), steps, xla, None
+        if _STATE.profile is not None:
+            raise RuntimeError(f"trainer.profile(): a trace into {_STATE.profile.logdir!r} is in progress; one at a "
+                               "time (torch_xla's profiler allows one session)")
+        self._wait()
+        if xla:
+            _import("torch_xla.debug.profiler").start_trace(self.logdir)
+        else:
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.torch_profiler = torch.profiler.profile(
+                activities=activities, on_trace_ready=torch.profiler.tensorboard_trace_handler(self.logdir))
+            self.torch_profiler.start()
+        _STATE.profile = self
+        _add_step_hook("profile", "post", lambda *_: _STATE.profile and _STATE.profile.step_end())
+
+    def _wait(self):  # the trace holds whole steps: what ran before is done, what it covers has run
+        if self.xla:
+            _import("torch_xla.core.xla_model").wait_device_ops()
+        elif torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def step_end(self):
+        self.left = None if self.left is None else self.left - 1
+        if self.left == 0:
+            self.stop()
+
+    def stop(self):
+        if _STATE.profile is not self:
+            return
+        _STATE.profile = None
+        self._wait()
+        if self.xla:
+            _import("torch_xla.debug.profiler").stop_trace()
+        else:
+            self.torch_profiler.stop()
+        _log("seamless_tpu: profile written to %s (tensorboard --logdir %s)", self.logdir, self.logdir)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _init_compile_cache(kind):
+    """TPU, before the first compile: torch_xla's persistent compile cache, one directory per accelerator type and
+    host (a cache shared between hosts misses: vLLM went per rank), unless the user set one up or asked for off.
+    XLA:CPU: off, as torch_xla 2.9 writes it there but cannot read it ("Deserializing serialized executable not
+    supported")."""
+    choice = os.environ.get(COMPILE_CACHE_ENV) or ""
+    if kind != "tpu":
+        if choice not in ("", "off") and _once("compile_cache"):
+            _log("seamless_tpu: %s=%s ignored: torch_xla 2.9 cannot read its compile cache back on XLA:CPU",
+                 COMPILE_CACHE_ENV, choice)
+        return
+    if choice.lower() == "off" or os.environ.get("XLA_PERSISTENT_CACHE_PATH") or (
+            _import("torch_xla")._XLAC._xla_computation_cache_is_initialized()):
+        return
+    root = choice or os.path.join(os.path.expanduser("~"), ".cache", "seamless_tpu", "xla_cache")
+    path = os.path.join(root, f"{os.environ.get('TPU_ACCELERATOR_TYPE') or 'tpu'}-{socket.gethostname()}")
+    # torch_xla's own initialize_cache(path) writes the same two variables over the user's, and asserts.
+    applied = _setdefault_env({"XLA_PERSISTENT_CACHE_PATH": path, "XLA_PERSISTENT_CACHE_READ_ONLY": "0"})
+    _log("seamless_tpu: XLA compile cache in %s (set %s; %s=off turns it off)", path, sorted(applied),
+         COMPILE_CACHE_ENV)
 
 
 def _compile_stats(xla):
@@ -2158,9 +2537,13 @@ def _split_ways(tensor, dim=None):
     return tiles[dim] if dim is not None else math.prod(tiles)
 
 
+def _state_tensors(optimizers):
+    return [v for opt in optimizers for state in opt.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim()]
+
+
 def _memory_stats(model, optimizers):
-    tensors = list(model.parameters()) + [v for opt in optimizers for state in opt.state.values()
-                                          for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
+    tensors = list(model.parameters()) + _state_tensors(optimizers)
     return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
 
 

@@ -9,6 +9,7 @@ against the real library by tests/test_real_xla.py (same scenarios, same asserti
 cannot drift silently. FAKE_API lists what the signature check compares.
 """
 
+import os
 import types
 from collections import OrderedDict
 
@@ -45,6 +46,7 @@ class FakeXLA:
         self.locked = False  # torch_xla locks the SPMD config on the first device request
         self.counters = {}
         self.transfers = 0
+        self.cache_env = None  # XLA_PERSISTENT_CACHE_* as torch_xla reads them: at the first compile
         self.pending_shapes = []
         self.graphs = set()
         # tensor -> sharding text, by identity and weakly: a freed tensor's id, reused, must not look sharded
@@ -69,6 +71,10 @@ class FakeXLA:
                 "device_data_node != nullptr: Cannot shard tensor. Data does not present on any device."
             )
         return True
+
+    def _transfer(self, tensors):  # one device->host transfer of them all, as torch_xla counts it
+        self.transfers += 1
+        return tensors
 
     def _count(self, name, n=1):
         self.counters[name] = self.counters.get(name, 0) + n
@@ -123,6 +129,8 @@ class FakeXLA:
             fx.events.append(("sync",))
             if fx.pending_shapes:
                 key = tuple(fx.pending_shapes)
+                if not fx.graphs:
+                    fx.cache_env = {k: v for k, v in os.environ.items() if k.startswith("XLA_PERSISTENT_CACHE")}
                 fx._count("CachedCompile" if key in fx.graphs else "UncachedCompile")
                 fx.graphs.add(key)
                 fx._count("ExecuteReplicated")
@@ -137,6 +145,9 @@ class FakeXLA:
             # torch_xla returns an OpSharding object (None without one); its text stands in for it here
             _get_xla_op_sharding=lambda t: fx.shardings.get(t),
             _xla_mark_sharding=lambda t, op_sharding: fx._settled(t) and fx.shardings.__setitem__(t, op_sharding),
+            _get_xla_tensors_hlo=lambda tensors: "",  # HLO text: the fake has no graph, so no FLOPs
+            _xla_computation_cache_is_initialized=lambda: bool(fx.graphs),  # from the first compile, as torch_xla
+            _xla_get_cpu_tensors=lambda tensors: fx._transfer([t.detach().to("cpu") for t in tensors]),
         )
         torch_xla.device, torch_xla.devices, torch_xla.device_count, torch_xla.sync = (
             device,

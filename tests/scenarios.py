@@ -183,9 +183,9 @@ def hand_moved_batch_warns_once():
         and "(8, 10) reaches the model replicated" in caught.messages[0]
         and "4x the work" in caught.messages[0]
     ), caught.messages
-    guards = [h for h in model._forward_pre_hooks.values() if "_watch_inputs" in h.__qualname__]
-    assert guards == [] and len(model._forward_pre_hooks) == 1, (
-        "the guard removes itself after its first forwards (the iteration cut stays)"
+    hooks = sorted(h.__qualname__ for h in model._forward_pre_hooks.values())
+    assert hooks == ["_Meter._count_inputs", "_before_forward"], (
+        f"the guard removes itself after its first forwards (the iteration cut and the meter stay): {hooks}"
     )
 
 
