@@ -2162,16 +2162,19 @@ class _Meter:
     steps: int = 0  # this process's optimizer steps, samples and tokens since the first trainer
     samples: int = 0
     tokens: int = 0
-    kind: str = None  # of the last trainer built: its device kind, data-parallel and model ways, trainable params
+    kind: str = None  # of the last trainer built: its device kind, data-parallel and model ways
     data_ways: int = 1
     model_ways: int = 1
-    params: int = 0
+    params: int = 0  # trainable, of the trainers built since the last step (a GAN's two): the 6 x N x T formula's N
+    stepped: bool = False  # a step ended since the last trainer was built
     graph_flops: int = None  # XLA: a step's FLOPs over the whole mesh, every graph in it (step_flops: so far)
     step_flops: int = 0
     ends: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=RATE_WINDOW + 1))
 
     def watch(self, model, layout):
-        self.kind, self.params = layout.kind, sum(p.numel() for p in model.parameters() if p.requires_grad)
+        params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.kind, self.params, self.stepped = layout.kind, params + (0 if self.stepped else self.params), False
+        self.ends.clear()  # the rates are of this trainer's steps
         self.data_ways = layout.batch.ways if layout.batch else (layout.data_ranks or _torch_dist_ranks())[0]
         self.model_ways = (layout.rank_axes or {}).get(MODEL_AXIS, 1)
         model.register_forward_pre_hook(self._count_inputs, with_kwargs=True)
@@ -2200,7 +2203,7 @@ class _Meter:
             device_s = data[1] / 1e9 if data else 0.0  # total ns of every execution so far: no sync
             if self.steps < WARMUP_STEPS:
                 self.graph_flops, self.step_flops = self.step_flops or None, 0
-        self.steps += 1
+        self.steps, self.stepped = self.steps + 1, True
         self.ends.append((time.perf_counter(), device_s, self.steps, self.samples, self.tokens))
 
     def stats(self):
@@ -2244,7 +2247,7 @@ class _RunLog:
     thread: object = None  # the one thread that reads values and writes lines, from the first log()
     sums: dict = dataclasses.field(default_factory=dict)  # name -> (sum, count) since the last line
     last: float = 0.0  # time.monotonic() of the last line: the first value makes one
-    bar: object = None  # the tqdm bar; False where tqdm is missing
+    bar: object = False  # the tqdm bar, from the first log() where one is wanted
     failed: BaseException = None  # the thread's error, raised by the next log()
 
     def log(self, step, metrics, every, to, progress, stats):
@@ -2262,6 +2265,9 @@ class _RunLog:
                                 "reduction of it (loss.mean()) or a float")
         if self.thread is None:
             self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seamless_tpu_log")
+            tqdm = importlib.util.find_spec("tqdm") and importlib.import_module("tqdm")
+            if tqdm and _is_main_process() and (progress or (progress is None and sys.stderr.isatty())):
+                self.bar = tqdm.tqdm(desc="steps", initial=step - 1, dynamic_ncols=True)
         cuda = {k: (t.to("cpu", non_blocking=True), torch.cuda.Event()) for k, t in tensors.items() if t.is_cuda}
         for _, event in cuda.values():
             event.record()  # after the copy, on the stream that computes the value
@@ -2290,10 +2296,7 @@ class _RunLog:
         for k, v in values.items():
             total, count = self.sums.get(k, (0.0, 0))
             self.sums[k] = (total + v, count + 1)
-        if main and (progress or (progress is None and sys.stderr.isatty())) and self.bar is None:
-            tqdm = importlib.util.find_spec("tqdm") and importlib.import_module("tqdm")
-            self.bar = tqdm.tqdm(desc="steps", initial=step, dynamic_ncols=True) if tqdm else False
-        if self.bar:
+        if self.bar is not False:
             self.bar.update(step - self.bar.n)
         now = time.monotonic()
         if not (step % every == 0 if every else now - self.last >= LOG_EVERY_S):
@@ -2303,7 +2306,7 @@ class _RunLog:
         self.sums, self.last = {}, now
         if main:
             text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in line.items())
-            if self.bar:
+            if self.bar is not False:
                 self.bar.set_postfix_str(text[len(f"step {step}  "):], refresh=True)
             logger.info("seamless_tpu: %s", text)
             if to is not None:
@@ -2312,7 +2315,7 @@ class _RunLog:
     def close(self):  # _reset_caches and tests: the values in flight are written first
         if self.thread is not None:
             self.thread.shutdown(wait=True)
-        if self.bar:
+        if self.bar is not False:
             self.bar.close()
 
 
