@@ -8,7 +8,9 @@ what the fake claims, the real library must show.
 import collections
 import contextlib
 import logging
+import math
 import os
+import re
 import sys
 
 import torch
@@ -47,6 +49,34 @@ MLP_PLAN = {"0": "colwise", "2": "rowwise"}  # mlp()'s tensor-parallel plan: hid
 def data(n=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 10, generator=g), torch.randn(n, 1, generator=g)
+
+
+def describe_mismatches(trainer, model):
+    """The rows of trainer.describe() that differ from the tensors themselves: per parameter, the shape one device
+    holds (XLA: torch_xla's local shards; a DTensor: its local tensor; else the tensor) against the shape its row's
+    split implies, and the row's bytes per device against that shape's. [] when every row is right."""
+    rows, wrong = {}, []
+    for line in trainer.describe().splitlines()[2:]:
+        row = re.match(r"(\S+)(?: \(x\d+\))? +(\(.*?\)) +\[(.*?)\] +(.+)$", line)
+        if row:
+            rows[row[1], row[2]] = ([s for s in row[3].split(", ") if s], row[4])
+    mesh = trainer.mesh
+    for name, p in model.named_parameters():
+        split, per_device = rows[re.sub(r"\.\d+(?=\.|$)", ".#", name), str(tuple(p.shape))]
+        if hasattr(p, "device_mesh"):
+            sizes, held = dict(zip(p.device_mesh.mesh_dim_names, p.device_mesh.mesh.shape)), p.to_local().shape
+        elif mesh is not None:
+            sizes, xlac = dict(zip(mesh.axis_names, mesh.mesh_shape)), sys.modules["torch_xla"]._XLAC
+            shards = xlac._get_local_shards([p])[0] if xlac._get_xla_sharding_spec(p) else [(p, None)]
+            held = tuple(max(shard.shape[d] for shard, _ in shards) for d in range(p.dim()))
+        else:
+            sizes, held = {}, p.shape
+        ways = [1 if s == "-" else sizes[s] if s in sizes else int(s) for s in split]
+        implied = tuple(-(-n // w) for n, w in zip(p.shape, ways))
+        real_bytes = st._fmt_bytes(math.prod(held) * p.element_size())
+        if implied != tuple(held) or per_device != real_bytes:
+            wrong.append(f"{name}: row {split} {per_device}, holds {tuple(held)} {real_bytes}")
+    return wrong
 
 
 class Warnings(logging.Handler):

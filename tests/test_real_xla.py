@@ -441,6 +441,20 @@ def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
             assert run["all_gather_bytes"] <= 2.5 * run["param_bytes"], (run["all_gather_bytes"], run["param_bytes"])
         if layout == "fsdp":
             assert run["device_share"] <= 0.30, f"{name}: a device holds {run['device_share']:.2f} of the weights"
+        # trainer.stats(): the FLOPs XLA was given per device; the partitioned HLO's dots (convolutions are not dots)
+        costs, (read, before_read) = run["costs"], run["stats_read"]
+        assert read == before_read, "reading stats compiled, ran or read something"
+        assert costs["steps"] == 3 and costs["flops_from"] == "xla_hlo" and costs["mfu"] is None
+        whole, per_device = run["hlo_dot_flops"]
+        if name.startswith("conv"):
+            assert costs["flops_per_device"] > 2 * per_device, "the convolutions count"
+        else:
+            assert abs(costs["flops_per_device"] / per_device - 1) <= 0.10, (costs["flops_per_device"], per_device)
+            assert costs["flops_per_device"] * 4 == pytest.approx(whole, rel=0.02)
+        if name == "qwen3":  # a transformers LM: 6 x parameters x tokens, within 10%
+            assert abs(costs["flops_per_device"] * 4 / run["tokens_6nt"] - 1) <= 0.10, (costs, run["tokens_6nt"])
+            assert costs["tokens"] == 3 * work_split.B * work_split.T
+        assert run["describe_wrong"] == [], run["describe_wrong"]
 
 
 def test_the_functionals_that_keep_the_batch_equal_torchs():
