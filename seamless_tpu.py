@@ -27,8 +27,10 @@ Process-wide changes (nothing at import), each undone by _reset_caches for the t
 __all__ = [
     "get_device", "device_type", "is_xla_backend", "to_device", "SeamlessTPUTrainer", "parse_topology",
     "mesh_shape_for", "create_xla_mesh", "get_xla_mesh", "consolidate_checkpoint", "TorchConfig", "TorchTrainer",
+    "environment_report",
 ]
 
+import argparse
 import atexit
 import collections
 import contextlib
@@ -40,6 +42,7 @@ import datetime
 import functools
 import glob
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import io
@@ -2564,6 +2567,176 @@ def _device_bytes(tensors):
             per_device[i] += shard.numel() * shard.element_size()
     return per_device
 
+# The environment report: `python -m seamless_tpu [--probe] [--ray[=ADDRESS]]` prints what to paste into an issue.
+_REPORT_ENV = re.compile(r"PJRT_DEVICE|TPU_\w+|MEGASCALE_\w+|LIBTPU_INIT_ARGS|XLA_FLAGS|SEAMLESS_TPU_\w+|"
+                         r"CPU_NUM_DEVICES|XLA_PERSISTENT_CACHE_PATH")
+_CACHE_NOTE = {"tpu": "under ~/.cache/seamless_tpu/ unless SEAMLESS_TPU_COMPILE_CACHE=off|PATH", "xla": "off on "
+               "XLA:CPU (torch_xla 2.9 writes it but cannot read it back: 'Deserializing serialized executable not "
+               "supported')"}
+
+
+def _version(dist):  # from the installed metadata: importing torch_xla writes env, importing ray is slow
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _report_facts():
+    """(env, facts) for the report and its checks. Imports nothing; asks torch_xla only if something loaded it."""
+    env = {k: v for k, v in os.environ.items() if _REPORT_ENV.fullmatch(k)}
+    xla, xr, (evidence, chips) = sys.modules.get("torch_xla"), sys.modules.get("torch_xla.runtime"), _tpu_chips()
+    versions = {"python": sys.version.split()[0], **{d: _version(d) for d in
+                                                     ("torch", "torch_xla", "libtpu", "ray", "transformers")}}
+    facts = {"versions": versions, "chips": chips, "chip_evidence": evidence, "hostname": socket.gethostname(),
+             "host_ip": None, "xla_loaded": xla is not None, "user_pjrt": _user_pjrt_device(),
+             "spmd_locked": bool(xla and xr and xla._XLAC._xla_get_spmd_config_is_locked() and not xr.is_spmd())}
+    if env.get("TPU_WORKER_HOSTNAMES"):  # a DNS lookup: only where check 4 needs this host's address
+        with contextlib.suppress(OSError):  # our own name has no address: the name alone is compared
+            facts["host_ip"] = socket.gethostbyname(facts["hostname"])
+    return env, facts
+
+
+def _environment_checks(env, facts):
+    """Pure: what is wrong in `env` (a dict of variables) given `facts` (_report_facts'), as (problem, fix) pairs."""
+    found, wid, xla_v = [], env.get("TPU_WORKER_ID"), facts["versions"].get("torch_xla", "not installed")
+    if facts.get("xla_loaded") and facts.get("spmd_locked"):
+        found.append(("SPMD is locked off: an XLA tensor or torch_xla.device() came before SPMD was switched on",
+                      "build the trainer / call seamless_tpu.get_device() before anything touches an XLA device"))
+    if facts.get("xla_loaded") and env.get("PJRT_DEVICE") and not facts.get("user_pjrt"):
+        found.append((f"PJRT_DEVICE={env['PJRT_DEVICE']} was written by torch_xla's import guess, not by you",
+                      f"set PJRT_DEVICE yourself (TPU or CPU) or {ENV_DEVICE}"))
+    visible = [c for c in env.get("TPU_VISIBLE_CHIPS", "").split(",") if c.strip()]
+    bounds = env.get("TPU_CHIPS_PER_HOST_BOUNDS", "")  # "2,2,1": 4 chips a host, where none were found
+    host = facts.get("chips") or (math.prod(map(int, bounds.split(","))) if re.fullmatch(r"\d+(,\d+)*", bounds) else 0)
+    if visible and len(visible) < host:
+        found.append((f"TPU_VISIBLE_CHIPS={env['TPU_VISIBLE_CHIPS']} holds {len(visible)} of this host's {host} chips",
+                      "for SPMD one process must hold all of its host's chips: unset TPU_VISIBLE_CHIPS (on Ray give "
+                      "one worker all the host's TPUs)"))
+    hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    mine = [i for i, h in enumerate(hosts) if h in (facts.get("hostname"), facts.get("host_ip"))]
+    problem = ("TPU_WORKER_ID is not a whole number" if wid is not None and not re.fullmatch(r"[0-9]+", wid) else
+               f"TPU_WORKER_ID is not in range({len(hosts)})" if hosts and wid and int(wid) >= len(hosts) else
+               "TPU_WORKER_HOSTNAMES names a host twice" if len(set(hosts)) < len(hosts) else
+               f"this host ({facts.get('hostname')}) is number {mine[0]} in TPU_WORKER_HOSTNAMES, not {wid}"
+               if hosts and wid and mine and int(wid) not in mine else None)
+    if problem:
+        found.append((f"{problem} (TPU_WORKER_ID={wid!r}, TPU_WORKER_HOSTNAMES={env.get('TPU_WORKER_HOSTNAMES')!r})",
+                      "list every host once, in worker order, in TPU_WORKER_HOSTNAMES (the same on every host) and "
+                      "set TPU_WORKER_ID to this host's position in it, from 0"))
+    torch_v, want = facts["versions"].get("torch", ""), ".".join(xla_v.split(".")[:2]) + ".0"
+    if xla_v != "not installed" and xla_v.split(".")[:2] != torch_v.split(".")[:2]:
+        found.append((f"torch_xla {xla_v} is built for torch {want}, but torch is {torch_v}",
+                      f"pip install torch=={want} torch_xla=={want}"))
+    return found
+
+
+def _device_reason(kind):
+    asked, pjrt, (evidence, chips) = os.environ.get(ENV_DEVICE, ""), _user_pjrt_device(), _tpu_chips()
+    if asked and asked.lower() != "auto":
+        return f"{ENV_DEVICE}={asked} asks for it"
+    if kind in XLA_DEVICE_KINDS:
+        return (f"PJRT_DEVICE={pjrt} set by the user" if pjrt else f"{chips} TPU chips ({evidence})" if chips
+                else "torch_xla already runs in this process")
+    return "torch.cuda.is_available()" if kind == "gpu" else (
+        "torch_xla, but no TPU chip and no PJRT_DEVICE" if _xla_installed() else "no torch_xla") + ", no CUDA"
+
+
+def environment_report(probe=False):
+    """What `python -m seamless_tpu` prints for an issue: versions, the device and why, the env that matters, counts,
+    checks with fixes. Imports neither torch_xla nor ray; probe=True starts the XLA runtime (get_device())."""
+    env, facts = _report_facts()
+    lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in facts["versions"].items())]
+    try:
+        kind = _resolve_kind(None)
+        lines.append(f"device: {kind}: {_device_reason(kind)}")
+    except (ImportError, RuntimeError, ValueError) as e:  # what get_device() would raise: shown, not raised
+        kind = None
+        lines.append(f"device: error: {e}")
+    lines += ["env:", *(f"  {k}={env[k]}" for k in sorted(env))] if env else ["env: none of the variables read is set"]
+    lines.append(f"counts: {torch.cuda.device_count()} CUDA devices, {facts['chips']} TPU chips ("
+                 f"{facts['chip_evidence'] or 'none found'}), RANK={os.environ.get('RANK')}, "
+                 f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
+    try:
+        device = get_device() if probe else None  # starts the runtime on XLA: SPMD on, the default mesh built
+        if device is None:
+            lines.append("--probe starts the XLA runtime to count devices")
+        elif _is_xla(device):
+            xr, mesh = _import("torch_xla.runtime"), get_xla_mesh()
+            lines.append(f"probe: {device}: {xr.global_runtime_device_count()} devices, {xr.process_count()} "
+                         f"process(es), default mesh {tuple(mesh.mesh_shape)} {tuple(mesh.axis_names)}")
+        else:
+            lines.append(f"probe: {device}")
+    except (ImportError, RuntimeError, ValueError) as e:  # as the device line: shown, not raised
+        lines.append(f"probe: error: {e}")
+    lines.append("compile cache: " + _CACHE_NOTE.get(kind, "XLA only"))
+    checks = _environment_checks(env, facts)
+    return "\n".join(lines + ([f"! {problem}. Fix: {fix}" for problem, fix in checks] or ["checks: all passed"]))
+
+
+def _report_on_node(source, probe):
+    """--ray's task: this module's source run afresh on the node (which may lack it, or know it by another name; sent
+    by value, its functions would drag _STATE's weakrefs into the pickle), then its report and facts."""
+    module = types.ModuleType("_seamless_tpu_report")
+    sys.modules[module.__name__] = module  # dataclasses look their class's module up
+    exec(compile(source, "seamless_tpu.py", "exec"), module.__dict__)
+    return module.environment_report(probe), *module._report_facts()
+
+
+def _cluster_checks(reports):
+    """Pure: what differs between nodes, as (problem, fix). One dict per node: "node" (a name), "worker_id"
+    (TPU_WORKER_ID or None), "tpu" (its Ray "TPU" resource, 0 if none), "chips" (the chips its report found)."""
+    ids, counts = collections.defaultdict(list), {r["node"]: int(r.get("tpu") or r.get("chips") or 0) for r in reports}
+    for r in reports:
+        if r.get("worker_id") is not None:
+            ids[r["worker_id"]].append(r["node"])
+    found = [(f"TPU_WORKER_ID={wid} is set on {len(nodes)} nodes ({', '.join(nodes)})",
+              "give each host of a slice its own TPU_WORKER_ID: its position in TPU_WORKER_HOSTNAMES")
+             for wid, nodes in ids.items() if len(nodes) > 1]
+    if len({c for c in counts.values() if c}) > 1:  # a CPU-only node (the head, often) is no TPU host: left out
+        found.append(("nodes hold different TPU counts (" + ", ".join(f"{n}: {c}" for n, c in counts.items()) + ")",
+                      "SPMD needs the same chips on every host of a slice: one TPU type and topology per slice, "
+                      "one worker per host holding all of its chips"))
+    return found + [(f"{r['node']}: Ray's TPU resource is {r['tpu']:g} but the host has {r['chips']} chips",
+                     "start its raylet with the host's chip count (ray start --resources) or let Ray detect the chips")
+                    for r in reports if r.get("tpu") and r.get("chips") and r["tpu"] != r["chips"]]
+
+
+def _ray_report(address, probe=False, timeout_s=120):  # 120 s: each node's worker imports torch first
+    """--ray: every alive node's report (one task pinned to each), then what differs between the nodes."""
+    ray, pin = _import("ray"), _import("ray.util.scheduling_strategies").NodeAffinitySchedulingStrategy
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        with open(__file__) as f:
+            source = f.read()
+        nodes, out, reports = [n for n in ray.nodes() if n["Alive"]], [], []
+        task = ray.remote(num_cpus=0)(_report_on_node)  # num_cpus=0: never waits for a busy node's CPUs
+        refs = [task.options(scheduling_strategy=pin(n["NodeID"], soft=False)).remote(source, probe) for n in nodes]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for node, ref in zip(nodes, refs):
+            name, tpu = f"{node['NodeManagerAddress']} ({node['NodeID'][:8]})", node["Resources"].get("TPU", 0)
+            try:
+                text, env, facts = ray.get(ref, timeout=timeout_s) if ref in done else (
+                    f"no answer in {timeout_s} s", {}, {})
+            except ray.exceptions.RayError as e:  # the node's task failed: its error is its report
+                text, env, facts = f"failed: {e}", {}, {}
+            out += [f"=== node {name}, Ray TPU resource {tpu:g} ===", text, ""]
+            reports.append({"node": name, "tpu": tpu, "chips": facts.get("chips", 0),
+                            "worker_id": env.get("TPU_WORKER_ID")})
+        checks = [f"! {p}. Fix: {f}" for p, f in _cluster_checks(reports)] or ["cluster checks: all passed"]
+        return "\n".join(out + [f"=== cluster: {len(nodes)} nodes ===", *checks])
+    finally:
+        ray.shutdown()
+
+
+def _main(argv=None):  # python -m seamless_tpu
+    parser = argparse.ArgumentParser(prog="python -m seamless_tpu", description="Print what to paste into an issue.")
+    parser.add_argument("--probe", action="store_true", help="start the XLA runtime to count devices and build a mesh")
+    parser.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                        help="report every alive node of a running Ray cluster (address: auto unless given)")
+    args = parser.parse_args(argv)
+    print(_ray_report(args.ray, args.probe) if args.ray else environment_report(args.probe))  # a CLI's output
+
 # --- 15a. checkpoints: save -----------------------------------------------------------------------
 
 
@@ -3247,3 +3420,7 @@ _STATE = _ProcessState()
 
 
 _note_user_pjrt()  # a value set before this import is the user's, whatever loads torch_xla later
+
+
+if __name__ == "__main__":
+    _main()
