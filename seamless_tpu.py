@@ -4,17 +4,17 @@
     x, y = trainer.to_device(x, y)               # on XLA: the batch dim split over the mesh's batch axes
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step (and loop iteration) is one graph
 
-Backends: "tpu" (PJRT_DEVICE=TPU), "xla" (torch_xla on another PJRT device), "gpu", "cpu"; torch_xla and ray load only
-when used. README.md is the manual. Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a torch.device); PJRT_DEVICE
-(as the user set it, not torch_xla's import-time guess); TPU_ACCELERATOR_TYPE; RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS;
-SEAMLESS_TPU_SIGTERM_GRACE; on a slice without torch.distributed MASTER_ADDR, SEAMLESS_TPU_PORT. Written only where
-unset, and logged: PJRT_DEVICE; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*.
-Process-wide changes (nothing at import), each undone by _reset_caches for the tests:
+Backends: "tpu" (PJRT_DEVICE=TPU), "xla" (torch_xla, another PJRT device), "gpu", "cpu"; torch_xla and ray load when
+used. README.md is the manual; `python -m seamless_tpu` reports the environment. Env read: SEAMLESS_TPU_DEVICE (auto|
+tpu|xla|gpu|cpu|a torch.device), _SIGTERM_GRACE, _COMPILE_CACHE; PJRT_DEVICE (the user's, not torch_xla's import-time
+guess); TPU_ACCELERATOR_TYPE; RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER_ADDR,
+SEAMLESS_TPU_PORT. Written only where unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu"
+workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
-  swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place: "Couldn't swap" if a weakref holds a
-  parameter); a torch.xla device module; torch.utils.checkpoint, F.linear, layer_norm, batch_norm and
-  multi_head_attention_forward changed for XLA inputs only; global optimizer-step hooks (graph cut, watchdog).
-- FSDP2 or tensor parallelism off XLA: a global pre-step hook that rebinds optimizers built before the trainer.
+  swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); a torch.xla device module; for XLA
+  inputs only torch.utils.checkpoint, F.linear, layer_norm, batch_norm, multi_head_attention_forward; step hooks.
+- each trainer: a global post-step hook (stats); trainer.log(): a thread, torch_xla step closures; profile(): a hook.
+- FSDP2 or tensor parallelism off XLA: a global pre-step hook rebinding optimizers built before the trainer.
 - first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler chaining the
   user's (SIG_IGN left alone); a default or Ray exit held until trainer.preempted's save, the grace at most (a daemon
   thread from the signal); a global post-step hook. Several processes: a gloo group (a collective; on a slice without
@@ -22,7 +22,7 @@ Process-wide changes (nothing at import), each undone by _reset_caches for the t
 - first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits for it), an atexit report of a
   failure nobody asked about, and under torch.distributed one more gloo group.
 - Ray: the xla_tpu backend starts a gloo default process group on each worker (ended at shutdown); TorchTrainer.fit
-  with use_tpu=True calls ray.init() in the driver when Ray is not initialised, to check the cluster's TPUs.
+  with use_tpu=True calls ray.init() in the driver when it is not initialised, to check the cluster's TPUs.
 """
 __all__ = [
     "get_device", "device_type", "is_xla_backend", "to_device", "SeamlessTPUTrainer", "parse_topology",
@@ -2162,22 +2162,25 @@ class _Meter:
     models took under grad, the wall time, and on XLA the devices' execution time (torch_xla's metrics) and the FLOPs
     XLA was given (the step graph's dots and convolutions, read from its HLO text on the first steps only)."""
 
-    steps: int = 0  # this process's optimizer steps, samples and tokens since the first trainer
+    steps: int = 0  # this process's optimizer steps, samples and tokens since the trainers were built
     samples: int = 0
     tokens: int = 0
     kind: str = None  # of the last trainer built: its device kind, data-parallel and model ways
     data_ways: int = 1
     model_ways: int = 1
-    params: int = 0  # trainable, of the trainers built since the last step (a GAN's two): the 6 x N x T formula's N
-    stepped: bool = False  # a step ended since the last trainer was built
+    params: int = 0  # trainable, of the trainers: the 6 x N x T formula's N
+    stepped: bool = False  # a step ended since the last trainer was built: the next one starts afresh
     graph_flops: int = None  # XLA: a step's FLOPs over the whole mesh, every graph in it (step_flops: so far)
     step_flops: int = 0
     ends: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=RATE_WINDOW + 1))
 
     def watch(self, model, layout):
-        params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.kind, self.params, self.stepped = layout.kind, params + (0 if self.stepped else self.params), False
-        self.ends.clear()  # the rates are of this trainer's steps
+        if self.stepped:  # counts, FLOPs and rates are of the trainers built since the last step (a GAN's two)
+            self.steps = self.samples = self.tokens = self.params = 0
+            self.graph_flops, self.stepped = None, False
+            self.ends.clear()
+        self.kind = layout.kind
+        self.params += sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.data_ways = layout.batch.ways if layout.batch else (layout.data_ranks or _torch_dist_ranks())[0]
         self.model_ways = (layout.rank_axes or {}).get(MODEL_AXIS, 1)
         model.register_forward_pre_hook(self._count_inputs, with_kwargs=True)
@@ -2338,22 +2341,20 @@ def _describe(model, layout, optimizers):
     """trainer.describe(): the mesh, the batch split, and per parameter (repeated blocks folded into one row) how
     each dimension is split and the bytes a device holds, all read from the tensors' own shardings."""
     if layout.mesh is not None:
-        names = _axis_sizes(layout.mesh)
         where = (f"mesh {tuple(layout.mesh.mesh_shape)} {tuple(layout.mesh.axis_names)} over "
                  f"{math.prod(layout.mesh.mesh_shape)} {layout.kind} devices; batches split {layout.batch.ways} ways "
                  f"on dim {layout.batch.dim} over {tuple(layout.batch.axes)}")
     else:
-        names = {}
         where = f"{layout.device}, {_torch_dist_ranks()[0]} process(es), {layout.wrap or 'no wrapper'}"
     rows = collections.OrderedDict()
     for name, p in model.named_parameters():
-        splits = _splits(p, names)
+        splits = _splits(p, layout.mesh)
         key = (re.sub(r"\.\d+(?=\.|$)", ".#", name), tuple(p.shape), splits)
         count, _ = rows.get(key, (0, 0))
         rows[key] = (count + 1, _bytes_per_device(p))
     params, state = list(model.parameters()), _state_tensors(optimizers)
     table = [where, f"{'parameter':48} {'shape':>18} {'split':>14} {'per device':>11}"]
-    table += [f"{(name + (f' (x{count})' if count > 1 else ''))[:48]:48} {str(shape):>18} "
+    table += [f"{name + (f' (x{count})' if count > 1 else ''):48} {str(shape):>18} "
               f"{'[' + ', '.join(splits) + ']':>14} {_fmt_bytes(each):>11}"
               for (name, shape, splits), (count, each) in rows.items()]
     for what, tensors in (("parameters", params), ("optimizer state", state)):
@@ -2364,20 +2365,25 @@ def _describe(model, layout, optimizers):
     return "\n".join(table)
 
 
-def _splits(tensor, axis_sizes):
-    """How each dimension of `tensor` is split: a mesh axis name (its size where names are ambiguous), or '-'."""
-    if hasattr(tensor, "placements"):  # a DTensor: its placements over its device mesh's dimensions
-        ways, mesh = [1] * tensor.dim(), tensor.device_mesh
+def _splits(tensor, mesh):
+    """The mesh axes each dimension of `tensor` is split over ('fsdp', 'fsdp*model'), or '-': a DTensor's placements,
+    or on XLA its tile assignment (the axes whose coordinate changes between the devices of one dimension's tiles)."""
+    names = [[] for _ in range(tensor.dim())]
+    if hasattr(tensor, "placements"):
         for i, placement in enumerate(tensor.placements):
             if placement.is_shard():
-                ways[placement.dim] *= mesh.size(i)
-        axis_sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
-    elif _is_xla(tensor.device):
-        ways = [_split_ways(tensor, d) for d in range(tensor.dim())] if _is_split(tensor) else [1] * tensor.dim()
-    else:
-        ways = [1] * tensor.dim()
-    named = {size: [a for a, s in axis_sizes.items() if s == size] for size in ways}
-    return tuple("-" if w == 1 else (named[w][0] if len(named[w]) == 1 else str(w)) for w in ways)
+                dims = tensor.device_mesh.mesh_dim_names
+                names[placement.dim].append(dims[i] if dims else str(tensor.device_mesh.size(i)))
+    elif _is_xla(tensor.device) and _is_split(tensor):
+        found = re.search(r"devices=\[([\d,]+)\]([\d,]+)", _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor))
+        tiles, order = [int(t) for t in found[1].split(",")], [int(d) for d in found[2].split(",")]
+        ids = [int(i) for i in mesh.device_ids]
+        coords = {d: [ids.index(d) // math.prod(mesh.mesh_shape[k + 1:]) % n for k, n in enumerate(mesh.mesh_shape)]
+                  for d in ids}
+        for dim in range(tensor.dim()):
+            tile = [order[i * math.prod(tiles[dim + 1:])] for i in range(tiles[dim])]  # its tiles' first devices
+            names[dim] = [a for k, a in enumerate(mesh.axis_names) if len({coords[d][k] for d in tile}) > 1]
+    return tuple("*".join(n) or "-" for n in names)
 
 
 def _bytes_per_device(tensor):

@@ -48,7 +48,8 @@ import hlo  # noqa: E402  (bench/hlo.py: what XLA compiled; the tests read dot F
 THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
-TARGETS = {("xla_spmd_4dev", "shim"): 1.02, ("eager_cpu", "shim"): 1.01}  # step-time ratio, at most
+TARGETS = {("xla_spmd_4dev", "shim"): 1.02, ("eager_cpu", "shim"): 1.01, ("xla_logging", "shim_log"): 1.02}  # at most
+LOG_VARIANTS = ("shim_log", "shim_item")  # the shim's loop plus trainer.log(loss=loss) / loss.item() every step
 BASE_NAMES = {"handwritten_xla": "hand-written torch_xla", "plain": "plain PyTorch", "shim": "seamless_tpu ddp"}
 FSDP = "xla_fsdp_vs_ddp"  # the comparison's title: strategy='fsdp' against 'ddp', both through the shim
 FSDP_MEMORY_TARGET = 0.30  # per-device parameter + optimizer-state bytes, fsdp / ddp, at most
@@ -184,10 +185,10 @@ class Variant:
         self.wait, self.metrics = (lambda: None), None
         if name == "plain":
             pass
-        elif name in TP_VARIANTS:
+        elif name in TP_VARIANTS or name in LOG_VARIANTS:
             import seamless_tpu as st
 
-            trainer = st.SeamlessTPUTrainer(model, **TP_VARIANTS[name])
+            trainer = st.SeamlessTPUTrainer(model, **TP_VARIANTS.get(name, {}), progress=False)
             x, y = trainer.to_device(x, y)
             self.trainer = trainer
             if st.is_xla_backend():
@@ -229,6 +230,10 @@ class Variant:
         self.optimizer.step()
         if self.name == "handwritten_xla":
             self.sync()
+        elif self.name == "shim_log":
+            self.trainer.log(1, loss=loss)  # read on the log's thread once the step ran
+        elif self.name == "shim_item":
+            loss.item()  # what trainer.log replaces: the host waits for the step, every step
 
     def counters(self):
         if self.metrics is None:
@@ -1413,6 +1418,11 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
         step_time("xla_spmd_4dev", ["handwritten_xla", "shim"], "handwritten_xla", XLA_ENV, xla=True),
         render_step_time,
         charted=True,
+    ),
+    "logging": Section(
+        "Logging the loss every step on XLA (4 devices): trainer.log and loss.item() vs a silent loop, step time",
+        step_time("xla_logging", ["shim", "shim_log", "shim_item"], "shim", XLA_ENV, xla=True),
+        render_step_time,
     ),
     "eager_cpu": Section(
         "Eager CPU: seamless_tpu, accelerate and Fabric vs plain PyTorch, step time",

@@ -310,6 +310,8 @@ def tensor_parallel(out_dir):
     seen = {
         "weights_diff": max(abs(a - b) for a, b in zip(flat(model), flat(eager))),
         "split": [tuple(p.to_local().shape) for p in model.parameters()],
+        "describe": trainer.describe(optimizer),
+        "describe_wrong": scenarios.describe_mismatches(trainer, model),
         "batches": [
             b.tolist() for b in trainer.prepare_data_loader(torch.utils.data.DataLoader(list(range(16)), batch_size=2))
         ],

@@ -274,6 +274,10 @@ def test_tensor_parallel_on_four_gloo_ranks_matches_eager(tmp_path):
         # 0.weight (32, 10): 32 rows over model (2) then fsdp (2); 2.weight (1, 32): 32 columns over model,
         # its 1 row over fsdp (FSDP2 gives one rank the row, the other none)
         assert seen["split"][0] == [8, 10] and seen["split"][2] == [1 - rank // 2, 16], seen["split"]
+        # describe(): every row is the DTensor's own placement and local bytes; 0.weight over both axes
+        assert seen["describe_wrong"] == [], seen["describe_wrong"]
+        assert seen["describe"].splitlines()[2].split()[:5] == ["0.weight", "(32,", "10)", "[fsdp*model,", "-]"], (
+            seen["describe"])
         assert (
             "with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh trains wrong weights"
             in seen["ddp_error"]

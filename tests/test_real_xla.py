@@ -4,6 +4,7 @@ SPMD cannot be switched off inside a process, so every scenario runs in a fresh 
 A crash (segfault: exit 139 / -11) fails like any other error.
 """
 
+import os
 import re
 import signal
 import textwrap
@@ -41,6 +42,7 @@ REAL_ONLY = [
     "checkpointing_keeps_its_barrier",
     "reshards_what_a_running_step_still_computes",
     "meta_tensor_left_unset_is_refused_or_loaded",
+    "run_costs_on_xla",
 ]
 
 
@@ -99,6 +101,19 @@ def test_example_accumulating_on_xla_matches_cpu():
     cpu, xla = (python(["example_train.py", "--device", device, *flags], child.XLA_ON_CPU) for device in ("cpu", "xla"))
     loss = [float(re.findall(r"final loss ([0-9.]+)", out)[-1]) for out in (cpu, xla)]
     assert abs(loss[0] - loss[1]) < 1e-4, loss
+
+def test_xla_cpu_writes_a_compile_cache_it_cannot_read_back(tmp_path):
+    """Why the trainer keeps torch_xla's persistent cache off on XLA:CPU: the second process finds the first one's
+    executable, fails to deserialize it, and compiles again."""
+    code = ("import torch, torch_xla, torch_xla.debug.metrics as met; t = torch.ones(3, device='xla') * 3; "
+            "torch_xla.sync(); print('compiles', met.counter_value('UncachedCompile'), 'hits', "
+            "met.counter_value('PersistentCacheHit'))")
+    runs = [child.run(["-c", code], env=child.env(**XLA_ENV, XLA_PERSISTENT_CACHE_PATH=str(tmp_path)), timeout=120)
+            for _ in range(2)]
+    assert os.listdir(tmp_path), "the first process wrote the cache"
+    assert "compiles 1 hits None" in runs[1].stdout
+    assert "Deserializing serialized executable not supported" in runs[1].stderr
+
 
 def test_device_requested_before_spmd_segfaults_in_plain_torch_xla():
     """Why the shim refuses an early torch_xla.device(): without the shim, torch_xla 2.9 crashes.
@@ -445,12 +460,11 @@ def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
         costs, (read, before_read) = run["costs"], run["stats_read"]
         assert read == before_read, "reading stats compiled, ran or read something"
         assert costs["steps"] == 3 and costs["flops_from"] == "xla_hlo" and costs["mfu"] is None
-        whole, per_device = run["hlo_dot_flops"]
+        _, per_device = run["hlo_dot_flops"]
         if name.startswith("conv"):
             assert costs["flops_per_device"] > 2 * per_device, "the convolutions count"
         else:
             assert abs(costs["flops_per_device"] / per_device - 1) <= 0.10, (costs["flops_per_device"], per_device)
-            assert costs["flops_per_device"] * 4 == pytest.approx(whole, rel=0.02)
         if name == "qwen3":  # a transformers LM: 6 x parameters x tokens, within 10%
             assert abs(costs["flops_per_device"] * 4 / run["tokens_6nt"] - 1) <= 0.10, (costs, run["tokens_6nt"])
             assert costs["tokens"] == 3 * work_split.B * work_split.T
