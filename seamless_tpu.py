@@ -1099,6 +1099,7 @@ class _Layout:
     data_ranks: tuple = None  # (data-parallel size, index) when tensor-parallel groups of ranks share batches
     wrap: str = None  # off XLA: "ddp", "fsdp2" or "tp" across ranks; None in one process
     meta_built: bool = False  # the model holds tensors on the meta device: made real as they are placed
+    batch_dim: int = 0  # where batches hold their samples (on XLA also `batch.dim`, the one split)
 
     def __repr__(self):  # the mesh and the batch sharding by their axes, the planned weights by their count
         brief = {"mesh": self.mesh and _axis_sizes(self.mesh), "batch": self.batch and self.batch.axes,
@@ -1134,7 +1135,7 @@ def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_
     wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
     data_ranks = (world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]) if rank_axes else None
     return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes, data_ranks, wrap,
-                   _has_meta_tensors(model))
+                   _has_meta_tensors(model), dim)
 
 
 def _place(model, layout):
@@ -2134,7 +2135,7 @@ class SeamlessTPUTrainer:
         profiler: `with trainer.profile("runs/prof", steps=3): ...`. Waits for the devices at its start and end only."""
         return _Profile(logdir, steps, _is_xla(self.device))
 
-# --- 14. what a run costs -------------------------------------------------------------------------
+# --- 14a. what a run costs: stats and logging -----------------------------------------------------
 
 
 # Dense bf16 peak FLOP/s per device, for MFU, matched in order against the device kind (torch_xla's, or CUDA's name).
@@ -2152,8 +2153,8 @@ PEAK_FLOPS = (
 )
 RATE_WINDOW = 20  # step ends the rates are measured over: recent enough to follow the run, long enough to be stable
 _HLO_DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(\w+\[([\d,]*)\]\S* [^,]+, .*?lhs_contracting_dims=\{([\d,]*)\}")
-_HLO_CONV = re.compile(r"= \w+\[([\d,]*)\]\S* convolution\(\w+\[[\d,]*\]\S* [^,]+, \w+\[([\d,]*)\]\S* .*?"
-                       r"dim_labels=\w+_(\w+)->")
+_HLO_CONV = re.compile(r"= \w+\[([\d,]*)\]\S* convolution\(\w+\[[\d,]*\]\S* [^,]+, \w+\[([\d,]*)\]\S* [^)]+\)"
+                       r"(.*?)dim_labels=\w+_(\w+)->")
 
 
 @dataclasses.dataclass
@@ -2165,7 +2166,8 @@ class _Meter:
     steps: int = 0  # this process's optimizer steps, samples and tokens since the trainers were built
     samples: int = 0
     tokens: int = 0
-    kind: str = None  # of the last trainer built: its device kind, data-parallel and model ways
+    kind: str = None  # of the last trainer built: its device kind, batch dim, data-parallel and model ways
+    batch_dim: int = 0
     data_ways: int = 1
     model_ways: int = 1
     params: int = 0  # trainable, of the trainers: the 6 x N x T formula's N
@@ -2179,7 +2181,7 @@ class _Meter:
             self.steps = self.samples = self.tokens = self.params = 0
             self.graph_flops, self.stepped = None, False
             self.ends.clear()
-        self.kind = layout.kind
+        self.kind, self.batch_dim = layout.kind, layout.batch_dim
         self.params += sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.data_ways = layout.batch.ways if layout.batch else (layout.data_ranks or _torch_dist_ranks())[0]
         self.model_ways = (layout.rank_axes or {}).get(MODEL_AXIS, 1)
@@ -2190,8 +2192,8 @@ class _Meter:
         if torch.is_grad_enabled():  # a training forward; eval batches are not the step's work
             tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
             ids = [t for t in tensors if t.dim() > 1 and not (t.is_floating_point() or t.is_complex())]
-            dim = _STATE.batch_sharding.dim if _STATE.batch_sharding else 0
-            self.samples += tensors[0].shape[dim if tensors[0].dim() > dim else 0] if tensors else 0
+            dim = self.batch_dim if tensors and tensors[0].dim() > self.batch_dim else 0
+            self.samples += tensors[0].shape[dim] if tensors else 0
             self.tokens += ids[0].numel() if ids else 0
 
     def before_cut(self):
@@ -2239,6 +2241,21 @@ class _Meter:
             out["flops_per_device"], out["tflops_per_device"] = flops, flops / out["step_time_s"] / 1e12
             out["peak_tflops"], out["mfu"] = peak and peak / 1e12, peak and flops / out["step_time_s"] / peak
         return out
+
+
+def _hlo_flops(hlo):
+    """2 x multiply-adds of every dot (output x contracted size) and convolution (output x kernel / its outputs, over
+    its input dilation: a transposed convolution, as in an input's gradient, multiplies the zeros it inserts by no
+    one)."""
+    def dims(text):
+        return [int(d) for d in text.split(",") if d]
+    flops = sum(2 * math.prod(dims(out)) * math.prod(dims(lhs)[i] for i in dims(contracted))
+                for out, lhs, contracted in _HLO_DOT.findall(hlo))
+    for out, kernel, window, labels in _HLO_CONV.findall(hlo):
+        kernel, dilated = dims(kernel), re.search(r"lhs_dilate=([\dx]+)", window)
+        zeros = math.prod(int(d) for d in dilated[1].split("x")) if dilated else 1
+        flops += 2 * math.prod(dims(out)) * math.prod(kernel) // kernel[labels.index("o")] // zeros
+    return flops
 
 
 LOG_EVERY_S = 5.0  # trainer.log()'s default: one line per few seconds of training, whatever a step costs
@@ -2325,16 +2342,41 @@ class _RunLog:
             self.bar.close()
 
 
-def _hlo_flops(hlo):
-    """2 x multiply-adds of every dot (output x contracted size) and convolution (output x kernel / its outputs)."""
-    def dims(text):
-        return [int(d) for d in text.split(",") if d]
-    flops = sum(2 * math.prod(dims(out)) * math.prod(dims(lhs)[i] for i in dims(contracted))
-                for out, lhs, contracted in _HLO_DOT.findall(hlo))
-    for out, kernel, labels in _HLO_CONV.findall(hlo):
-        kernel = dims(kernel)
-        flops += 2 * math.prod(dims(out)) * math.prod(kernel) // kernel[labels.index("o")]
-    return flops
+def _compile_stats(xla):
+    if not xla:
+        return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
+    met = _import("torch_xla.debug.metrics")
+    transfers = met.metric_data("TransferFromDeviceTime")
+    names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
+    stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
+    return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
+
+
+def _state_tensors(optimizers):
+    return [v for opt in optimizers for state in opt.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim()]
+
+
+def _memory_stats(model, optimizers):
+    tensors = list(model.parameters()) + _state_tensors(optimizers)
+    return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
+
+
+def _device_bytes(tensors):
+    """memory_stats' per_device: on XLA from the shards' shapes, off it this rank's local part (an FSDP2 shard)."""
+    if _STATE.xla_device is None:
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        return [sum(t.numel() * t.element_size() for t in local)]
+    xlac = _import("torch_xla")._XLAC
+    _import("torch_xla.core.xla_model").wait_device_ops()  # shards are readable once the step that made them ran
+    per_device = [0] * _import("torch_xla.runtime").global_runtime_device_count()
+    for t in tensors:  # torch_xla lists no shards of a tensor without a sharding: it is whole everywhere
+        shards = xlac._get_local_shards([t])[0] if xlac._get_xla_sharding_spec(t) else [(t, None)] * len(per_device)
+        for i, (shard, _) in enumerate(shards):
+            per_device[i] += shard.numel() * shard.element_size()
+    return per_device
+
+# --- 14b. what a run costs: the sharding map and the work check -----------------------------------
 
 
 def _describe(model, layout, optimizers):
@@ -2398,6 +2440,74 @@ def _bytes_per_device(tensor):
 def _fmt_bytes(n):
     return next(f"{n / 1024 ** i:.1f} {unit}" for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
                 if n < 1024 ** (i + 1) or unit == "TiB")
+
+
+def _check_work(model, layout):
+    """The guard for models nobody tried: on the first forward, hold the output of the first module of each name
+    pattern (layers.#.mlp.up_proj) that does matmuls; once an optimizer step's cut has run that graph, read how XLA
+    split each one (its sharding annotation: no transfer, compile or execution; that graph, new anyway, has them as
+    outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them. Any
+    other cut drops them first (_cut_graph), so a loop whose first graph repeats is not checked."""
+    devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
+    matmuls = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.MultiheadAttention)
+
+    def hold(module, args, output):
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor) and _is_xla(out.device) and out.dim() > 1:
+            held.append((names[module], module, out.detach()))  # not its autograd graph (the forward's tensors)
+
+    def check():
+        total, whole = 0, []
+        for name, module, out in held:
+            # 2 x rows x weights: exact for Linear, conv and an RNN's input and state products
+            rows = out.numel() // out.shape[1 if isinstance(module, torch.nn.modules.conv._ConvNd) else -1]
+            flops = 2 * rows * sum(p.numel() for p in module.parameters() if p.dim() > 1) * counts[pattern(name)]
+            weight = getattr(module, "weight", None)
+            ways = _split_ways(out) * (_split_ways(weight, dim=-1) if weight in layout.planned else 1)  # rowwise
+            total += flops
+            if ways < devices:
+                whole.append((flops, name, module, ways))
+        held.clear()
+        share = sum(w[0] for w in whole) / total if total else 0
+        if share > 0.05 and _once("replicated_work"):
+            _, name, module, ways = whole[0]
+            logger.warning(
+                "seamless_tpu: %.0f%% of the model's matmul FLOPs run whole where %d devices should split them (%dx "
+                "their cost), first at %r (%s, its output split %d ways): XLA lost the batch split there. Keep the "
+                "batch dimension through that module's reshapes (fold (T, B) into B*T, not T*B), pass batch_dim= if "
+                "batches hold their samples elsewhere than dim %d, or mark its input with torch_xla.distributed.spmd."
+                "mark_sharding", 100 * share, devices, devices // ways, name, type(module).__name__, ways,
+                layout.batch.dim)
+
+    def first_forward_done(module, args, output):
+        for handle in handles:
+            handle.remove()
+        _STATE.cuts.after_cut.append(check)
+
+    def pattern(name):
+        return re.sub(r"\.\d+(?=\.|$)", ".#", name)
+
+    names = {m: n for n, m in model.named_modules()}
+    if devices > 1:
+        for module, name in names.items():
+            if isinstance(module, matmuls):
+                counts[pattern(name)] += 1
+                if counts[pattern(name)] == 1:
+                    handles.append(module.register_forward_hook(hold))
+        handles.append(model.register_forward_hook(first_forward_done))
+
+
+def _split_ways(tensor, dim=None):
+    """How many ways XLA split `tensor` (its dimension `dim` only, if given), from its sharding annotation."""
+    spec = _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor)
+    tiles = re.search(r"devices=\[([\d,]+)\]", spec)
+    if not tiles:
+        return 1
+    tiles = [int(t) for t in tiles.group(1).split(",")]
+    tiles = tiles[:-1] if "last_tile_dim_replicate" in spec else tiles
+    return tiles[dim] if dim is not None else math.prod(tiles)
+
+# --- 14c. what a run costs: the profiler and the compile cache ------------------------------------
 
 
 class _Profile:
@@ -2472,106 +2582,8 @@ def _init_compile_cache(kind):
     _log("seamless_tpu: XLA compile cache in %s (set %s; %s=off turns it off)", path, sorted(applied),
          COMPILE_CACHE_ENV)
 
+# --- 14d. what a run costs: the environment report ------------------------------------------------
 
-def _compile_stats(xla):
-    if not xla:
-        return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
-    met = _import("torch_xla.debug.metrics")
-    transfers = met.metric_data("TransferFromDeviceTime")
-    names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
-    stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
-    return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
-
-
-def _check_work(model, layout):
-    """The guard for models nobody tried: on the first forward, hold the output of the first module of each name
-    pattern (layers.#.mlp.up_proj) that does matmuls; once an optimizer step's cut has run that graph, read how XLA
-    split each one (its sharding annotation: no transfer, compile or execution; that graph, new anyway, has them as
-    outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them. Any
-    other cut drops them first (_cut_graph), so a loop whose first graph repeats is not checked."""
-    devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
-    matmuls = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.MultiheadAttention)
-
-    def hold(module, args, output):
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(out, torch.Tensor) and _is_xla(out.device) and out.dim() > 1:
-            held.append((names[module], module, out.detach()))  # not its autograd graph (the forward's tensors)
-
-    def check():
-        total, whole = 0, []
-        for name, module, out in held:
-            # 2 x rows x weights: exact for Linear, conv and an RNN's input and state products
-            rows = out.numel() // out.shape[1 if isinstance(module, torch.nn.modules.conv._ConvNd) else -1]
-            flops = 2 * rows * sum(p.numel() for p in module.parameters() if p.dim() > 1) * counts[pattern(name)]
-            weight = getattr(module, "weight", None)
-            ways = _split_ways(out) * (_split_ways(weight, dim=-1) if weight in layout.planned else 1)  # rowwise
-            total += flops
-            if ways < devices:
-                whole.append((flops, name, module, ways))
-        held.clear()
-        share = sum(w[0] for w in whole) / total if total else 0
-        if share > 0.05 and _once("replicated_work"):
-            _, name, module, ways = whole[0]
-            logger.warning(
-                "seamless_tpu: %.0f%% of the model's matmul FLOPs run whole where %d devices should split them (%dx "
-                "their cost), first at %r (%s, its output split %d ways): XLA lost the batch split there. Keep the "
-                "batch dimension through that module's reshapes (fold (T, B) into B*T, not T*B), pass batch_dim= if "
-                "batches hold their samples elsewhere than dim %d, or mark its input with torch_xla.distributed.spmd."
-                "mark_sharding", 100 * share, devices, devices // ways, name, type(module).__name__, ways,
-                layout.batch.dim)
-
-    def first_forward_done(module, args, output):
-        for handle in handles:
-            handle.remove()
-        _STATE.cuts.after_cut.append(check)
-
-    def pattern(name):
-        return re.sub(r"\.\d+(?=\.|$)", ".#", name)
-
-    names = {m: n for n, m in model.named_modules()}
-    if devices > 1:
-        for module, name in names.items():
-            if isinstance(module, matmuls):
-                counts[pattern(name)] += 1
-                if counts[pattern(name)] == 1:
-                    handles.append(module.register_forward_hook(hold))
-        handles.append(model.register_forward_hook(first_forward_done))
-
-
-def _split_ways(tensor, dim=None):
-    """How many ways XLA split `tensor` (its dimension `dim` only, if given), from its sharding annotation."""
-    spec = _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor)
-    tiles = re.search(r"devices=\[([\d,]+)\]", spec)
-    if not tiles:
-        return 1
-    tiles = [int(t) for t in tiles.group(1).split(",")]
-    tiles = tiles[:-1] if "last_tile_dim_replicate" in spec else tiles
-    return tiles[dim] if dim is not None else math.prod(tiles)
-
-
-def _state_tensors(optimizers):
-    return [v for opt in optimizers for state in opt.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim()]
-
-
-def _memory_stats(model, optimizers):
-    tensors = list(model.parameters()) + _state_tensors(optimizers)
-    return {"per_device": _device_bytes(tensors), "replica": sum(t.numel() * t.element_size() for t in tensors)}
-
-
-def _device_bytes(tensors):
-    """memory_stats' per_device: on XLA from the shards' shapes, off it this rank's local part (an FSDP2 shard)."""
-    if _STATE.xla_device is None:
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-        return [sum(t.numel() * t.element_size() for t in local)]
-    xlac = _import("torch_xla")._XLAC
-    _import("torch_xla.core.xla_model").wait_device_ops()  # shards are readable once the step that made them ran
-    per_device = [0] * _import("torch_xla.runtime").global_runtime_device_count()
-    for t in tensors:  # torch_xla lists no shards of a tensor without a sharding: it is whole everywhere
-        shards = xlac._get_local_shards([t])[0] if xlac._get_xla_sharding_spec(t) else [(t, None)] * len(per_device)
-        for i, (shard, _) in enumerate(shards):
-            per_device[i] += shard.numel() * shard.element_size()
-    return per_device
 
 # The environment report: `python -m seamless_tpu [--probe] [--ray[=ADDRESS]]` prints what to paste into an issue.
 _REPORT_ENV = re.compile(r"PJRT_DEVICE|TPU_\w+|MEGASCALE_\w+|LIBTPU_INIT_ARGS|XLA_FLAGS|SEAMLESS_TPU_\w+|"

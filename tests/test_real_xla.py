@@ -460,11 +460,15 @@ def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
         costs, (read, before_read) = run["costs"], run["stats_read"]
         assert read == before_read, "reading stats compiled, ran or read something"
         assert costs["steps"] == 3 and costs["flops_from"] == "xla_hlo" and costs["mfu"] is None
-        _, per_device = run["hlo_dot_flops"]
-        if name.startswith("conv"):
-            assert costs["flops_per_device"] > 2 * per_device, "the convolutions count"
-        else:
-            assert abs(costs["flops_per_device"] / per_device - 1) <= 0.10, (costs["flops_per_device"], per_device)
+        # The meter counts the HLO XLA is given: its dots and convolutions. XLA:CPU turns the attention's small
+        # batched dots (T=12) into elementwise work before it partitions, and bench/hlo.py counts no convolutions:
+        # without those two, the meter's FLOPs are the dots of the graph XLA partitions, and per device within 10%
+        # of the partitioned graph's (that graph is a little under a quarter: the split rewrites some dots).
+        whole, per_device = run["hlo_dot_flops"]
+        flops, batched, conv = costs["flops_per_device"] * 4, run["batched_dot_flops"], run["conv_flops"]
+        assert abs((flops - batched - conv) / whole - 1) <= 0.02, (flops, batched, conv, whole)
+        assert abs((flops - batched - conv) / 4 / per_device - 1) <= 0.10, (flops, batched, conv, per_device)
+        assert batched <= 0.12 * flops and (conv > 0) == (name in ("vit", "conv", "conv_bn")), (flops, batched, conv)
         if name == "qwen3":  # a transformers LM: 6 x parameters x tokens, within 10%
             assert abs(costs["flops_per_device"] * 4 / run["tokens_6nt"] - 1) <= 0.10, (costs, run["tokens_6nt"])
             assert costs["tokens"] == 3 * work_split.B * work_split.T
