@@ -2122,7 +2122,7 @@ class SeamlessTPUTrainer:
         one line of their means plus throughput and MFU goes to the logger at info on rank 0, and to log_to(dict).
         progress=True shows a tqdm bar (default: when stderr is a terminal). An error there is raised by the next
         call."""
-        _STATE.run_log.log(step, metrics, self.log_every, self.log_to, self.progress, self.stats())
+        _STATE.run_log.log(step, metrics, self.log_every, self.log_to, self.progress, self.stats)
 
     def describe(self, *optimizers):
         """A text table: the mesh, how batches split, and for each parameter its shape, how each dimension is split
@@ -2259,86 +2259,82 @@ def _hlo_flops(hlo):
 
 
 LOG_EVERY_S = 5.0  # trainer.log()'s default: one line per few seconds of training, whatever a step costs
+LOG_HELD = 1000  # values held for the next line at most: then a line is due (a few KiB of device scalars)
 
 
 @dataclasses.dataclass
 class _RunLog:
-    """trainer.log()'s values: fetched on one thread of their own once their step's graph has run (XLA: a torch_xla
-    step closure hands them over at the cut, never mid-trace; CUDA: an async copy and its event), averaged, and every
-    `every` steps (default: LOG_EVERY_S seconds) written with the throughput to the logger on rank 0, and to `to`."""
+    """trainer.log()'s values, held until a line is due (every `every` steps; default: LOG_EVERY_S seconds, or
+    LOG_HELD calls), then read on a thread of their own once their step's graph has run (XLA: all in one transfer,
+    handed over by a torch_xla step closure where the pending graph computes them: never mid-trace; CUDA: async
+    copies and their events), averaged, and written with the throughput to the logger on rank 0 and to `to`."""
 
-    thread: object = None  # the one thread that reads values and writes lines, from the first log()
-    sums: dict = dataclasses.field(default_factory=dict)  # name -> (sum, count) since the last line
-    last: float = 0.0  # time.monotonic() of the last line: the first value makes one
-    bar: object = False  # the tqdm bar, from the first log() where one is wanted
+    thread: object = None  # the one thread that reads values and writes lines, from the first line
+    held: list = dataclasses.field(default_factory=list)  # (name, value: float, tensor or (copy, CUDA event))
+    last: float = 0.0  # time.monotonic() of the last line: the first call makes one
+    bar: object = None  # the tqdm bar (False: none), decided at the first call
     failed: BaseException = None  # the thread's error, raised by the next log()
 
     def log(self, step, metrics, every, to, progress, stats):
         if self.failed is not None:  # the thread's error (a hook's, a transfer's), raised where the user can see it
             error, self.failed = self.failed, None
             raise RuntimeError(f"seamless_tpu: trainer.log() failed on an earlier step: {error!r}") from error
-        tensors, values = {}, {}
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
-                tensors[name] = value.detach()
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                values[name] = float(value)
-            else:
+                value = value.detach()
+                value = value.item() if value.device.type == "cpu" and not _is_xla(value.device) else value
+                if isinstance(value, torch.Tensor) and value.is_cuda:  # the copy is queued behind what computes it
+                    value = (value.to("cpu", non_blocking=True), torch.cuda.Event())
+                    value[1].record()
+            elif not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"trainer.log() takes numbers and one-element tensors, got {name}={value!r}: log a "
                                 "reduction of it (loss.mean()) or a float")
-        if self.thread is None:
-            self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seamless_tpu_log")
+            self.held.append((name, value))
+        if self.bar is None:
             tqdm = importlib.util.find_spec("tqdm") and importlib.import_module("tqdm")
-            if tqdm and _is_main_process() and (progress or (progress is None and sys.stderr.isatty())):
-                self.bar = tqdm.tqdm(desc="steps", initial=step - 1, dynamic_ncols=True)
-        cuda = {k: (t.to("cpu", non_blocking=True), torch.cuda.Event()) for k, t in tensors.items() if t.is_cuda}
-        for _, event in cuda.values():
-            event.record()  # after the copy, on the stream that computes the value
-        job = functools.partial(self._take, step, values, {**tensors, **cuda}, every, to, progress, stats,
-                                _is_main_process())
-        xla = [t for t in tensors.values() if _is_xla(t.device)]
+            wanted = progress or (progress is None and sys.stderr.isatty())
+            self.bar = tqdm.tqdm(desc="steps", initial=step - 1) if tqdm and wanted and _is_main_process() else False
+        if self.bar is not False:
+            self.bar.update(step - self.bar.n)
+        now = time.monotonic()
+        if not (step % every == 0 if every else now - self.last >= LOG_EVERY_S or len(self.held) >= LOG_HELD):
+            return
+        self.thread = self.thread or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seamless_tpu_log")
+        job = functools.partial(self._write, step, self.held, to, stats(), _is_main_process())
+        self.held, self.last = [], now
+        xla = [v for _, v in job.args[1] if isinstance(v, torch.Tensor) and _is_xla(v.device)]
         if xla and not all(_is_device_data(t) for t in xla):  # the pending graph computes them: after its cut
             _import("torch_xla.core.xla_model").add_step_closure(self.thread.submit, (job,))
         else:
             self.thread.submit(job)
 
-    def _take(self, step, values, tensors, every, to, progress, stats, main):
+    def _write(self, step, held, to, stats, main):
         try:
-            xla = [k for k, t in tensors.items() if isinstance(t, torch.Tensor) and _is_xla(t.device)]
-            fetched = _import("torch_xla")._XLAC._xla_get_cpu_tensors([tensors[k] for k in xla]) if xla else []
-            values.update({k: t.item() for k, t in zip(xla, fetched)})  # one transfer for all of them
-            for k, t in ((k, t) for k, t in tensors.items() if k not in values):  # CUDA and CPU
-                if isinstance(t, tuple):
-                    t[1].synchronize()  # this thread waits for the copy; the training thread never does
-                values[k] = (t[0] if isinstance(t, tuple) else t).item()
-            self._add(step, values, every, to, progress, stats, main)
+            xla = [i for i, (_, v) in enumerate(held) if isinstance(v, torch.Tensor)]
+            fetched = _import("torch_xla")._XLAC._xla_get_cpu_tensors([held[i][1] for i in xla]) if xla else []
+            values = dict(zip(xla, (t.item() for t in fetched)))  # one transfer for all of them
+            sums = collections.defaultdict(list)
+            for i, (name, value) in enumerate(held):
+                if isinstance(value, tuple):
+                    value[1].synchronize()  # this thread waits for the copy; the training thread never does
+                sums[name].append(values[i] if i in values else float(value[0] if isinstance(value, tuple) else value))
+            line = {"step": step, **{k: sum(v) / len(v) for k, v in sums.items()}}
+            line.update((k, stats[k]) for k in ("samples_per_s", "tokens_per_s", "tflops_per_device", "mfu")
+                        if stats[k])
+            if main:
+                text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in line.items())
+                if self.bar is not False:
+                    self.bar.set_postfix_str(text[len(f"step {step}  "):])
+                logger.info("seamless_tpu: %s", text)
+                if to is not None:
+                    to(line)
         except BaseException as e:  # nothing here may die unseen: the next log() call raises it
             self.failed = e
-
-    def _add(self, step, values, every, to, progress, stats, main):
-        for k, v in values.items():
-            total, count = self.sums.get(k, (0.0, 0))
-            self.sums[k] = (total + v, count + 1)
-        if self.bar is not False:
-            self.bar.update(step - self.bar.n)
-        now = time.monotonic()
-        if not (step % every == 0 if every else now - self.last >= LOG_EVERY_S):
-            return
-        line = {"step": step, **{k: total / count for k, (total, count) in self.sums.items()}}
-        line.update((k, stats[k]) for k in ("samples_per_s", "tokens_per_s", "tflops_per_device", "mfu") if stats[k])
-        self.sums, self.last = {}, now
-        if main:
-            text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in line.items())
-            if self.bar is not False:
-                self.bar.set_postfix_str(text[len(f"step {step}  "):], refresh=True)
-            logger.info("seamless_tpu: %s", text)
-            if to is not None:
-                to(line)
 
     def close(self):  # _reset_caches and tests: the values in flight are written first
         if self.thread is not None:
             self.thread.shutdown(wait=True)
-        if self.bar is not False:
+        if self.bar is not None and self.bar is not False:
             self.bar.close()
 
 

@@ -456,7 +456,9 @@ class Worker:
         line = self.proc.stdout.readline()
         if not line:
             self.log.seek(0)
-            raise RuntimeError(f"benchmark worker {self.name!r} died on {self.cmd!r}:\n{self.log.read()[-3000:]}")
+            code = self.proc.wait(timeout=60)  # a negative code is the signal that ended it (-11: a segfault)
+            raise RuntimeError(f"benchmark worker {self.name!r} died on {self.cmd!r} (exit {code}):\n"
+                               f"{self.log.read()[-3000:]}")
         return json.loads(line)
 
     def ask(self, cmd):
