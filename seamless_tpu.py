@@ -2174,6 +2174,7 @@ class _Meter:
     stepped: bool = False  # a step ended since the last trainer was built: the next one starts afresh
     graph_flops: int = None  # XLA: a step's FLOPs over the whole mesh, every graph in it (step_flops: so far)
     step_flops: int = 0
+    # (perf_counter, time.time, steps, samples, tokens) at the last RATE_WINDOW step ends and the one before them
     ends: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=RATE_WINDOW + 1))
 
     def watch(self, model, layout):
@@ -2204,15 +2205,11 @@ class _Meter:
             tensors = [t for m in _STATE.cuts.models for p in m.parameters() for t in (p, p.grad) if t is not None]
             self.step_flops += _hlo_flops(_import("torch_xla")._XLAC._get_xla_tensors_hlo(tensors))
 
-    def _step_end(self, optimizer, args, kwargs):
-        device_s = 0.0
-        if _STATE.xla_device is not None:
-            data = _import("torch_xla.debug.metrics").metric_data("ExecuteReplicatedTime")
-            device_s = data[1] / 1e9 if data else 0.0  # total ns of every execution so far: no sync
-            if self.steps < WARMUP_STEPS:
-                self.graph_flops, self.step_flops = self.step_flops or None, 0
+    def _step_end(self, optimizer, args, kwargs):  # a few attribute writes: no call into torch_xla past warm-up
+        if _STATE.xla_device is not None and self.steps < WARMUP_STEPS:
+            self.graph_flops, self.step_flops = self.step_flops or None, 0
         self.steps, self.stepped = self.steps + 1, True
-        self.ends.append((time.perf_counter(), device_s, self.steps, self.samples, self.tokens))
+        self.ends.append((time.perf_counter(), time.time(), self.steps, self.samples, self.tokens))
 
     def stats(self):
         xla, (first, last) = _STATE.xla_device is not None, (self.ends[0], self.ends[-1]) if self.ends else (None,) * 2
@@ -2227,8 +2224,9 @@ class _Meter:
         out["step_time_s"] = wall / steps
         out["samples_per_s"] = (last[3] - first[3]) * (1 if xla else self.data_ways) / wall
         out["tokens_per_s"] = (last[4] - first[4]) * (1 if xla else self.data_ways) / wall or None
-        if xla:
-            out["device_time_s"] = (last[1] - first[1]) / steps
+        if xla:  # torch_xla's execution times carry the wall clock at which each ended: those inside the window
+            data = _import("torch_xla.debug.metrics").metric_data("ExecuteReplicatedTime") or (0, 0, ())
+            out["device_time_s"] = sum(ns for at, ns in data[2] if first[1] < at <= last[1]) / 1e9 / steps
             out["host_bound"] = out["step_time_s"] > 1.25 * out["device_time_s"]  # tracing sets the pace
             devices = _import("torch_xla.runtime").global_runtime_device_count()
             flops, out["flops_from"] = self.graph_flops and self.graph_flops / devices, "xla_hlo"
