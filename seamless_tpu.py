@@ -2131,8 +2131,9 @@ class SeamlessTPUTrainer:
         return _describe(self.model, self.layout, optimizers)
 
     def profile(self, logdir, steps=None):
-        """Trace from now until `steps` optimizer steps end (or the with-block exits) into `logdir`, for TensorBoard's
-        profiler: `with trainer.profile("runs/prof", steps=3): ...`. Waits for the devices at its start and end only."""
+        """Trace from now until `steps` optimizer steps end (or the with-block exits, or .stop()) into `logdir`, for
+        TensorBoard's profiler: `with trainer.profile("runs/prof", steps=3): ...`. Waits for the devices at its start
+        and end only."""
         return _Profile(logdir, steps, _is_xla(self.device))
 
 # --- 14a. what a run costs: stats and logging -----------------------------------------------------
@@ -2385,7 +2386,7 @@ def _describe(model, layout, optimizers):
     rows = collections.OrderedDict()
     for name, p in model.named_parameters():
         splits = _splits(p, layout.mesh)
-        key = (re.sub(r"\.\d+(?=\.|$)", ".#", name), tuple(p.shape), splits)
+        key = (_name_pattern(name), tuple(p.shape), splits)
         count, _ = rows.get(key, (0, 0))
         rows[key] = (count + 1, _bytes_per_device(p))
     params, state = list(model.parameters()), _state_tensors(optimizers)
@@ -2455,7 +2456,7 @@ def _check_work(model, layout):
         for name, module, out in held:
             # 2 x rows x weights: exact for Linear, conv and an RNN's input and state products
             rows = out.numel() // out.shape[1 if isinstance(module, torch.nn.modules.conv._ConvNd) else -1]
-            flops = 2 * rows * sum(p.numel() for p in module.parameters() if p.dim() > 1) * counts[pattern(name)]
+            flops = 2 * rows * sum(p.numel() for p in module.parameters() if p.dim() > 1) * counts[_name_pattern(name)]
             weight = getattr(module, "weight", None)
             ways = _split_ways(out) * (_split_ways(weight, dim=-1) if weight in layout.planned else 1)  # rowwise
             total += flops
@@ -2478,17 +2479,18 @@ def _check_work(model, layout):
             handle.remove()
         _STATE.cuts.after_cut.append(check)
 
-    def pattern(name):
-        return re.sub(r"\.\d+(?=\.|$)", ".#", name)
-
     names = {m: n for n, m in model.named_modules()}
     if devices > 1:
         for module, name in names.items():
             if isinstance(module, matmuls):
-                counts[pattern(name)] += 1
-                if counts[pattern(name)] == 1:
+                counts[_name_pattern(name)] += 1
+                if counts[_name_pattern(name)] == 1:
                     handles.append(module.register_forward_hook(hold))
         handles.append(model.register_forward_hook(first_forward_done))
+
+
+def _name_pattern(name):  # layers.3.mlp.up_proj -> layers.#.mlp.up_proj: one name for a repeated block's modules
+    return re.sub(r"\.\d+(?=\.|$)", ".#", name)
 
 
 def _split_ways(tensor, dim=None):

@@ -63,7 +63,7 @@ def describe_mismatches(trainer, model):
             rows[row[1], row[2]] = ([s for s in row[3].split(", ") if s], row[4])
     mesh = trainer.mesh
     for name, p in model.named_parameters():
-        split, per_device = rows[re.sub(r"\.\d+(?=\.|$)", ".#", name), str(tuple(p.shape))]
+        split, per_device = rows[st._name_pattern(name), str(tuple(p.shape))]
         if hasattr(p, "device_mesh"):
             sizes, held = dict(zip(p.device_mesh.mesh_dim_names, p.device_mesh.mesh.shape)), p.to_local().shape
         elif mesh is not None:
