@@ -605,7 +605,7 @@ def run_costs_on_xla():
     executions, one device->host transfer per step, and lines holding the very losses. stats(): its step time agrees
     with RATE_WINDOW steps bracketed by syncs within 10%, reading it costs nothing. A profile of 2 steps writes an
     xplane trace naming the step's graph and its dots, losses unchanged. describe() rows equal the shards for ddp,
-    fsdp and a 2 x 2 tensor-parallel mesh. SEAMLESS_TPU_COMPILE_CACHE is ignored on XLA:CPU."""
+    fsdp, a 2 x 2 tensor-parallel mesh and 2-D (fsdp x model). SEAMLESS_TPU_COMPILE_CACHE is ignored on XLA:CPU."""
     import glob
     import tempfile
 
@@ -670,12 +670,13 @@ def run_costs_on_xla():
     assert "XLA_PERSISTENT_CACHE_PATH" not in os.environ, "no compile cache on XLA:CPU"
     del os.environ[st.COMPILE_CACHE_ENV]
 
-    for kwargs in ({}, {"strategy": "fsdp"}, {"xla_spmd_config": {"model_parallel_size": 2}, "tp_plan": MLP_PLAN}):
+    tp = {"xla_spmd_config": {"model_parallel_size": 2}, "tp_plan": MLP_PLAN}
+    first_rows = {"ddp": "[-, -]", "fsdp": "[fsdp, -]", "tp": "[model, -]", "2-D": "[model, fsdp]"}
+    for name, kwargs in {"ddp": {}, "fsdp": {"strategy": "fsdp"}, "tp": tp, "2-D": {**tp, "strategy": "fsdp"}}.items():
         model = mlp()
         trainer = st.SeamlessTPUTrainer(model, **kwargs)
-        assert describe_mismatches(trainer, model) == [], (kwargs, trainer.describe())
-        if kwargs.get("tp_plan"):
-            assert "[model, -]" in trainer.describe().splitlines()[2], trainer.describe()
+        assert describe_mismatches(trainer, model) == [], (name, trainer.describe())
+        assert first_rows[name] in trainer.describe().splitlines()[2], (name, trainer.describe())
 
 
 def mesh_2d_model_parallel_matches_eager():
