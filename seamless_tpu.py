@@ -1042,7 +1042,6 @@ def _cut_graph(step=False):
     the first one a graph of its own, a second compile."""
     if not step:
         _STATE.cuts.held.clear()
-    _STATE.meter.before_cut()
     _import("torch_xla").sync()
     _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
     while _STATE.cuts.after_cut:
@@ -2110,8 +2109,9 @@ class SeamlessTPUTrainer:
     def stats(self):
         """What the last RATE_WINDOW optimizer steps cost, read with no sync, compile or transfer: steps, samples and
         tokens so far (of all processes), step_time_s (wall time between step ends), device_time_s (XLA: the devices'
-        execution time per step) and host_bound, samples_per_s, tokens_per_s, flops_per_device (XLA: of the compiled
-        step; else 6 x trainable parameters x tokens, or samples: flops_from says which), tflops_per_device, and mfu
+        execution time per step) and host_bound, samples_per_s, tokens_per_s, flops_per_device (XLA: the first
+        step's Linear, conv, RNN and attention-projection modules, from their shapes and the gradients the backward
+        computes; else 6 x trainable parameters x tokens, or samples: flops_from says which), tflops_per_device, and mfu
         against the device's dense bf16 peak (None where it is not known: CPU, XLA:CPU). Samples and tokens: the
         batch dim of the model's first tensor input, and the size of its first integer one, in forwards under grad."""
         return _STATE.meter.stats()
@@ -2153,16 +2153,15 @@ PEAK_FLOPS = (
     (r"a100", 312e12),  # NVIDIA A100 datasheet: 312 TFLOPs bf16 dense
 )
 RATE_WINDOW = 20  # step ends the rates are measured over: recent enough to follow the run, long enough to be stable
-_HLO_DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(\w+\[([\d,]*)\]\S* [^,]+, .*?lhs_contracting_dims=\{([\d,]*)\}")
-_HLO_CONV = re.compile(r"= \w+\[([\d,]*)\]\S* convolution\(\w+\[[\d,]*\]\S* [^,]+, \w+\[([\d,]*)\]\S* [^)]+\)"
-                       r"(.*?)dim_labels=\w+_(\w+)->")
+
 
 
 @dataclasses.dataclass
 class _Meter:
-    """What the trainers' steps cost, counted at each optimizer step's end with no sync: the samples and tokens their
-    models took under grad, the wall time, and on XLA the devices' execution time (torch_xla's metrics) and the FLOPs
-    XLA was given (the step graph's dots and convolutions, read from its HLO text on the first steps only)."""
+    """What the trainers' steps cost, counted with no sync: the samples and tokens their models took under grad, the
+    wall time at each optimizer step's end, and on XLA the first step's FLOPs from its matmul modules' shapes (the
+    HLO text torch_xla 2.9 would give, _get_xla_tensors_hlo, segfaulted under Ray and compiled one more graph on
+    LoRA models) and, when asked, the devices' execution time (torch_xla's metrics)."""
 
     steps: int = 0  # this process's optimizer steps, samples and tokens since the trainers were built
     samples: int = 0
@@ -2173,21 +2172,25 @@ class _Meter:
     model_ways: int = 1
     params: int = 0  # trainable, of the trainers: the 6 x N x T formula's N
     stepped: bool = False  # a step ended since the last trainer was built: the next one starts afresh
-    graph_flops: int = None  # XLA: a step's FLOPs over the whole mesh, every graph in it (step_flops: so far)
-    step_flops: int = 0
+    step_flops: int = None  # XLA: the first step's matmul FLOPs over the whole mesh (counting until then: flops)
+    flops: int = 0
+    counters: list = dataclasses.field(default_factory=list)  # the matmul modules' hook handles until the first step
     # (perf_counter, time.time, steps, samples, tokens) at the last RATE_WINDOW step ends and the one before them
     ends: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=RATE_WINDOW + 1))
 
     def watch(self, model, layout):
         if self.stepped:  # counts, FLOPs and rates are of the trainers built since the last step (a GAN's two)
             self.steps = self.samples = self.tokens = self.params = 0
-            self.graph_flops, self.stepped = None, False
+            self.step_flops, self.stepped = None, False
             self.ends.clear()
         self.kind, self.batch_dim = layout.kind, layout.batch_dim
         self.params += sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.data_ways = layout.batch.ways if layout.batch else (layout.data_ranks or _torch_dist_ranks())[0]
         self.model_ways = (layout.rank_axes or {}).get(MODEL_AXIS, 1)
         model.register_forward_pre_hook(self._count_inputs, with_kwargs=True)
+        if layout.mesh is not None:
+            self.counters += [m.register_forward_hook(self._count_flops) for m in model.modules()
+                              if isinstance(m, _MATMULS)]
         _add_step_hook("meter", "post", self._step_end)
 
     def _count_inputs(self, module, args, kwargs):
@@ -2198,17 +2201,19 @@ class _Meter:
             self.samples += tensors[0].shape[dim] if tensors else 0
             self.tokens += ids[0].numel() if ids else 0
 
-    def before_cut(self):
-        """XLA, in the first WARMUP_STEPS steps: add the FLOPs of the graph about to run, read from the HLO text of
-        the trainers' parameters and gradients (IR lowering only: no compile, no transfer). A step's graphs (micro-
-        batches, closures) add up; the second step's total, with the optimizer state, is kept."""
-        if self.steps < WARMUP_STEPS:
-            tensors = [t for m in _STATE.cuts.models for p in m.parameters() for t in (p, p.grad) if t is not None]
-            self.step_flops += _hlo_flops(_import("torch_xla")._XLAC._get_xla_tensors_hlo(tensors))
+    def _count_flops(self, module, args, output):
+        """XLA, the first step's training forwards: each matmul module's FLOPs from its shapes (global ones: the whole
+        mesh's), x 1 + 1 per gradient the backward computes (its input's, its weights'). No device is asked."""
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if torch.is_grad_enabled():
+            weights = any(p.requires_grad for p in module.parameters())
+            self.flops += _matmul_flops(module, output) * (1 + bool(x is not None and x.requires_grad) + weights)
 
     def _step_end(self, optimizer, args, kwargs):  # a few attribute writes: no call into torch_xla past warm-up
-        if _STATE.xla_device is not None and self.steps < WARMUP_STEPS:
-            self.graph_flops, self.step_flops = self.step_flops or None, 0
+        if self.counters:  # the first step ended: its FLOPs are every step's
+            self.step_flops, self.flops = self.flops or None, 0
+            while self.counters:
+                self.counters.pop().remove()
         self.steps, self.stepped = self.steps + 1, True
         self.ends.append((time.perf_counter(), time.time(), self.steps, self.samples, self.tokens))
 
@@ -2230,7 +2235,7 @@ class _Meter:
             out["device_time_s"] = sum(ns for at, ns in data[2] if first[1] < at <= last[1]) / 1e9 / steps
             out["host_bound"] = out["step_time_s"] > 1.25 * out["device_time_s"]  # tracing sets the pace
             devices = _import("torch_xla.runtime").global_runtime_device_count()
-            flops, out["flops_from"] = self.graph_flops and self.graph_flops / devices, "xla_hlo"
+            flops, out["flops_from"] = self.step_flops and self.step_flops / devices, "matmul_modules"
         else:  # the stated formula: 6 x trainable parameters x tokens (or samples: one dense pass of each weight)
             per = (last[4] - first[4]) or (last[3] - first[3])
             flops = 6 * self.params * per / steps / self.model_ways
@@ -2242,19 +2247,17 @@ class _Meter:
         return out
 
 
-def _hlo_flops(hlo):
-    """2 x multiply-adds of every dot (output x contracted size) and convolution (output x kernel / its outputs, over
-    its input dilation: a transposed convolution, as in an input's gradient, multiplies the zeros it inserts by no
-    one)."""
-    def dims(text):
-        return [int(d) for d in text.split(",") if d]
-    flops = sum(2 * math.prod(dims(out)) * math.prod(dims(lhs)[i] for i in dims(contracted))
-                for out, lhs, contracted in _HLO_DOT.findall(hlo))
-    for out, kernel, window, labels in _HLO_CONV.findall(hlo):
-        kernel, dilated = dims(kernel), re.search(r"lhs_dilate=([\dx]+)", window)
-        zeros = math.prod(int(d) for d in dilated[1].split("x")) if dilated else 1
-        flops += 2 * math.prod(dims(out)) * math.prod(kernel) // kernel[labels.index("o")] // zeros
-    return flops
+_MATMULS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.MultiheadAttention)
+
+
+def _matmul_flops(module, output):
+    """A matmul module's forward FLOPs from its output: 2 x rows x weights, exact for Linear, a convolution (rows:
+    output positions), an RNN's input and state products, and attention's projections (not its scores)."""
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        return 0
+    rows = out.numel() // out.shape[1 if isinstance(module, torch.nn.modules.conv._ConvNd) else -1]
+    return 2 * rows * sum(p.numel() for p in module.parameters() if p.dim() > 1)
 
 
 LOG_EVERY_S = 5.0  # trainer.log()'s default: one line per few seconds of training, whatever a step costs
@@ -2444,7 +2447,6 @@ def _check_work(model, layout):
     outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them. Any
     other cut drops them first (_cut_graph), so a loop whose first graph repeats is not checked."""
     devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
-    matmuls = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.MultiheadAttention)
 
     def hold(module, args, output):
         out = output[0] if isinstance(output, (tuple, list)) else output
@@ -2454,9 +2456,7 @@ def _check_work(model, layout):
     def check():
         total, whole = 0, []
         for name, module, out in held:
-            # 2 x rows x weights: exact for Linear, conv and an RNN's input and state products
-            rows = out.numel() // out.shape[1 if isinstance(module, torch.nn.modules.conv._ConvNd) else -1]
-            flops = 2 * rows * sum(p.numel() for p in module.parameters() if p.dim() > 1) * counts[_name_pattern(name)]
+            flops = _matmul_flops(module, out) * counts[_name_pattern(name)]
             weight = getattr(module, "weight", None)
             ways = _split_ways(out) * (_split_ways(weight, dim=-1) if weight in layout.planned else 1)  # rowwise
             total += flops
@@ -2482,7 +2482,7 @@ def _check_work(model, layout):
     names = {m: n for n, m in model.named_modules()}
     if devices > 1:
         for module, name in names.items():
-            if isinstance(module, matmuls):
+            if isinstance(module, _MATMULS):
                 counts[_name_pattern(name)] += 1
                 if counts[_name_pattern(name)] == 1:
                     handles.append(module.register_forward_hook(hold))

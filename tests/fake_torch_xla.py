@@ -145,7 +145,6 @@ class FakeXLA:
             # torch_xla returns an OpSharding object (None without one); its text stands in for it here
             _get_xla_op_sharding=lambda t: fx.shardings.get(t),
             _xla_mark_sharding=lambda t, op_sharding: fx._settled(t) and fx.shardings.__setitem__(t, op_sharding),
-            _get_xla_tensors_hlo=lambda tensors: "",  # HLO text: the fake has no graph, so no FLOPs
             _xla_computation_cache_is_initialized=lambda: bool(fx.graphs),  # from the first compile, as torch_xla
             _xla_get_cpu_tensors=lambda tensors: fx._transfer([t.detach().to("cpu") for t in tensors]),
         )

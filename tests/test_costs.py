@@ -249,9 +249,14 @@ def test_stats_and_log_through_the_fake_read_no_value_mid_step(monkeypatch, fres
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     trainer = st.SeamlessTPUTrainer(scenarios.mlp(), device="xla", log_every=1, progress=False)
     step_on(trainer)
+    step_on(trainer)
     before = fake.transfers
-    trainer.stats()
+    stats = trainer.stats()
     assert fake.transfers == before
+    # the first step's matmul modules: 2 x 8 rows x weights, x 2 for the first (its input needs no gradient), x 3
+    # for the second, over the 4 devices
+    assert stats["flops_from"] == "matmul_modules"
+    assert stats["flops_per_device"] == (2 * 8 * 320 * 2 + 2 * 8 * 32 * 3) / 4
     trainer.log(1, loss=torch.ones(()).to(trainer.device), acc=torch.ones(()).to(trainer.device))
     st._STATE.run_log.close()
     assert fake.transfers == before + 1

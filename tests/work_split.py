@@ -177,9 +177,6 @@ def on_xla(name):
     layouts = {"ddp": {}, "fsdp": {"strategy": "fsdp"}}
     if name == "qwen3":
         layouts["tp"] = {"xla_spmd_config": {"model_parallel_size": 2}}
-    seen_hlo = []  # the HLO text the meter counted: its batched dots (attention) are told apart below
-    count = st._hlo_flops
-    st._hlo_flops = lambda text: seen_hlo.append(text) or count(text)
     for layout, kwargs in layouts.items():
         before = hlo.dumped_files(dump)
         model, batch, loss_of = build(name)
@@ -191,10 +188,6 @@ def on_xla(name):
         before_read, costs, read = trainer.compile_stats(), trainer.stats(), trainer.compile_stats()
         out[layout] = {"losses": losses, "dots": share, "hlo_dot_flops": [whole, per_device], "costs": costs,
                        "stats_read": [read, before_read],
-                       "batched_dot_flops": count("\n".join(line for line in seen_hlo[-1].splitlines()
-                                                             if " dot(" in line and "lhs_batch_dims={" in line)),
-                       "conv_flops": count("\n".join(line for line in seen_hlo[-1].splitlines()
-                                                      if " convolution(" in line)),
                        "describe_wrong": scenarios.describe_mismatches(trainer, model),
                        "tokens_6nt": 6 * sum(p.numel() for p in model.parameters()) * B * T,
                        "all_gather_bytes": collectives.get("all-gather", (0, 0))[1],
