@@ -2155,7 +2155,6 @@ PEAK_FLOPS = (
 RATE_WINDOW = 20  # step ends the rates are measured over: recent enough to follow the run, long enough to be stable
 
 
-
 @dataclasses.dataclass
 class _Meter:
     """What the trainers' steps cost, counted with no sync: the samples and tokens their models took under grad, the
@@ -2209,7 +2208,7 @@ class _Meter:
             weights = any(p.requires_grad for p in module.parameters())
             self.flops += _matmul_flops(module, output) * (1 + bool(x is not None and x.requires_grad) + weights)
 
-    def _step_end(self, optimizer, args, kwargs):  # a few attribute writes: no call into torch_xla past warm-up
+    def _step_end(self, optimizer, args, kwargs):  # a few attribute writes: no call into torch_xla
         if self.counters:  # the first step ended: its FLOPs are every step's
             self.step_flops, self.flops = self.flops or None, 0
             while self.counters:
