@@ -2184,7 +2184,8 @@ class _Meter:
             self.ends.clear()
         self.kind, self.batch_dim = layout.kind, layout.batch_dim
         self.params += sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.data_ways = layout.batch.ways if layout.batch else (layout.data_ranks or _torch_dist_ranks())[0]
+        # processes that each read their own batch; on XLA 1: the batch's shape is the whole slice's already
+        self.data_ways = 1 if layout.mesh is not None else (layout.data_ranks or _torch_dist_ranks())[0]
         self.model_ways = (layout.rank_axes or {}).get(MODEL_AXIS, 1)
         model.register_forward_pre_hook(self._count_inputs, with_kwargs=True)
         if layout.mesh is not None:
@@ -2218,8 +2219,7 @@ class _Meter:
 
     def stats(self):
         xla, (first, last) = _STATE.xla_device is not None, (self.ends[0], self.ends[-1]) if self.ends else (None,) * 2
-        out = {"steps": self.steps, "samples": self.samples * (1 if xla else self.data_ways),
-               "tokens": self.tokens * (1 if xla else self.data_ways)}
+        out = {"steps": self.steps, "samples": self.samples * self.data_ways, "tokens": self.tokens * self.data_ways}
         keys = ("step_time_s", "device_time_s", "host_bound", "samples_per_s", "tokens_per_s", "flops_per_device",
                 "tflops_per_device", "mfu")
         out.update(dict.fromkeys(keys), flops_from=None, peak_tflops=None)
@@ -2227,8 +2227,8 @@ class _Meter:
             return out
         steps, wall = last[2] - first[2], last[0] - first[0]
         out["step_time_s"] = wall / steps
-        out["samples_per_s"] = (last[3] - first[3]) * (1 if xla else self.data_ways) / wall
-        out["tokens_per_s"] = (last[4] - first[4]) * (1 if xla else self.data_ways) / wall or None
+        out["samples_per_s"] = (last[3] - first[3]) * self.data_ways / wall
+        out["tokens_per_s"] = (last[4] - first[4]) * self.data_ways / wall or None
         if xla:  # torch_xla's execution times carry the wall clock at which each ended: those inside the window
             data = _import("torch_xla.debug.metrics").metric_data("ExecuteReplicatedTime") or (0, 0, ())
             out["device_time_s"] = sum(ns for at, ns in data[2] if first[1] < at <= last[1]) / 1e9 / steps
@@ -2362,8 +2362,7 @@ def _memory_stats(model, optimizers):
 def _device_bytes(tensors):
     """memory_stats' per_device: on XLA from the shards' shapes, off it this rank's local part (an FSDP2 shard)."""
     if _STATE.xla_device is None:
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-        return [sum(t.numel() * t.element_size() for t in local)]
+        return [sum(map(_bytes_per_device, tensors))]
     xlac = _import("torch_xla")._XLAC
     _import("torch_xla.core.xla_model").wait_device_ops()  # shards are readable once the step that made them ran
     per_device = [0] * _import("torch_xla.runtime").global_runtime_device_count()
@@ -2385,20 +2384,20 @@ def _describe(model, layout, optimizers):
                  f"on dim {layout.batch.dim} over {tuple(layout.batch.axes)}")
     else:
         where = f"{layout.device}, {_torch_dist_ranks()[0]} process(es), {layout.wrap or 'no wrapper'}"
-    rows = collections.OrderedDict()
+    rows = collections.OrderedDict()  # (name pattern, shape, splits) -> (parameters, bytes each on a device)
     for name, p in model.named_parameters():
-        splits = _splits(p, layout.mesh)
-        key = (_name_pattern(name), tuple(p.shape), splits)
-        count, _ = rows.get(key, (0, 0))
-        rows[key] = (count + 1, _bytes_per_device(p))
-    params, state = list(model.parameters()), _state_tensors(optimizers)
+        key = (_name_pattern(name), tuple(p.shape), _splits(p, layout.mesh))
+        rows[key] = (rows.get(key, (0,))[0] + 1, _bytes_per_device(p))
     table = [where, f"{'parameter':48} {'shape':>18} {'split':>14} {'per device':>11}"]
     table += [f"{name + (f' (x{count})' if count > 1 else ''):48} {str(shape):>18} "
               f"{'[' + ', '.join(splits) + ']':>14} {_fmt_bytes(each):>11}"
               for (name, shape, splits), (count, each) in rows.items()]
-    for what, tensors in (("parameters", params), ("optimizer state", state)):
+    state = _state_tensors(optimizers)
+    totals = (("parameters", list(model.parameters()), sum(count * each for count, each in rows.values())),
+              ("optimizer state", state, sum(map(_bytes_per_device, state))))
+    for what, tensors, mine in totals:
         if tensors:
-            mine, whole = sum(map(_bytes_per_device, tensors)), sum(t.numel() * t.element_size() for t in tensors)
+            whole = sum(t.numel() * t.element_size() for t in tensors)
             table.append(f"{what}: {_fmt_bytes(mine)} per device of {_fmt_bytes(whole)} in one replica "
                          f"({mine / whole:.2f})")
     return "\n".join(table)
