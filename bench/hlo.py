@@ -1,10 +1,10 @@
 """What XLA compiled, read from the HLO text it dumps (XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text ...).
 The benchmark and the tests (which find bench/ on their path) read it the same way.
 
-dot_flops_per_device(DIR) compares the last graph's dot FLOPs just before SPMD partitioning (the
-whole step) with just after it (one device's share), so later rewrites (a matrix-vector dot turned
-into a reduce) count on neither side: a mesh of N devices on which no device repeats another's work
-gives 1/N. step_collectives(DIR, shapes) counts the collectives of the last optimized graph.
+dot_flops_per_device(DIR) compares the last graph's dot (and, with count=matmul_flops, convolution) FLOPs
+just before SPMD partitioning (the whole step) with just after it (one device's share), so later rewrites (a
+matrix-vector dot turned into a reduce) count on neither side: a mesh of N devices on which no device
+repeats another's work gives 1/N. step_collectives(DIR, shapes) counts the collectives of the last optimized graph.
 """
 
 import glob
@@ -16,11 +16,17 @@ DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=spm
 
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([0-9,]*)\]", re.M)
 DOT = re.compile(
-    r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[([0-9,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\), lhs_contracting_dims=\{([0-9,]*)\}",
+    r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[([0-9,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\), (?:lhs_batch_dims=\{[0-9,]*\}, )?"
+    r"lhs_contracting_dims=\{([0-9,]*)\}",
     re.M,
+)
+CONVOLUTION = re.compile(
+    r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[([0-9,]*)\]\S* convolution\(%[\w.\-]+, %([\w.\-]+)\),.*?"
+    r"dim_labels=\w+_(\w+)->", re.M,
 )
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 PARAM_GATHER = "all-gather of a parameter's shape"
+FLOAT_GATHER = "all-gather of floats"  # activations or weights; not the u32 index bookkeeping of per-step slices
 COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (" + "|".join(COLLECTIVES) + r")\(")
 SHAPE = re.compile(r"\b(f32|bf16|f16|f64|s32|s64|u32|pred)\[([0-9,]*)\]")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "s64": 8, "u32": 4, "pred": 1}
@@ -30,24 +36,59 @@ def dims(text):
     return [int(d) for d in text.split(",") if d]
 
 
+def live(hlo):
+    """The HLO text without its dead instructions (those no ROOT reaches): before partitioning the graph still holds
+    some (the input gradient of a first convolution whose input needs none), which partitioning then drops, so
+    counting them would credit the split with work nobody does."""
+    lines = hlo.splitlines()
+    uses = {m[1]: set(re.findall(r"%([\w.\-]+)", line[m.end():])) for line in lines
+            for m in [re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)] if m}
+    todo = [m[1] for line in lines for m in [re.match(r"\s*ROOT %([\w.\-]+) = ", line)] if m]
+    todo += [name for line in lines if "calls=" in line or "to_apply=" in line  # called computations' instructions
+             for name in re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += uses.get(name, ())
+    return "\n".join(line for line in lines if (m := re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)) is None
+                     or m[1] in seen)
+
+
 def dot_flops(hlo):
-    """2 x output elements x contracted size, summed over every dot in an HLO module's text."""
+    """2 x output elements x contracted size, summed over every live dot in an HLO module's text."""
+    hlo = live(hlo)
     shapes = {name: dims(shape) for name, shape in INSTRUCTION.findall(hlo)}
     return sum(2 * math.prod(dims(out)) * math.prod(shapes[lhs][i] for i in dims(contracted))
                for out, lhs, contracted in DOT.findall(hlo))
 
 
-def dot_flops_per_device(dump, skip=()):
-    """(whole step's dot FLOPs, one device's, the ratio) for the graph with the most dot FLOPs that XLA
-    compiled into `dump` (the training step: the graphs that read losses back hold no dots), leaving out
-    the files in `skip` (those of an earlier run in the same process: dumped_files(dump))."""
+def conv_flops(hlo):
+    """2 x output elements x what each one sums (the kernel's elements over its output features), summed over every
+    convolution: forward, input gradient and weight gradient alike, grouped ones too (the kernel's 'i' is C/groups;
+    a weight gradient's kernel is the output gradient, whose 'o' is the features and the rest the batch and space)."""
+    hlo = live(hlo)
+    shapes = {name: dims(shape) for name, shape in INSTRUCTION.findall(hlo)}
+    return sum(2 * math.prod(dims(out)) * math.prod(shapes[rhs]) // shapes[rhs][labels.index("o")]
+               for out, rhs, labels in CONVOLUTION.findall(hlo))
+
+
+def matmul_flops(hlo):
+    return dot_flops(hlo) + conv_flops(hlo)
+
+
+def dot_flops_per_device(dump, skip=(), count=dot_flops):
+    """(whole step's dot FLOPs, one device's, the ratio) for the graph with the most (by `count`: matmul_flops adds
+    the convolutions) that XLA compiled into `dump` (the training step: the graphs that read losses back hold none),
+    leaving out the files in `skip` (those of an earlier run in the same process: dumped_files(dump))."""
     best = (0, 0)
     for before in set(glob.glob(os.path.join(dump, "module_*before_spmd-partitioning.txt"))) - set(skip):
         module = re.sub(r"\.[0-9]{4}\.spmd-partitioner\..*", "", before)  # module_0001.SyncTensorsGraph.122
         after = glob.glob(glob.escape(module) + ".*.after_spmd-partitioning*.txt")
         with open(before) as f, open(after[0]) as g:
-            best = max(best, (dot_flops(f.read()), dot_flops(g.read())))
-    assert best[0], f"no partitioned graph with a dot in {dump}: was XLA_FLAGS set before XLA started?"
+            best = max(best, (count(f.read()), count(g.read())))
+    assert best[0], f"no partitioned graph with a dot or a convolution in {dump}: was XLA_FLAGS set before XLA started?"
     return best[0], best[1], best[1] / best[0]
 
 
@@ -55,13 +96,13 @@ def dumped_files(dump):
     return set(glob.glob(os.path.join(dump, "*")))
 
 
-def step_collectives(dump, param_shapes):
+def step_collectives(dump, param_shapes, skip=()):
     """Collectives in the last graph XLA compiled (the steady-state step), read from the
     partitioned, optimized HLO that XLA_FLAGS=--xla_dump_to wrote: {op: (count, bytes)}, bytes being
     each op's result on one device. "all-gather of a parameter's shape" counts the all-gathers whose
     result has the shape of a whole parameter (or its transpose): FSDP's weight gathers; the other
-    all-gathers move activations."""
-    files = sorted(glob.glob(os.path.join(dump, "module_*after_optimizations.txt")))
+    all-gathers move activations. Files in `skip` (an earlier run's) are left out."""
+    files = sorted(set(glob.glob(os.path.join(dump, "module_*after_optimizations.txt"))) - set(skip))
     if not files:
         return {}
     with open(files[-1]) as f:
@@ -72,6 +113,7 @@ def step_collectives(dump, param_shapes):
         parts = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in SHAPE.findall(shape)]
         size = sum(DTYPE_BYTES[t] * math.prod(dims) for t, dims in parts)
         keys = [op] + ([PARAM_GATHER] if op == "all-gather" and all(d in shapes for _, d in parts) else [])
+        keys += [FLOAT_GATHER] if op == "all-gather" and all(t[0] in "fb" for t, _ in parts) else []
         for key in keys:
             count, total = found.get(key, (0, 0))
             found[key] = (count + 1, total + size)
