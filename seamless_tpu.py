@@ -11,10 +11,11 @@ guess); TPU_ACCELERATOR_TYPE; RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice wi
 SEAMLESS_TPU_PORT. Written only where unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu"
 workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
-  swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); a torch.xla device module; for XLA
-  inputs only torch.utils.checkpoint, F.linear, layer_norm, batch_norm, multi_head_attention_forward; step hooks.
-- each trainer: a global post-step hook (stats); trainer.log(): a thread, torch_xla step closures; profile(): a hook.
-- FSDP2 or tensor parallelism off XLA: a global pre-step hook rebinding optimizers built before the trainer.
+  swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); torch.xla; for XLA inputs only:
+  torch.utils.checkpoint, F.multi_head_attention_forward, F.embedding_bag, AutogradXLA kernels (linear, norms, grouped
+  convolutions, resampling, pooling, im2col/col2im, kl_div); without jax torch_xla's scan backward, nn.GRU; step hooks.
+- each trainer: a post-step hook (stats); log(): a thread, step closures; profile(): a hook; FSDP2 or tensor
+  parallelism off XLA: a global pre-step hook rebinding optimizers built before the trainer.
 - first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler chaining the
   user's (SIG_IGN left alone); a default or Ray exit held until trainer.preempted's save, the grace at most (a daemon
   thread from the signal); a global post-step hook. Several processes: a gloo group (a collective; on a slice without
@@ -76,6 +77,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
 # - torch_xla.experimental.distributed_checkpoint._helpers: _cpu_shards_from_tensors, _CpuShards.
 #   TODO(remove when torch_xla's SPMDSavePlanner saves partially replicated tensors)
+# - torch_xla.experimental.scan._backward_shard_alike, replaced where jax is missing (torch_xla[pallas] brings it).
+#   TODO(remove when torch_xla's scan backward runs under SPMD without jax)
 # - torch._register_device_module("xla"), torch.utils.checkpoint._CheckpointFrame.
 #   TODO(remove when torch_xla registers torch.xla and supports use_reentrant=False)
 # - torch.distributed.checkpoint: FileSystemReader.storage_data and _slice_file, _traverse.set_element, and
@@ -165,6 +168,18 @@ def _add_step_hook(name, when, hook):  # a global optimizer-step hook, once per 
     if name not in _STATE.optimizer_hooks:
         register = register_optimizer_step_pre_hook if when == "pre" else register_optimizer_step_post_hook
         _STATE.optimizer_hooks[name] = register(hook)
+
+
+def _owned(module, hook):
+    """`hook` for `module` alone. A deep copy copies a module's hook dicts, so an EMA copy or the layer torch_xla's
+    scan_layers runs functionally would run the trainer's hooks on modules it never placed (KeyError at their first
+    forward); there they do nothing. functional_call runs the module itself: they run as usual."""
+    owner = weakref.ref(module)
+
+    @functools.wraps(hook)  # keeps its name for whoever lists a module's hooks
+    def owned(mod, *args):
+        return hook(mod, *args) if mod is owner() else None
+    return owned
 
 
 def _patch(owner, name, value):
@@ -844,90 +859,300 @@ def _patch_torch_for_xla():
     _patch(ckpt, "CheckpointFunction", RoutedCheckpointFunction)
     _patch(ckpt._CheckpointFrame, "__init__", init_with_barrier)
 
+# --- 7b. XLA lowerings that keep the batch split ----------------------------------------------------
+# torch_xla lowers these ops in ways GSPMD cannot split over the batch (found by tests/op_sweep.py, 4 devices, batch
+# split): from there on each device computed the whole batch, and "fsdp" all-gathered activations. linear on > 2-D
+# inputs (matmul folds (T, B, E) into (T*B, E)), layer_norm and training batch_norm (one op over the batch; also
+# instance_norm, which torch builds on it), group_norm (a GroupNorm conv net ran 0.32-0.61 of its convolutions per
+# device), upsampling (each device gathered the whole upsampled image), adaptive average pooling to sizes that do not
+# divide the input's, and multi-head attention ((T, B, H, d) viewed as (T*B, E)). Ours keep every dimension, reduce
+# where GSPMD can split, and give eager's numbers (1e-6; running statistics with eager's unbiased variance, where
+# torch_xla's batch_norm keeps the biased one). They are kernels for the dispatcher's AutogradXLA key, so every caller
+# reaches them (nn modules, torch.* and functionals imported before the trainer existed) and only XLA tensors do: the
+# parent ops are CompositeImplicitAutograd, so autograd differentiates our ops and nothing of torch_xla's is replaced.
+# aten::kl_div gets torch's own decomposition there: torch_xla's XLA kernel has no autograd kernel, so each backward
+# warned "an autograd kernel was not registered". Multi-head attention is a Python function: patched in F.
+
+
 def _keep_batch_dims():
-    """XLA lowers four torch functionals in ways GSPMD cannot split over the batch, so from there on each device
-    computed the whole batch (4 devices: nn.TransformerEncoder 1.00 of the step's dot FLOPs per device, a seq-first
-    one 0.85, ViT 0.63, a ResNet's convolutions 1.00; "fsdp" then all-gathered activations, 3 MB a step against 0.27
-    MB of weights): linear on > 2-D inputs (matmul views (T, B, E) as (T*B, E)), layer_norm (a batch-norm over (1,
-    B*T, E)), multi-head attention ((T, B, H, d) viewed as (T*B, E)) and training batch_norm (one op over the batch).
-    On XLA inputs these keep every dimension and reduce where GSPMD can split (0.25, weights gathered); eager's numbers
-    to 1e-6. Others' inputs take torch's own path."""
-    F = torch.nn.functional
-    if getattr(F.linear, "keeps_batch_dims", False):  # patched by an earlier process state
-        return
-    linear, layer_norm, batch_norm, attention = F.linear, F.layer_norm, F.batch_norm, F.multi_head_attention_forward
-    signature = inspect.signature(attention)
+    if getattr(torch.nn.functional.multi_head_attention_forward, "keeps_batch_dims", False):
+        return  # registered by an earlier process state
+    library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
+    for op, kernel in _XLA_KERNELS.items():
+        library.impl(op, kernel, "AutogradXLA")
+    _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
+    _patch(torch.nn.functional, "multi_head_attention_forward", _xla_attention)
+    _patch(torch.nn.functional, "embedding_bag", _xla_embedding_bag)
+    scan, scan_gru = (sys.modules.get(f"torch_xla.experimental.{name}") for name in ("scan", "gru"))
+    if scan is not None and scan_gru is not None and importlib.util.find_spec("jax") is None:
+        # torch_xla's scan (its nn.GRU replacement, scan_layers) gives its SPMD backward's gradients the inputs'
+        # shardings with jax's shard_alike: without jax every such backward raised ModuleNotFoundError. Without it
+        # GSPMD propagates them (the numbers are the same); torch's own GRU, its parent class, steps without scan.
+        _patch(scan, "_backward_shard_alike", lambda carry, x, backward, init, xs: backward(carry, x))
+        _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
 
-    def xla_linear(input, weight, bias=None):
-        if input.dim() <= 2 or input.device.type != "xla":
-            return linear(input, weight, bias)
-        out = torch.einsum("...n,mn->...m", input, weight)  # autocast casts it as it casts linear
-        return out if bias is None else out + bias.to(out.dtype)
 
-    def xla_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-        if input.device.type != "xla":
-            return layer_norm(input, normalized_shape, weight, bias, eps)
-        dims, x = tuple(range(-len(normalized_shape), 0)), input.float()  # fp32 statistics, as torch's kernel
-        centred = x - x.mean(dims, keepdim=True)
-        y = centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
-        y = y if weight is None else y * weight
-        return (y if bias is None else y + bias).to(input.dtype)
+def _xla_linear(input, weight, bias=None):
+    if input.dim() <= 2:
+        return torch.ops.aten.linear.default.decompose(input, weight, bias)
+    out = torch.einsum("...n,mn->...m", input, weight)  # autocast cast both already, as it casts linear
+    return out if bias is None else out + bias.to(out.dtype)
 
-    def xla_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
-                       eps=1e-5):  # training: statistics by reductions (XLA's batch-norm op ran whole on each device)
-        if input.device.type != "xla" or not (training or running_mean is None):
-            return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-        F._verify_batch_size(input.size())
-        dims, shape, x = [0, *range(2, input.dim())], (1, -1) + (1,) * (input.dim() - 2), input.float()
-        mean = x.mean(dims)
-        centred = x - mean.view(shape)
-        var = centred.square().mean(dims)
-        y = centred * torch.rsqrt(var + eps).view(shape)
-        y = y if weight is None else y * weight.view(shape)
-        if running_mean is not None:  # as eager: the unbiased variance (torch_xla's own op keeps the biased one)
-            n = input.numel() // input.shape[1]
-            with torch.no_grad():
-                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-                running_var.mul_(1 - momentum).add_((var * (n / max(n - 1, 1))).to(running_var.dtype), alpha=momentum)
-        return (y if bias is None else y + bias.view(shape)).to(input.dtype)
 
-    def xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, batch-first inside
-        a = signature.bind(*args, **kwargs)
-        a.apply_defaults()
-        a = types.SimpleNamespace(**a.arguments)
-        query, key, value, heads = a.query, a.key, a.value, a.num_heads
-        if (query.device.type != "xla" or query.dim() != 3 or a.bias_k is not None or a.add_zero_attn
-                or a.static_k is not None or a.static_v is not None or (a.is_causal and a.attn_mask is None)):
-            return attention(*args, **kwargs)  # torch's path: unbatched, rare options, or its own error
-        (t, b, _), s = query.shape, key.shape[0]
-        weights = ((a.q_proj_weight, a.k_proj_weight, a.v_proj_weight) if a.use_separate_proj_weight
-                   else a.in_proj_weight.chunk(3))
-        biases = (None,) * 3 if a.in_proj_bias is None else a.in_proj_bias.chunk(3)
-        q, k, v = (xla_linear(x.transpose(0, 1), w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
-                   for x, w, bias in zip((query, key, value), weights, biases))  # (B, heads, T or S, head dim)
-        mask = F._canonical_mask(mask=a.attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                                 target_type=q.dtype, check_other=False)
-        mask = mask.view(b, heads, t, s) if mask is not None and mask.dim() == 3 else mask
-        pad = F._canonical_mask(mask=a.key_padding_mask, mask_name="key_padding_mask", target_type=q.dtype,
-                                other_type=F._none_or_dtype(a.attn_mask), other_name="attn_mask")
-        if pad is not None:
-            mask = pad.view(b, 1, 1, s) if mask is None else mask + pad.view(b, 1, 1, s)
-        dropout = a.dropout_p if a.training else 0.0
-        if a.need_weights:  # as torch: scores scaled before the product, weights returned after dropout
-            scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-            probs = torch.softmax(scores if mask is None else scores + mask, -1)
-            probs = F.dropout(probs, dropout) if dropout > 0 else probs
-            out, probs = probs @ v, probs.mean(1) if a.average_attn_weights else probs
+def _normalized(x, dims, eps):
+    """(x - mean) / sqrt(var + eps) over `dims`, in fp32 as torch's kernels compute it, centred once."""
+    x = x.float()
+    centred = x - x.mean(dims, keepdim=True)
+    return centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+
+
+def _affine(y, weight, bias, shape, dtype):
+    y = y if weight is None else y * weight.view(shape)
+    return (y if bias is None else y + bias.view(shape)).to(dtype)
+
+
+def _xla_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    y = _normalized(input, tuple(range(-len(normalized_shape), 0)), eps)
+    return _affine(y, weight, bias, tuple(normalized_shape), input.dtype)
+
+
+def _xla_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    y = _normalized(input.unflatten(1, (num_groups, -1)).flatten(2), -1, eps).view(input.shape)
+    return _affine(y, weight, bias, (-1,) + (1,) * (input.dim() - 2), input.dtype)
+
+
+def _xla_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    if not (training or running_mean is None):
+        return torch.ops.aten.batch_norm.default.decompose(input, weight, bias, running_mean, running_var, training,
+                                                          momentum, eps, cudnn_enabled)
+    torch.nn.functional._verify_batch_size(input.size())
+    dims, shape, x = [0, *range(2, input.dim())], (-1,) + (1,) * (input.dim() - 2), input.float()
+    mean = x.mean(dims)
+    centred = x - mean.view(shape)
+    var = centred.square().mean(dims)
+    if running_mean is not None:  # as eager: the unbiased variance
+        n = input.numel() // input.shape[1]
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1 - momentum).add_((var * (n / max(n - 1, 1))).to(running_var.dtype), alpha=momentum)
+    return _affine(centred * torch.rsqrt(var + eps).view(shape), weight, bias, shape, input.dtype)
+
+
+def _xla_kl_div(input, target, reduction=1, *, log_target=False):
+    return torch.ops.aten.kl_div.default.decompose(input, target, reduction, log_target=log_target)
+
+
+def _resized(input, sizes, scales, mode, align_corners=False):
+    """input resized over its last len(sizes) dimensions one at a time, with eager's source positions and weights
+    (nearest: one tap, linear: two, cubic: four, A=-0.75), each tap an index_select along that dimension only. The
+    positions are computed on the device (iota): no transfer, no new constant per step."""
+    for k, m in enumerate(sizes):
+        d, n = input.dim() - len(sizes) + k, input.shape[input.dim() - len(sizes) + k]
+        dst = torch.arange(m, device=input.device, dtype=torch.float32)
+        given = scales[k] if scales else None
+        if mode == "nearest":
+            taps = [((dst * (1 / given if given else n / m)).floor().clamp(max=n - 1), None)]
         else:
-            out, probs = F.scaled_dot_product_attention(q, k, v, mask, dropout), None
-        out = xla_linear(out.transpose(1, 2).flatten(2), a.out_proj_weight, a.out_proj_bias)
-        return out.transpose(0, 1), probs
+            if align_corners:
+                src = dst * ((n - 1) / (m - 1) if m > 1 else 0)
+            else:
+                src = (dst + 0.5) * (1 / given if given else n / m) - 0.5
+            src = src if mode == "cubic" or align_corners else src.clamp(min=0)
+            start = src.floor()
+            t = src - start
+            if mode == "linear":
+                taps = [(start, 1 - t), ((start + 1).clamp(max=n - 1), t)]
+            else:
+                a, u = -0.75, [t + 1, t, 1 - t, 2 - t]
+                near, far = (lambda x: ((a + 2) * x - (a + 3)) * x * x + 1), (
+                    lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a)
+                weights = [far(u[0]), near(u[1]), near(u[2]), far(u[3])]
+                taps = [((start + j - 1).clamp(0, n - 1), w) for j, w in enumerate(weights)]
+        shape = (m,) + (1,) * (input.dim() - d - 1)
+        parts = [input.index_select(d, i.long()) for i, _ in taps]
+        parts = [p if w is None else p * w.to(input.dtype).view(shape) for p, (_, w) in zip(parts, taps)]
+        input = functools.reduce(torch.add, parts) if len(parts) > 1 else parts[0]
+    return input
 
-    xla_linear.keeps_batch_dims = True
-    _patch(F, "linear", xla_linear)
-    _patch(F, "layer_norm", xla_layer_norm)
-    _patch(F, "batch_norm", xla_batch_norm)
-    _patch(F, "multi_head_attention_forward", xla_attention)
+
+def _resize_kernel(spatial, mode, with_corners):
+    def kernel(input, output_size, *rest):
+        align_corners, scales = rest if with_corners else (False, rest[0])
+        if output_size is None:
+            output_size = [math.floor(n * s) for n, s in zip(input.shape[-spatial:], scales)]
+        return _resized(input, list(output_size), scales if scales else None, mode, align_corners)
+    return kernel
+
+
+def _xla_adaptive_avg_pool(input, output_size):
+    """Divisible sizes go to torch_xla's pooling; others average each output's window [floor(i*n/m), ceil((i+1)*n/m))
+    as an einsum with a pooling matrix per dimension (a window's mean is separable)."""
+    spatial = len(output_size)
+    op = getattr(torch.ops.aten, f"adaptive_avg_pool{spatial}d").default
+    if all(n % m == 0 for n, m in zip(input.shape[-spatial:], output_size)):
+        return op.decompose(input, output_size)
+    for k, m in enumerate(output_size):
+        n = input.shape[input.dim() - spatial + k]
+        i, j = (torch.arange(size, device=input.device) for size in (m, n))
+        start, end = (i * n).div(m, rounding_mode="floor"), ((i + 1) * n + m - 1).div(m, rounding_mode="floor")
+        window = (j >= start[:, None]) & (j < end[:, None])
+        pool = window.to(input.dtype) / (end - start)[:, None].to(input.dtype)
+        input = torch.einsum("...n,mn->...m", input.movedim(input.dim() - spatial + k, -1), pool).movedim(
+            -1, input.dim() - spatial + k)
+    return input
+
+
+def _windows(input, kernel, dilation, padding, stride):
+    """(N, C, K, *out): every kernel offset's strided view of the padded input, K = prod(kernel); slices along the
+    spatial dimensions only, so the batch stays split (torch_xla's im2col fell back to the CPU)."""
+    spatial = len(kernel)
+    input = torch.nn.functional.pad(input, [p for pad in reversed(padding) for p in (pad, pad)])
+    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(input.shape[-spatial:], kernel, dilation, stride)]
+    views = []
+    for offset in itertools.product(*map(range, kernel)):
+        index = tuple(slice(o * d, o * d + (m - 1) * s + 1, s) for o, d, m, s in zip(offset, dilation, out, stride))
+        views.append(input[(..., *index)])
+    return torch.stack(views, 2)
+
+
+def _xla_im2col(input, kernel_size, dilation, padding, stride):
+    return _windows(input, kernel_size, dilation, padding, stride).flatten(1, 2).flatten(2)
+
+
+def _xla_col2im(input, output_size, kernel_size, dilation, padding, stride):
+    """F.fold: each window's column added back where _windows took it from (im2col's adjoint), one offset at a
+    time, placed along each spatial dimension by a one-hot matrix: an einsum that keeps the batch split, at the cost
+    of (H + W) multiply-adds per output element and offset, where torch's CPU scatter (torch_xla has none) adds."""
+    k = math.prod(kernel_size)
+    padded = [size + 2 * pad for size, pad in zip(output_size, padding)]
+    out = [(m - d * (kk - 1) - 1) // s + 1 for m, kk, d, s in zip(padded, kernel_size, dilation, stride)]
+    columns = input.unflatten(1, (-1, k)).unflatten(-1, out)  # (N, C, K, *out)
+    image = 0
+    for i, offset in enumerate(itertools.product(*map(range, kernel_size))):
+        part = columns[:, :, i]
+        for j, (o, d, m, s, size) in enumerate(zip(offset, dilation, out, stride, padded)):
+            at = torch.arange(m, device=input.device) * s + o * d  # where window position p lands on this dimension
+            place = (torch.arange(size, device=input.device)[:, None] == at).to(input.dtype)  # (size, m)
+            part = torch.einsum("...m,sm->...s", part.movedim(2 + j, -1), place).movedim(-1, 2 + j)
+        image = image + part
+    crop = tuple(slice(pad, pad + size) for pad, size in zip(padding, output_size))
+    return image[(..., *crop)]
+
+
+def _xla_adaptive_max_pool2d(input, output_size):
+    """Sizes that do not divide the input's (torch_xla ran them on the CPU): each output's window [floor(i*n/m),
+    ceil((i+1)*n/m)) as gathered candidates (a short window repeats its last), the max along W, then along H;
+    the flat index of the winner, as torch's."""
+    if all(n % m == 0 for n, m in zip(input.shape[-2:], output_size)):
+        return torch.ops.aten.adaptive_max_pool2d.default.decompose(input, output_size)
+    windows = []
+    for n, m in zip(input.shape[-2:], output_size):
+        i = torch.arange(m, device=input.device)
+        start, end = (i * n).div(m, rounding_mode="floor"), ((i + 1) * n + m - 1).div(m, rounding_mode="floor")
+        width = -(-n // m) + 1  # the widest window: ceil(n / m) + 1
+        windows.append(torch.minimum(start[:, None] + torch.arange(width, device=input.device), end[:, None] - 1))
+    (rows, cols), ow = windows, output_size[1]
+    along_w = input.index_select(-1, cols.flatten()).unflatten(-1, cols.shape)  # (..., H, ow, kw)
+    value, pick = along_w.max(-1)
+    col = cols.expand(*pick.shape[:-1], *cols.shape).gather(-1, pick[..., None])[..., 0]  # (..., H, ow)
+    along_h = value.index_select(-2, rows.flatten()).unflatten(-2, rows.shape)  # (..., oh, kh, ow)
+    value, pick = along_h.max(-2)
+    row = rows[:, :, None].expand(*pick.shape[:-2], *rows.shape, ow).gather(-2, pick[..., None, :])[..., 0, :]
+    col = col.index_select(-2, rows.flatten()).unflatten(-2, rows.shape).gather(-2, pick[..., None, :])[..., 0, :]
+    return value, row * input.shape[-1] + col
+
+
+def _grouped_conv(spatial):
+    """A grouped convolution as one einsum over its windows (the same FLOPs): GSPMD all-gathered the batch of a
+    feature_group_count convolution and ran it whole on each device."""
+    def kernel(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        stride, padding, dilation = ([v] * spatial if isinstance(v, int) else list(v) * (spatial // len(v))
+                                     for v in (stride, padding, dilation))
+        if groups == 1:
+            return getattr(torch.ops.aten, f"conv{spatial}d").default.decompose(input, weight, bias, stride, padding,
+                                                                                dilation, groups)
+        unbatched = input.dim() == spatial + 1
+        x = _windows(input[None] if unbatched else input, list(weight.shape[2:]), dilation, padding, stride)
+        x = x.unflatten(1, (groups, -1))  # (N, G, C/G, K, *out)
+        w = weight.flatten(2).unflatten(0, (groups, -1))  # (G, O/G, C/G, K)
+        out = torch.einsum("ngck...,gock->ngo...", x, w).flatten(1, 2)
+        out = out if bias is None else out + bias.view((-1,) + (1,) * spatial)
+        return out[0] if unbatched else out
+    return kernel
+
+
+_XLA_KERNELS = {
+    "linear": _xla_linear, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
+    "batch_norm": _xla_batch_norm, "kl_div": _xla_kl_div,
+    **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
+    **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
+    "upsample_linear1d.vec": _resize_kernel(1, "linear", True),
+    "upsample_bilinear2d.vec": _resize_kernel(2, "linear", True),
+    "upsample_trilinear3d.vec": _resize_kernel(3, "linear", True),
+    "upsample_bicubic2d.vec": _resize_kernel(2, "cubic", True),
+    "im2col": _xla_im2col, "col2im": _xla_col2im, "adaptive_max_pool2d": _xla_adaptive_max_pool2d,
+    **{f"conv{d}d": _grouped_conv(d) for d in (1, 2, 3)},
+}
+
+_MHA_SIGNATURE = inspect.signature(torch.nn.functional.multi_head_attention_forward)
+
+
+def _xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, batch-first inside
+    F = torch.nn.functional
+    a = _MHA_SIGNATURE.bind(*args, **kwargs)
+    a.apply_defaults()
+    a = types.SimpleNamespace(**a.arguments)
+    query, key, value, heads = a.query, a.key, a.value, a.num_heads
+    if (query.device.type != "xla" or query.dim() != 3 or a.bias_k is not None or a.add_zero_attn
+            or a.static_k is not None or a.static_v is not None or (a.is_causal and a.attn_mask is None)):
+        return _TORCH_MHA(*args, **kwargs)  # torch's path: unbatched, rare options, or its own error
+    (t, b, _), s = query.shape, key.shape[0]
+    weights = ((a.q_proj_weight, a.k_proj_weight, a.v_proj_weight) if a.use_separate_proj_weight
+               else a.in_proj_weight.chunk(3))
+    biases = (None,) * 3 if a.in_proj_bias is None else a.in_proj_bias.chunk(3)
+    q, k, v = (F.linear(x.transpose(0, 1), w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
+               for x, w, bias in zip((query, key, value), weights, biases))  # (B, heads, T or S, head dim)
+    mask = F._canonical_mask(mask=a.attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                             target_type=q.dtype, check_other=False)
+    mask = mask.view(b, heads, t, s) if mask is not None and mask.dim() == 3 else mask
+    pad = F._canonical_mask(mask=a.key_padding_mask, mask_name="key_padding_mask", target_type=q.dtype,
+                            other_type=F._none_or_dtype(a.attn_mask), other_name="attn_mask")
+    if pad is not None:
+        mask = pad.view(b, 1, 1, s) if mask is None else mask + pad.view(b, 1, 1, s)
+    dropout = a.dropout_p if a.training else 0.0
+    if a.need_weights:  # as torch: scores scaled before the product, weights returned after dropout
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        probs = torch.softmax(scores if mask is None else scores + mask, -1)
+        probs = F.dropout(probs, dropout) if dropout > 0 else probs
+        out, probs = probs @ v, probs.mean(1) if a.average_attn_weights else probs
+    else:
+        out, probs = F.scaled_dot_product_attention(q, k, v, mask, dropout), None
+    out = F.linear(out.transpose(1, 2).flatten(2), a.out_proj_weight, a.out_proj_bias)
+    return out.transpose(0, 1), probs
+
+
+def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
+                       mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False,
+                       padding_idx=None):
+    """(B, L) bags as an embedding and a reduction over L: torch flattens them into offsets for aten's embedding_bag,
+    which torch_xla runs on the CPU (two transfers a step, and the batch came back whole). Bags given by offsets,
+    max_norm and sparse take torch's path."""
+    if not (_is_xla(input.device) and input.dim() == 2 and offsets is None and max_norm is None and not sparse
+            and not input.is_nested and mode in ("sum", "mean", "max")):
+        return _TORCH_EMBEDDING_BAG(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                                    per_sample_weights, include_last_offset, padding_idx)
+    rows = torch.nn.functional.embedding(input, weight, scale_grad_by_freq=scale_grad_by_freq)  # (B, L, E)
+    keep = torch.ones_like(input, dtype=torch.bool) if padding_idx is None else input != padding_idx % len(weight)
+    if mode == "max":  # an empty bag is zeros, as torch's
+        return rows.masked_fill(~keep[..., None], -math.inf).amax(1).where(keep.any(1, keepdim=True), 0)
+    weights = keep.to(rows.dtype) if per_sample_weights is None else per_sample_weights * keep
+    total = (rows * weights[..., None]).sum(1)
+    return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
+
+
+_xla_attention.keeps_batch_dims = True
+_TORCH_EMBEDDING_BAG = torch.nn.functional.embedding_bag
+_TORCH_MHA = torch.nn.functional.multi_head_attention_forward
 
 # --- 8. graph cuts and the recompile watchdog -----------------------------------------------------
 
@@ -953,6 +1178,8 @@ class _CompileWatchdog:
 
     def __init__(self):
         self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
+        self.serials, self._numbers = weakref.WeakKeyDictionary(), itertools.count()  # optimizer or model -> its
+        # number: id() is reused once an object is gone
         self.pairs = {}  # (previous cut, this cut) -> (runs, late compiles in a row); a cut: (id, layout or kind)
         self.cut, self.cuts = None, 0  # the last cut, and how many there were
         self.late_compiles = 0  # iterations after warm-up that compiled
@@ -969,9 +1196,16 @@ class _CompileWatchdog:
         step = self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
         self.in_step = False
         history = optimizer.defaults.get("history_size") if isinstance(optimizer, torch.optim.LBFGS) else None
-        self._count(met, (id(optimizer), layout), step, "step", history and (
+        self._count(met, (self.serial(optimizer), layout), step, "step", history and (
             f"LBFGS compiles new graphs until its history is full (history_size={history}), since it reads every "
             "history term in each inner iteration; a smaller history_size (e.g. 10) bounds them. "))
+
+    def serial(self, obj):
+        """A number for `obj` no later object gets (a notebook's rebuilt model and optimizer reused the old ids, and
+        their first compiles counted as late ones)."""
+        if obj not in self.serials:
+            self.serials[obj] = next(self._numbers)
+        return self.serials[obj]
 
     def after_forward_cut(self, key, met):
         if not self.in_step:  # else LBFGS: its step counts a closure's forwards
@@ -1057,7 +1291,7 @@ def _cut_each_iteration(model):
     for param in model.parameters():
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(_saw_backward)
-    model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    model.register_forward_pre_hook(_owned(model, _before_forward), with_kwargs=True)
     _STATE.cuts.models.add(model)
 
 
@@ -1073,7 +1307,7 @@ def _before_forward(module, args, kwargs):
         kind = "train" if cuts.backward else "eval"
         cuts.accumulating |= kind == "train"
         _cut_graph()
-        cuts.watchdog.after_forward_cut((id(module), kind), _import("torch_xla.debug.metrics"))
+        cuts.watchdog.after_forward_cut((cuts.watchdog.serial(module), kind), _import("torch_xla.debug.metrics"))
     cuts.no_grad_forward |= not torch.is_grad_enabled()
     if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
         cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
@@ -1154,10 +1388,11 @@ def _place(model, layout):
                 _mark_sharding(param, layout.mesh, layout.planned[param])
             elif fsdp and param.dim() and not _is_split(param):
                 _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
-        _watch_inputs(model, layout.batch)
-        _shard_activations(model, layout.batch)
-        _check_work(model, layout)
-        _cut_each_iteration(model)
+        if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
+            _watch_inputs(model, layout.batch)
+            _shard_activations(model, layout.batch, fsdp and not layout.planned)
+            _check_work(model, layout)
+            _cut_each_iteration(model)
     if layout.meta_built and not xla and not fsdp2:
         _initialize_pending(model)  # whole on each process, as DDP and TP want it
     if layout.wrap in ("tp", "fsdp2"):
@@ -1320,15 +1555,18 @@ def _watch_inputs(model, sharding):
             handle.remove()
 
     if ways > 1:
-        handle = model.register_forward_pre_hook(check, with_kwargs=True)
+        handle = model.register_forward_pre_hook(_owned(model, check), with_kwargs=True)
 
 
-def _shard_activations(model, batch):
+def _shard_activations(model, batch, matmul_outputs=False):
     """Keep the batch split through the model, as torch_xla's FSDPv2 does with each wrapped module's output: mark the
     batch dimension of each block's output (a child of a ModuleList or Sequential of repeated blocks, when its output
-    has its input's shape: transformer layers, ViT's EncoderBlock, HF decoder layers), and of each RNN's input and
-    state (an LSTM's per-step matmuls otherwise ran whole). Without it "fsdp" let GSPMD split the matmuls the tensor-
-    parallel way and all-gather activations (a ViT: 1.5 MB a step against 0.32 MB of weights; with it 0.33)."""
+    has its input's shape: transformer layers, ViT's EncoderBlock, HF decoder layers), and of each RNN's or RNN
+    cell's input and state, a missing state made as split zeros (an LSTM's per-step matmuls otherwise ran whole).
+    Without it "fsdp" let GSPMD split the matmuls the tensor-parallel way and all-gather activations (a ViT: 1.5 MB
+    a step against 0.32 MB of weights; with it 0.33). With `matmul_outputs` ("fsdp" without a tensor-parallel plan)
+    every Linear's and convolution's output too: attention outside a repeated block ran 0.33 of its dots per device,
+    its projections split the tensor-parallel way from the sharded weights."""
     if batch.ways == 1:
         return
     blocks = {id(child) for parent in model.modules() if isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential))
@@ -1346,15 +1584,32 @@ def _shard_activations(model, batch):
             mark(first, batch.batch_dim(first.dim()))
 
     def rnn_inputs(module, args):
-        mark(args[0], 0 if module.batch_first else 1)
-        for state in (args[1] if len(args) > 1 and isinstance(args[1], tuple) else args[1:]):
-            mark(state, 1)  # (layers * directions, B, hidden)
+        cell = isinstance(module, torch.nn.RNNCellBase)
+        x, state = args[0], args[1] if len(args) > 1 else None
+        if not (isinstance(x, torch.Tensor) and _is_xla(x.device) and x.dim() == 3 - cell):
+            return None  # unbatched, or a packed sequence
+        dim = 0 if cell or module.batch_first else 1
+        mark(x, dim)
+        if state is None:  # torch would start from zeros made whole: the first step's state matmuls all-gathered
+            lstm, layers = isinstance(module, (torch.nn.LSTM, torch.nn.LSTMCell)), () if cell else (
+                module.num_layers * (1 + module.bidirectional),)
+            h = x.new_zeros(*layers, x.shape[dim], getattr(module, "proj_size", 0) or module.hidden_size)
+            state = (h, x.new_zeros(*layers, x.shape[dim], module.hidden_size)) if lstm else h
+        for s in (state if isinstance(state, tuple) else (state,)):
+            mark(s, 0 if cell else 1)  # (layers * directions, B, hidden), or a cell's (B, hidden)
+        return (x, state, *args[2:])
+
+    def matmul_output(module, args, output):
+        if isinstance(output, torch.Tensor):
+            mark(output, batch.batch_dim(output.dim()))
 
     for module in model.modules():
-        if isinstance(module, torch.nn.RNNBase):
-            module.register_forward_pre_hook(rnn_inputs)
+        if isinstance(module, (torch.nn.RNNBase, torch.nn.RNNCellBase)):
+            module.register_forward_pre_hook(_owned(module, rnn_inputs))
+        elif matmul_outputs and isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
+            module.register_forward_hook(_owned(module, matmul_output))
         elif id(module) in blocks:
-            module.register_forward_hook(block_output)
+            module.register_forward_hook(_owned(module, block_output))
 
 
 def _is_device_data(tensor):
@@ -1545,7 +1800,8 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
                 _mark_sharding(made, mesh, _fsdp_spec(tuple(made.shape), _axis_sizes(mesh)[FSDP_AXIS]))
             _set_own_tensor(module, name, made)
         # A submodule run on its own first (model.encoder(x)) must not see unset values either.
-        first_use = module.register_forward_pre_hook(lambda *_: _initialize_pending(root(), refuse=True))
+        first_use = module.register_forward_pre_hook(
+            _owned(module, lambda *_: _initialize_pending(root(), refuse=True)))
         pending[module] = (owner, rng, first_use, set())
     _STATE.meta_init.pending.update(pending)
 
@@ -1605,7 +1861,7 @@ def _initialize_pending(model, device=None, refuse=False):
                 module._reset_parameters()
             rng[0] = torch.get_rng_state()
         if unset := [n for n, (tensor, version) in held.items() if _left_unset(getattr(module, n), tensor, version)]:
-            refusal = module.register_forward_pre_hook(lambda m, _: _refuse_unset(m))
+            refusal = module.register_forward_pre_hook(_owned(module, lambda m, _: _refuse_unset(m)))
             _STATE.meta_init.unset[module] = (paths[module], unset, refusal)
         del held  # the stand-ins go with the write-back below, tensor by tensor: the host holds one module
         for name, t in placed.items():
@@ -2187,9 +2443,9 @@ class _Meter:
         # processes that each read their own batch; on XLA 1: the batch's shape is the whole slice's already
         self.data_ways = 1 if layout.mesh is not None else (layout.data_ranks or _torch_dist_ranks())[0]
         self.model_ways = (layout.rank_axes or {}).get(MODEL_AXIS, 1)
-        model.register_forward_pre_hook(self._count_inputs, with_kwargs=True)
+        model.register_forward_pre_hook(_owned(model, self._count_inputs), with_kwargs=True)
         if layout.mesh is not None:
-            self.counters += [m.register_forward_hook(self._count_flops) for m in model.modules()
+            self.counters += [m.register_forward_hook(_owned(m, self._count_flops)) for m in model.modules()
                               if isinstance(m, _MATMULS)]
         _add_step_hook("meter", "post", self._step_end)
 
@@ -2439,38 +2695,42 @@ def _fmt_bytes(n):
 
 
 def _check_work(model, layout):
-    """The guard for models nobody tried: on the first forward, hold the output of the first module of each name
-    pattern (layers.#.mlp.up_proj) that does matmuls; once an optimizer step's cut has run that graph, read how XLA
-    split each one (its sharding annotation: no transfer, compile or execution; that graph, new anyway, has them as
-    outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them. Any
-    other cut drops them first (_cut_graph), so a loop whose first graph repeats is not checked."""
+    """The guard for models nobody tried: on the first forward, hold the input and output of the first module of
+    each name pattern (layers.#.mlp.up_proj) that does matmuls; once an optimizer step's cut has run that graph, read
+    how XLA split each (their sharding annotations: no transfer, compile or execution; that graph, new anyway, has
+    them as outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them.
+    An input that arrives whole counts: a block's mark can re-split the output of work computed whole (a GroupNorm
+    net's convolutions), but not the input, which the backward's matmuls then compute whole too. Any other cut drops
+    them first (_cut_graph), so a loop whose first graph repeats is not checked."""
     devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
 
     def hold(module, args, output):
         out = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(out, torch.Tensor) and _is_xla(out.device) and out.dim() > 1:
-            held.append((names[module], module, out.detach()))  # not its autograd graph (the forward's tensors)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) and _is_xla(args[0].device) else None
+        if isinstance(out, torch.Tensor) and _is_xla(out.device) and out.dim() > 1:  # not their autograd graphs
+            held.append((names[module], module, out.detach(), x if x is None or x.dim() < 2 else x.detach()))
 
     def check():
         total, whole = 0, []
-        for name, module, out in held:
+        for name, module, out, x in held:
             flops = _matmul_flops(module, out) * counts[_name_pattern(name)]
             weight = getattr(module, "weight", None)
             ways = _split_ways(out) * (_split_ways(weight, dim=-1) if weight in layout.planned else 1)  # rowwise
+            x_ways = layout.batch.ways if x is None or x.dim() < 2 else _split_ways(x)
             total += flops
-            if ways < devices:
-                whole.append((flops, name, module, ways))
+            if ways < devices or x_ways < layout.batch.ways:
+                whole.append((flops, name, module, min(ways, x_ways)))
         held.clear()
         share = sum(w[0] for w in whole) / total if total else 0
         if share > 0.05 and _once("replicated_work"):
             _, name, module, ways = whole[0]
             logger.warning(
                 "seamless_tpu: %.0f%% of the model's matmul FLOPs run whole where %d devices should split them (%dx "
-                "their cost), first at %r (%s, its output split %d ways): XLA lost the batch split there. Keep the "
-                "batch dimension through that module's reshapes (fold (T, B) into B*T, not T*B), pass batch_dim= if "
-                "batches hold their samples elsewhere than dim %d, or mark its input with torch_xla.distributed.spmd."
-                "mark_sharding", 100 * share, devices, devices // ways, name, type(module).__name__, ways,
-                layout.batch.dim)
+                "their cost), first at %r (%s, its input or output split only %d ways): XLA lost the batch split "
+                "there or just before it. Keep the batch dimension through the reshapes before that module (fold (T, "
+                "B) into B*T, not T*B), pass batch_dim= if batches hold their samples elsewhere than dim %d, or mark "
+                "its input with torch_xla.distributed.spmd.mark_sharding", 100 * share, devices, devices // ways, name,
+                type(module).__name__, ways, layout.batch.dim)
 
     def first_forward_done(module, args, output):
         for handle in handles:
@@ -2483,8 +2743,8 @@ def _check_work(model, layout):
             if isinstance(module, _MATMULS):
                 counts[_name_pattern(name)] += 1
                 if counts[_name_pattern(name)] == 1:
-                    handles.append(module.register_forward_hook(hold))
-        handles.append(model.register_forward_hook(first_forward_done))
+                    handles.append(module.register_forward_hook(_owned(module, hold)))
+        handles.append(model.register_forward_hook(_owned(model, first_forward_done)))
 
 
 def _name_pattern(name):  # layers.3.mlp.up_proj -> layers.#.mlp.up_proj: one name for a repeated block's modules

@@ -99,9 +99,16 @@ def test_default_ddp_mesh_has_no_model_axis_whatever_the_host_count(four_hosts):
     assert st.mesh_shape_for(16, 4, strategy="fsdp") == ((4, 4), ("data", "fsdp"))
 
 
+def kernels_at_autograd_xla():
+    """The aten ops that have a kernel of their own for XLA tensors at the AutogradXLA key (torch's composites have
+    none there)."""
+    return {op for op in st._XLA_KERNELS if torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::" + op, "AutogradXLA")}
+
+
 def test_reset_undoes_every_process_wide_change(fake):
     ckpt, F = torch.utils.checkpoint, torch.nn.functional
-    functionals = (F.linear, F.layer_norm, F.batch_norm, F.multi_head_attention_forward)
+    functionals = (F.multi_head_attention_forward, F.embedding_bag)
     originals = (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
@@ -109,21 +116,25 @@ def test_reset_undoes_every_process_wide_change(fake):
         *functionals,
     )
     hooks = len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
+    assert kernels_at_autograd_xla() == set()
     st.get_device()
     assert ckpt.CheckpointFunction is not originals[0] and ckpt._CheckpointFrame.__init__ is not originals[1]
-    now = (F.linear, F.layer_norm, F.batch_norm, F.multi_head_attention_forward)
+    now = (F.multi_head_attention_forward, F.embedding_bag)
     assert all(new is not old for new, old in zip(now, functionals)), "the batch-keeping functionals are not in"
+    assert kernels_at_autograd_xla() == set(st._XLA_KERNELS), "the batch-keeping kernels are not in"
+    assert {"group_norm", "batch_norm", "linear", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= set(st._XLA_KERNELS)
     assert torch.__future__.get_swap_module_params_on_conversion() and hasattr(torch, "xla")
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1
     state = st._STATE
-    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 8
+    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 7
     st._reset_caches()
     assert (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
         torch.__future__.get_swap_module_params_on_conversion(),
-        F.linear, F.layer_norm, F.batch_norm, F.multi_head_attention_forward,
+        F.multi_head_attention_forward, F.embedding_bag,
     ) == originals
+    assert kernels_at_autograd_xla() == set(), "the dispatcher is back to torch's composite kernels"
     assert not hasattr(torch, "xla") and "torch.xla" not in sys.modules
     assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks
     assert st._STATE is not state and st._STATE.xla_device is None and st.get_xla_mesh() is None

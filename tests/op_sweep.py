@@ -1,0 +1,316 @@
+"""Whole op families keep the batch split (issue 33): every torch.nn layer class that takes a batch, and the common
+functional losses, each placed between two matmul layers (so work lost at the layer shows in the FLOPs after it),
+trained through SeamlessTPUTrainer on 4 virtual XLA devices with "ddp" and "fsdp", read from the partitioned HLO.
+
+    python tests/op_sweep.py eager GROUP   # each case's losses and final weights and buffers (a process without XLA)
+    python tests/op_sweep.py GROUP         # on XLA: the same, plus matmul+convolution FLOPs per device and gathers
+    python tests/op_sweep.py unfixed       # the UNet on XLA with torch_xla's own group_norm: what the check sees
+
+GROUPS splits the cases a few to a process (one process trains many models: SPMD is one-way, not per model). Each
+run reports one RESULT line (child.report).
+"""
+
+import logging
+import os
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import child
+
+B, C, S, T, E, V = 8, 8, 8, 6, 16, 20  # batch, channels, image side, sequence, features, vocabulary
+STEPS, LR = 3, 0.1  # plain SGD: one compiled graph a case, and the weights carry each step's gradients
+
+
+class Between(nn.Module):
+    """pre -> layer -> post: the work after `layer` runs whole if the layer lost the batch split."""
+
+    def __init__(self, pre, layer, post, call=None):
+        super().__init__()
+        self.pre, self.layer, self.post, self.call = pre, layer, post, call
+
+    def forward(self, x):
+        h = self.pre(x)
+        h = self.call(self.layer, h) if self.call else self.layer(h)
+        return self.post(h)
+
+
+def image(layer, dims=2, out=C, call=None):
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+    return Between(conv(4, C, 3, padding=1), layer, conv(out, C, 1), call), (B, 4) + (S if dims < 3 else 4,) * dims
+
+
+def seq(layer, call=None, post=E):
+    return Between(nn.Linear(E, E), layer, nn.Linear(post, E), call), (B, T, E)
+
+
+def first(layer, h):  # layers that return (output, state) or (output, weights)
+    return layer(h)[0]
+
+
+def seq_first(layer, h):  # a (T, B, E) layer inside a batch-first model
+    out = layer(h.transpose(0, 1))
+    return (out[0] if isinstance(out, tuple) else out).transpose(0, 1)
+
+
+class Cells(nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell
+
+    def forward(self, h):
+        state, outs = None, []
+        for t in range(h.shape[1]):
+            state = self.cell(h[:, t], state)
+            outs.append(state[0] if isinstance(state, tuple) else state)
+        return torch.stack(outs, 1)
+
+
+class Unpool(nn.Module):
+    def forward(self, h):
+        return F.max_unpool2d(*F.max_pool2d(h, 2, return_indices=True), 2)
+
+
+class FoldBack(nn.Module):
+    def forward(self, h):
+        return F.fold(F.unfold(h, 2, stride=2) * 2, (S, S), 2, stride=2)
+
+
+class Sdpa(nn.Module):
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, h):
+        q = k = v = h.unflatten(-1, (2, -1)).transpose(1, 2)  # (B, heads, T, d)
+        if self.mask == "causal":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
+            keep = torch.ones(T, T, dtype=torch.bool, device=h.device)
+            keep[:, -2:] = False  # the last two keys padded: not the causal mask (whose graph XLA has cached)
+            mask = keep if self.mask == "bool" else torch.zeros(T, T, device=h.device).masked_fill(~causal, -1e4)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).flatten(2)
+
+
+class ResBlock(nn.Module):
+    """A diffusion UNet's residual block: GroupNorm, SiLU, convolution, twice, plus the input."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(4, c), nn.Conv2d(c, c, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(4, c), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv2(F.silu(self.norm2(self.conv1(F.silu(self.norm1(x))))))
+
+
+class UNet(nn.Module):
+    """The smallest diffusion-style UNet: repeated GroupNorm blocks (which the trainer marks), a strided down
+    convolution, a nearest upsample and a skip connection."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.down, self.out = nn.Conv2d(4, C, 3, padding=1), nn.Conv2d(C, C, 3, 2, 1), nn.Conv2d(2 * C, 4, 1)
+        self.enc = nn.Sequential(ResBlock(C), ResBlock(C))
+        self.mid = nn.Sequential(ResBlock(C), ResBlock(C))
+        self.up = nn.Upsample(scale_factor=2)
+
+    def forward(self, x):
+        skip = self.enc(self.inp(x))
+        return self.out(torch.cat([self.up(self.mid(self.down(skip))), skip], 1))
+
+
+def cases():
+    """name -> a builder of (model, input shape[, loss of (output, target)]; default: the output's mean square)."""
+    return {
+        # convolutions and transposed convolutions
+        "conv1d": lambda: image(nn.Conv1d(C, C, 3, padding=1), 1),
+        "conv2d": lambda: image(nn.Conv2d(C, C, 3, padding=1)),
+        "conv2d_grouped": lambda: image(nn.Conv2d(C, C, 3, padding=1, groups=4)),
+        "conv3d": lambda: image(nn.Conv3d(C, C, 3, padding=1), 3),
+        "conv_transpose1d": lambda: image(nn.ConvTranspose1d(C, C, 4, stride=2, padding=1), 1),
+        "conv_transpose2d": lambda: image(nn.ConvTranspose2d(C, C, 4, stride=2, padding=1)),
+        "conv_transpose3d": lambda: image(nn.ConvTranspose3d(C, C, 4, stride=2, padding=1), 3),
+        # normalizations
+        "batch_norm1d": lambda: image(nn.BatchNorm1d(C), 1),
+        "batch_norm2d": lambda: image(nn.BatchNorm2d(C)),
+        "batch_norm3d": lambda: image(nn.BatchNorm3d(C), 3),
+        "group_norm": lambda: image(nn.GroupNorm(4, C)),
+        "group_norm_1d": lambda: image(nn.GroupNorm(2, C), 1),
+        "instance_norm1d": lambda: image(nn.InstanceNorm1d(C, affine=True, track_running_stats=True), 1),
+        "instance_norm2d": lambda: image(nn.InstanceNorm2d(C, affine=True, track_running_stats=True)),
+        "instance_norm3d": lambda: image(nn.InstanceNorm3d(C), 3),
+        "local_response_norm": lambda: image(nn.LocalResponseNorm(3)),
+        "layer_norm_chw": lambda: image(nn.LayerNorm([C, S, S])),
+        "layer_norm": lambda: seq(nn.LayerNorm(E)),
+        "rms_norm": lambda: seq(nn.RMSNorm(E)),
+        # pooling and adaptive pooling
+        "max_pool1d": lambda: image(nn.MaxPool1d(2), 1),
+        "max_pool2d": lambda: image(nn.MaxPool2d(3, stride=2, padding=1)),
+        "max_pool3d": lambda: image(nn.MaxPool3d(2), 3),
+        "avg_pool1d": lambda: image(nn.AvgPool1d(2), 1),
+        "avg_pool2d": lambda: image(nn.AvgPool2d(3, stride=2, padding=1)),
+        "avg_pool3d": lambda: image(nn.AvgPool3d(2), 3),
+        "lp_pool2d": lambda: image(nn.LPPool2d(2, 2)),
+        "adaptive_avg_pool1d": lambda: image(nn.AdaptiveAvgPool1d(3), 1),
+        "adaptive_avg_pool2d": lambda: image(nn.AdaptiveAvgPool2d(3)),
+        "adaptive_avg_pool3d": lambda: image(nn.AdaptiveAvgPool3d(3), 3),
+        "adaptive_max_pool2d": lambda: image(nn.AdaptiveMaxPool2d(3)),
+        "max_unpool2d": lambda: image(Unpool()),
+        # resampling and rearranging
+        "upsample_nearest": lambda: image(nn.Upsample(scale_factor=2)),
+        "upsample_bilinear": lambda: image(nn.Upsample(scale_factor=2, mode="bilinear")),
+        "upsample_linear1d": lambda: image(nn.Upsample(scale_factor=2, mode="linear"), 1),
+        "upsample_trilinear": lambda: image(nn.Upsample(scale_factor=2, mode="trilinear"), 3),
+        "interpolate_bicubic": lambda: image(nn.Identity(), call=lambda _, h: F.interpolate(h, size=(11, 11),
+                                                                                           mode="bicubic")),
+        "pixel_shuffle": lambda: image(nn.PixelShuffle(2), out=C // 4),
+        "pixel_unshuffle": lambda: image(nn.PixelUnshuffle(2), out=4 * C),
+        "fold_unfold": lambda: image(FoldBack()),
+        "reflection_pad2d": lambda: image(nn.ReflectionPad2d(1)),
+        "replication_pad2d": lambda: image(nn.ReplicationPad2d(1)),
+        # embeddings
+        "embedding_bag_mean": lambda: (Between(nn.Identity(), nn.EmbeddingBag(V, E), nn.Linear(E, E)), "ids"),
+        "embedding_bag_max": lambda: (Between(nn.Identity(), nn.EmbeddingBag(V, E, mode="max"), nn.Linear(E, E)),
+                                      "ids"),
+        "embedding": lambda: (Between(nn.Identity(), nn.Embedding(V, E), nn.Linear(E, E)), "ids"),
+        # recurrent cells and layers
+        "rnn_cell": lambda: seq(Cells(nn.RNNCell(E, E))),
+        "lstm_cell": lambda: seq(Cells(nn.LSTMCell(E, E))),
+        "gru_cell": lambda: seq(Cells(nn.GRUCell(E, E))),
+        "lstm": lambda: seq(nn.LSTM(E, E, 2, batch_first=True), first),
+        "gru_seq_first": lambda: seq(nn.GRU(E, E), seq_first),
+        "rnn_bidirectional": lambda: seq(nn.RNN(E, E, batch_first=True, bidirectional=True), first, post=2 * E),
+        # attention and transformer layers
+        "multihead_attention": lambda: seq(nn.MultiheadAttention(E, 2, batch_first=True),
+                                           lambda m, h: m(h, h, h, need_weights=False)[0]),
+        "multihead_attention_seq_first": lambda: seq(nn.MultiheadAttention(E, 2), lambda m, h: seq_first(
+            lambda x: m(x, x, x, need_weights=False), h)),
+        "transformer_encoder_layer": lambda: seq(nn.TransformerEncoderLayer(E, 2, 2 * E, 0.0, batch_first=True)),
+        "transformer_decoder_layer": lambda: seq(nn.TransformerDecoderLayer(E, 2, 2 * E, 0.0, batch_first=True),
+                                                 lambda m, h: m(h, h)),
+        "transformer": lambda: seq(nn.Transformer(E, 2, 1, 1, 2 * E, 0.0), lambda m, h: seq_first(
+            lambda x: m(x, x), h)),
+        "sdpa_causal": lambda: seq(Sdpa("causal")),
+        "sdpa_bool_mask": lambda: seq(Sdpa("bool")),
+        "sdpa_float_mask": lambda: seq(Sdpa("float")),
+        # a model of them
+        "unet": lambda: (UNet(), (B, 4, S, S)),
+        # functional losses
+        "kl_div": lambda: (*seq(nn.Identity()), lambda out, target: F.kl_div(
+            out.log_softmax(-1), target.softmax(-1), reduction="batchmean")),
+        "kl_div_log_target": lambda: (*seq(nn.Identity()), lambda out, target: F.kl_div(
+            out.log_softmax(-1), target.log_softmax(-1), reduction="batchmean", log_target=True)),
+        "cross_entropy_smoothed": lambda: (*seq(nn.Identity()), lambda out, target: F.cross_entropy(
+            out.transpose(1, 2), target.argmax(-1), label_smoothing=0.1)),
+    }
+
+
+GROUPS = {  # a few families to a process: each process pays for torch_xla's start once
+    "conv": ["conv1d", "conv2d", "conv2d_grouped", "conv3d", "conv_transpose1d", "conv_transpose2d",
+             "conv_transpose3d", "batch_norm1d", "batch_norm2d", "batch_norm3d", "group_norm", "group_norm_1d",
+             "instance_norm1d", "instance_norm2d", "instance_norm3d", "local_response_norm", "layer_norm_chw"],
+    "pool": ["max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "lp_pool2d",
+             "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
+             "max_unpool2d", "upsample_nearest", "upsample_bilinear", "upsample_linear1d", "upsample_trilinear",
+             "interpolate_bicubic", "pixel_shuffle", "pixel_unshuffle", "fold_unfold", "reflection_pad2d",
+             "replication_pad2d"],
+    "seq": ["layer_norm", "rms_norm", "embedding_bag_mean", "embedding_bag_max", "embedding", "rnn_cell", "lstm_cell",
+            "gru_cell", "lstm", "gru_seq_first", "rnn_bidirectional", "sdpa_causal", "sdpa_bool_mask",
+            "sdpa_float_mask", "kl_div", "kl_div_log_target", "cross_entropy_smoothed"],
+    "attention": ["unet", "multihead_attention", "multihead_attention_seq_first", "transformer_encoder_layer",
+                  "transformer_decoder_layer", "transformer"],
+}
+
+
+def build(name):
+    """(model, batch, loss of (model, batch)): the same seeds in every process."""
+    torch.manual_seed(0)
+    built = cases()[name]()
+    model, shape, loss = (*built, None) if len(built) == 2 else built
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(V, (B, 3), generator=g) if shape == "ids" else torch.randn(shape, generator=g)
+    target = torch.randn(B, T, E, generator=g)
+    if loss is None:
+        return model, (x,), lambda m, b: m(b[0]).float().square().mean()
+    return model, (x, target), lambda m, b: loss(m(b[0]), b[1])
+
+
+def train(model, batch, loss_of, trainer=None):
+    """STEPS plain SGD steps: (losses, the final weights and buffers by name)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    if trainer is not None:
+        batch = trainer.to_device(batch)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = loss_of(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    state = {k: v.detach().float().cpu().flatten().tolist() for k, v in model.state_dict().items()
+             if v.is_floating_point()}
+    return [float(loss.cpu()) for loss in losses], state
+
+
+def on_xla(names, dump, unfixed=False):
+    """Each case with "ddp" and "fsdp" (or, `unfixed`, with "ddp" and the trainer's group_norm kernel overridden by
+    torch_xla's own lowering: the trainer as it was before the fix, for the check to see what ran whole)."""
+    import warnings
+
+    import hlo
+    import seamless_tpu as st
+    import torch_xla.core.xla_model as xm
+
+    logged = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("seamless_tpu").addHandler(handler)
+    out, layouts = {}, {"ddp": {}} if unfixed else {"ddp": {}, "fsdp": {"strategy": "fsdp"}}
+    for name in names:
+        for layout, kwargs in layouts.items():
+            before, logged[:] = hlo.dumped_files(dump), []
+            print(f"{name}/{layout}", flush=True)
+            model, batch, loss_of = build(name)
+            trainer = st.SeamlessTPUTrainer(model, **kwargs, batch_dim=0)  # seq-first layers inside batch-first models
+            if unfixed:  # the trainer's kernels again, all but group_norm's
+                ours = next(p.__self__ for p in st._STATE.torch_patches if isinstance(
+                    getattr(p, "__self__", None), torch.library.Library))
+                ours._destroy()
+                st._STATE.torch_patches.append((unfixed_kernels := torch.library.Library("aten", "IMPL"))._destroy)
+                for op, kernel in st._XLA_KERNELS.items():
+                    if op != "group_norm":
+                        unfixed_kernels.impl(op, kernel, "AutogradXLA")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses, state = train(model, batch, loss_of, trainer)
+            xm.wait_device_ops()  # torch_xla compiles on a thread of its own: its dump is written by then
+            shapes = [tuple(p.shape) for p in model.parameters()]
+            gathers = hlo.step_collectives(dump, shapes, skip=before)
+            try:
+                whole, per_device, share = hlo.dot_flops_per_device(dump, skip=before, count=hlo.matmul_flops)
+            except AssertionError:  # no graph holds both matmul layers: an op fell back to the CPU in between
+                whole = per_device = share = None
+            activations = gathers.get(hlo.FLOAT_GATHER, (0, 0))[1] - gathers.get(hlo.PARAM_GATHER, (0, 0))[1]
+            out[f"{name}/{layout}"] = {
+                "losses": losses, "state": state, "share": share, "flops": [whole, per_device],
+                "activation_gather_bytes": activations, "warnings": [str(w.message)[:300] for w in caught],
+                "logged": list(logged), "compiles": trainer.compile_stats()}
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "eager":
+        child.report({name: train(*build(name)) for name in GROUPS[sys.argv[2]]})
+    else:
+        import hlo
+
+        dump = tempfile.mkdtemp()
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(dump)}".strip()
+        unfixed = sys.argv[1] == "unfixed"
+        child.report(on_xla(["unet"] if unfixed else GROUPS[sys.argv[1]], dump, unfixed))
