@@ -18,6 +18,9 @@ compile count after each iteration (always 0 on the CPU); "compile_s" the second
                    # epoch; "two": the discriminator gets a trainer of its own too; "ema": an EMA of G (as
                    # StyleGAN keeps) is what the eval samples, so no forward cuts the eval: it joins the next step
     ema_eval       # AdamW steps, an EMA copy updated by hand under no_grad after each, both evaluated each epoch
+    ema_copy       # ema_eval with the EMA made by copy.deepcopy of the placed model after the trainer (timm's
+                   # ModelEmaV2, Lightning's EMA callbacks): the copy carries the trainer's hooks, inert there
+    functional     # the step's forward through torch.func.functional_call(model, params and buffers, x)
     distill_eval   # a frozen teacher's no-grad forward + the student's step, the student evaluated each epoch
     distill_eval grow  # the same with a new batch size every step: recompiles, and the watchdog must say so
 The epoch loops add "epochs" (the compile count after each epoch) and "warnings" (the watchdog's).
@@ -275,14 +278,15 @@ def ema_update(ema, model, decay):
             p_ema.mul_(decay).add_(p, alpha=1 - decay)
 
 
-def ema_eval(decay=0.9):
+def ema_eval(decay=0.9, copy_after=False):
     """A model and its exponential moving average (timm's ModelEmaV2, by hand): each step ends with
-    p_ema.mul_(d).add_(p, alpha=1 - d) under no_grad; each epoch both are evaluated, no grad."""
+    p_ema.mul_(d).add_(p, alpha=1 - d) under no_grad; each epoch both are evaluated, no grad. copy_after: the EMA is
+    a deep copy of the model the trainer placed (on the device, its hook dicts copied with it)."""
     model = mlp()
-    ema = copy.deepcopy(model).requires_grad_(False)
+    ema = None if copy_after else copy.deepcopy(model).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trainer = st.SeamlessTPUTrainer(model)
-    ema.to(trainer.device)
+    ema = copy.deepcopy(model).requires_grad_(False) if copy_after else ema.to(trainer.device)
     g = torch.Generator().manual_seed(1)
     record = Epochs(trainer, lambda: (torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g)))
     x_val, y_val = trainer.to_device(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g))
@@ -297,6 +301,27 @@ def ema_eval(decay=0.9):
         with torch.no_grad():
             losses, compiles, transfers = record.epoch(F.mse_loss(model(x_val), y_val), F.mse_loss(ema(x_val), y_val))
     return losses, compiles, transfers, record.epochs
+
+
+def functional(steps=STEPS):
+    """torch.func.functional_call of the trainer's model with its own parameters and buffers, as meta-learning and
+    EMA-by-parameters loops call it: the trainer's hooks run on the module itself, as in a plain forward."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = st.SeamlessTPUTrainer(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = trainer.to_device(torch.randn(16, 64, generator=g), torch.randn(16, 1, generator=g))
+    losses, compiles, transfers = [], [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        loss = F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        compiles.append(stats(trainer)["compiles"])
+        transfers.append(stats(trainer)["device_to_host_transfers"])
+    return losses, compiles, transfers
 
 
 def distill_eval(grow=False):
@@ -348,6 +373,7 @@ def main(name, *args):
            "manual_rnn": manual_rnn, "lbfgs": lbfgs,
            "inference": inference, "sliced": lambda: manual_rnn(sliced=True),
            "gan_eval": lambda: gan_eval(two="two" in args, ema="ema" in args), "ema_eval": ema_eval,
+           "ema_copy": lambda: ema_eval(copy_after=True), "functional": functional,
            "distill_eval": lambda: distill_eval(grow="grow" in args)}[name]
     caught = Caught()
     logging.getLogger(st.__name__).addHandler(caught)

@@ -87,6 +87,28 @@ class Folded(nn.Module):
         return self.head(self.proj(x.transpose(0, 1).reshape(t * b, e)).view(t, b, -1).mean(0))
 
 
+class Scanned(nn.Module):
+    """torchprime's compile-time idiom: a homogeneous stack of blocks run by torch_xla's scan_layers on XLA (one
+    traced block, looped), by a plain loop elsewhere. scan_layers deep-copies the first block, hooks and all."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(T, E) * 0.02)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.ln, self.head = nn.LayerNorm(E), nn.Linear(E, V, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos
+        if h.device.type == "xla":
+            from torch_xla.experimental.scan_layers import scan_layers
+
+            h = scan_layers(self.blocks, h)
+        else:
+            for block in self.blocks:
+                h = block(h)
+        return self.head(self.ln(h)).view(-1, V)
+
+
 def qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -127,8 +149,9 @@ def build(name):
     if name == "word_lm":
         x = torch.randint(V, (T, B), generator=g)
         return WordLM(), (x, torch.randint(V, (T * B,), generator=g)), lambda m, b: F.cross_entropy(m(b[0]), b[1])
-    if name == "gpt":
-        return GPT(), (tokens, tokens.roll(-1, 1).flatten()), lambda m, b: F.cross_entropy(m(b[0]), b[1])
+    if name in ("gpt", "scan"):
+        model = GPT() if name == "gpt" else Scanned()
+        return model, (tokens, tokens.roll(-1, 1).flatten()), lambda m, b: F.cross_entropy(m(b[0]), b[1])
     if name in ("vit", "conv", "conv_bn"):
         small = images[:, :, :16, :16].contiguous()
         model, x = {"vit": (vit, images), "conv": (conv, small), "conv_bn": (conv_bn, small)}[name]
@@ -278,7 +301,7 @@ if __name__ == "__main__":
     if which == "functionals":
         child.report(functionals())
     elif which == "eager":
-        child.report({name: train(*build(name))[0] for name in MODELS + ["folded"]})
+        child.report({name: train(*build(name))[0] for name in MODELS + ["folded", "scan"]})
     else:
         import hlo
 
