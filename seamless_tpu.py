@@ -13,8 +13,8 @@ workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes 
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
   swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); a torch.xla device module; for XLA
   inputs only torch.utils.checkpoint, F.linear, layer_norm, batch_norm, multi_head_attention_forward; step hooks.
-- each trainer: a global post-step hook (stats); trainer.log(): a thread, torch_xla step closures; profile(): a hook.
-- FSDP2 or tensor parallelism off XLA: a global pre-step hook rebinding optimizers built before the trainer.
+- each trainer: a global post-step hook (stats) and torch modes counting its first step's FLOPs; trainer.log(): a
+  thread, step closures; profile(): a hook. FSDP2 or TP off XLA: a global pre-step hook rebinding older optimizers.
 - first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler chaining the
   user's (SIG_IGN left alone); a default or Ray exit held until trainer.preempted's save, the grace at most (a daemon
   thread from the signal); a global post-step hook. Several processes: a gloo group (a collective; on a slice without
@@ -81,6 +81,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   TODO(remove when torch_xla registers torch.xla and supports use_reentrant=False)
 # - torch.distributed.checkpoint: FileSystemReader.storage_data and _slice_file, _traverse.set_element, and
 #   torch.distributed._shard._utils.narrow_tensor_by_index. TODO(remove when DCP's reader reads a chunk once)
+# - torch.utils._python_dispatch: TorchDispatchMode, is_in_torch_dispatch_mode (the FLOP count; torch's public
+#   FlopCounterMode decomposes ops it has no formula for). TODO(remove when torch makes them public)
 # - ray.train.torch.config._TorchBackend; ray._private.worker, the module of Ray's SIGTERM handler.
 #   TODO(remove when Ray Train has a public backend hook and a preemption callback)
 ENV_DEVICE = "SEAMLESS_TPU_DEVICE"
@@ -183,8 +185,8 @@ def _reset_caches():
     _STATE.run_log.close()
     if _STATE.profile is not None:
         _STATE.profile.stop()
-    if _STATE.meter.counting is not None:  # a first step that never ended: its modes leave torch's stacks
-        _STATE.meter.counting.stop()
+    if _STATE.meter.counting is not None and _STATE.meter.counting.thread == threading.get_ident():
+        _STATE.meter.counting.stop()  # a first step that never ended: its modes leave torch's stacks
     hooks, patches = _STATE.optimizer_hooks.values(), reversed(_STATE.torch_patches)
     for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches]:
         undo()
@@ -2115,13 +2117,14 @@ class SeamlessTPUTrainer:
         return _memory_stats(self.model, optimizers)
 
     def stats(self):
-        """What the last RATE_WINDOW optimizer steps cost, read with no sync, compile or transfer: steps, samples and
-        tokens so far (of all processes), step_time_s (wall time between step ends), device_time_s (XLA: the devices'
-        execution time per step) and host_bound, samples_per_s, tokens_per_s, flops_per_device (XLA: the first
-        step's Linear, conv, RNN and attention-projection modules, from their shapes and the gradients the backward
-        computes; else 6 x trainable parameters x tokens, or samples: flops_from says which), tflops_per_device, and mfu
-        against the device's dense bf16 peak (None where it is not known: CPU, XLA:CPU). Samples and tokens: the
-        batch dim of the model's first tensor input, and the size of its first integer one, in forwards under grad."""
+        """What the last RATE_WINDOW steps of the trainers' optimizers cost (not a probe's or another loop's), read
+        with no sync, compile or transfer: steps, samples and tokens so far (of all processes), step_time_s (wall
+        time between step ends), device_time_s (XLA: the devices' execution time per step) and host_bound,
+        samples_per_s, tokens_per_s, flops_per_device (the first step's, counted from the shapes of its matmuls,
+        convolutions, attention kernels and, on XLA, einsums, forward and backward; flops_from "flop_counter", None
+        where nothing was counted), tflops_per_device, and mfu against the device's dense bf16 peak (None where it is
+        not known: CPU, XLA:CPU). Samples and tokens: the batch dim of the model's first tensor input, and the size of
+        its first integer one, in forwards under grad."""
         return _STATE.meter.stats()
 
     def log(self, step, **metrics):
@@ -2170,7 +2173,8 @@ class _Meter:
     """What the trainers' steps cost, counted with no sync: the samples and tokens their models took under grad, the
     wall time at each end of a step of a trainer's optimizer (one stepping a trainer's parameters, as preemption
     decides: a probe's or a second loop's steps are not the trainers'), the FLOPs of the first such step (_FlopCount:
-    from the first training forward until that step ends) and, when asked, the devices' execution time (XLA)."""
+    what the process runs from the first training forward until that step ends) and, when asked, the devices'
+    execution time (XLA)."""
 
     steps: int = 0  # the trainers' optimizer steps, samples and tokens since the trainers were built
     samples: int = 0

@@ -128,18 +128,6 @@ def test_stats_give_no_flops_where_nothing_was_counted(monkeypatch, fresh):
     assert stats["flops_from"] is None and stats["flops_per_device"] is None and stats["mfu"] is None
 
 
-class MatmulNet(torch.nn.Module):
-    """Weights used as x @ W: no nn.Linear for a module-based count to find."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.w1, self.w2 = torch.nn.Parameter(torch.randn(10, 64) / 4), torch.nn.Parameter(torch.randn(64, 3) / 8)
-
-    def forward(self, x):
-        return torch.relu(x @ self.w1) @ self.w2
-
-
 def hand_count(name):
     """(model, batch, loss of (model, batch), the step's FLOPs by hand): 2 x m x n x k a product, x 3 forward and
     backward (x 2 where its input needs no gradient); SDPA 2 products forward, 5 backward (torch's kernels recompute
@@ -147,7 +135,7 @@ def hand_count(name):
     if name == "x @ W":
         x, rows = torch.randn(4, 6, 10), 4 * 6
         flops = 2 * rows * 10 * 64 * 2 + 2 * rows * 64 * 3 * 3
-        return MatmulNet(), x, lambda m, b: m(b).square().mean(), flops
+        return scenarios.MatmulNet(), x, lambda m, b: m(b).square().mean(), flops
     if name == "conv":
         model, (x, _), _ = work_split.build("conv")
         x, rows = x[:4], 4 * 16 * 16
@@ -205,7 +193,7 @@ def test_the_count_runs_one_step_and_never_outlives_it(fresh):
     def modes():
         return torch._C._len_torch_dispatch_stack()
 
-    model, x = MatmulNet(), torch.randn(4, 10)
+    model, x = scenarios.MatmulNet(), torch.randn(4, 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")
     with torch.no_grad():
@@ -226,7 +214,7 @@ def test_the_count_runs_one_step_and_never_outlives_it(fresh):
     assert modes() == 0
     assert trainer.stats()["flops_from"] is None
 
-    other = st.SeamlessTPUTrainer(MatmulNet(), device="cpu")  # a trainer after a step counts afresh
+    other = st.SeamlessTPUTrainer(scenarios.MatmulNet(), device="cpu")  # a trainer after a step counts afresh
     other.model(x)
     assert modes() == 1
     st._reset_caches()
