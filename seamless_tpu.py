@@ -14,8 +14,8 @@ workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes 
   swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); torch.xla; for XLA inputs only:
   torch.utils.checkpoint, F.multi_head_attention_forward, F.embedding_bag, AutogradXLA kernels (linear, norms, grouped
   convolutions, resampling, pooling, im2col/col2im, kl_div); without jax torch_xla's scan backward, nn.GRU; step hooks.
-- each trainer: a post-step hook (stats); log(): a thread, step closures; profile(): a hook; FSDP2 or tensor
-  parallelism off XLA: a global pre-step hook rebinding optimizers built before the trainer.
+- each trainer: a post-step hook (stats), torch modes counting its first step's FLOPs; log(): a thread, step
+  closures; profile(): a hook; FSDP2 or TP off XLA: a global pre-step hook rebinding older optimizers.
 - first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler chaining the
   user's (SIG_IGN left alone); a default or Ray exit held until trainer.preempted's save, the grace at most (a daemon
   thread from the signal); a global post-step hook. Several processes: a gloo group (a collective; on a slice without
@@ -66,6 +66,7 @@ from collections.abc import Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode, is_in_torch_dispatch_mode
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   TODO(remove when torch_xla registers torch.xla and supports use_reentrant=False)
 # - torch.distributed.checkpoint: FileSystemReader.storage_data and _slice_file, _traverse.set_element, and
 #   torch.distributed._shard._utils.narrow_tensor_by_index. TODO(remove when DCP's reader reads a chunk once)
+# - torch.utils._python_dispatch: TorchDispatchMode, is_in_torch_dispatch_mode (the FLOP count; torch's public
+#   FlopCounterMode decomposes ops it has no formula for). TODO(remove when torch makes them public)
 # - ray.train.torch.config._TorchBackend; ray._private.worker, the module of Ray's SIGTERM handler.
 #   TODO(remove when Ray Train has a public backend hook and a preemption callback)
 ENV_DEVICE = "SEAMLESS_TPU_DEVICE"
@@ -197,6 +200,8 @@ def _reset_caches():
     _STATE.run_log.close()
     if _STATE.profile is not None:
         _STATE.profile.stop()
+    if _STATE.meter.counting is not None and _STATE.meter.counting.thread == threading.get_ident():
+        _STATE.meter.counting.stop()  # a first step that never ended: its modes leave torch's stacks
     hooks, patches = _STATE.optimizer_hooks.values(), reversed(_STATE.torch_patches)
     for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches]:
         undo()
@@ -2201,12 +2206,17 @@ class _Preemption:
                 self.deadline = max(self.deadline, time.monotonic() + _sigterm_grace())
         return done
 
-    def _after_step(self, optimizer, args, kwargs):
+    def owns(self, optimizer):
+        """Whether `optimizer` steps a trainer's parameters (a probe's, a helper model's does not); the meter asks too.
+        Decided again when its groups change size."""
         layout = tuple(len(group["params"]) for group in optimizer.param_groups)
         if self.owned.get(optimizer, (None,))[0] != layout:  # ids, as a weakref to a parameter makes .to() raise
             ours = {id(p) for model in self.models for p in model.parameters()}
             self.owned[optimizer] = layout, any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
-        if not self.owned[optimizer][1]:
+        return self.owned[optimizer][1]
+
+    def _after_step(self, optimizer, args, kwargs):
+        if not self.owns(optimizer):
             return
         self.steps += 1
         if self.preempted_at and optimizer in self.stepped_after and self.delays_exit:
@@ -2363,13 +2373,14 @@ class SeamlessTPUTrainer:
         return _memory_stats(self.model, optimizers)
 
     def stats(self):
-        """What the last RATE_WINDOW optimizer steps cost, read with no sync, compile or transfer: steps, samples and
-        tokens so far (of all processes), step_time_s (wall time between step ends), device_time_s (XLA: the devices'
-        execution time per step) and host_bound, samples_per_s, tokens_per_s, flops_per_device (XLA: the first
-        step's Linear, conv, RNN and attention-projection modules, from their shapes and the gradients the backward
-        computes; else 6 x trainable parameters x tokens, or samples: flops_from says which), tflops_per_device, and mfu
-        against the device's dense bf16 peak (None where it is not known: CPU, XLA:CPU). Samples and tokens: the
-        batch dim of the model's first tensor input, and the size of its first integer one, in forwards under grad."""
+        """What the last RATE_WINDOW steps of the trainers' optimizers cost (not a probe's or another loop's), read
+        with no sync, compile or transfer: steps, samples and tokens so far (of all processes), step_time_s (wall
+        time between step ends), device_time_s (XLA: the devices' execution time per step) and host_bound,
+        samples_per_s, tokens_per_s, flops_per_device (the first step's, counted from the shapes of its matmuls,
+        convolutions, attention kernels and, on XLA, einsums, forward and backward; flops_from "flop_counter", None
+        where nothing was counted), tflops_per_device, and mfu against the device's dense bf16 peak (None where it is
+        not known: CPU, XLA:CPU). Samples and tokens: the batch dim of the model's first tensor input, and the size of
+        its first integer one, in forwards under grad."""
         return _STATE.meter.stats()
 
     def log(self, step, **metrics):
@@ -2409,44 +2420,39 @@ PEAK_FLOPS = (
     (r"a100", 312e12),  # NVIDIA A100 datasheet: 312 TFLOPs bf16 dense
 )
 RATE_WINDOW = 20  # step ends the rates are measured over: recent enough to follow the run, long enough to be stable
+FLOP_FORWARDS = 64  # training forwards the first step's FLOP count may span: past them (forwards under grad that
+# never step, or more micro-batches) it stops, uncounted, and ops stop costing a Python call each
 
 
 @dataclasses.dataclass
 class _Meter:
     """What the trainers' steps cost, counted with no sync: the samples and tokens their models took under grad, the
-    wall time at each optimizer step's end, and on XLA the first step's FLOPs from its matmul modules' shapes (the
-    HLO text torch_xla 2.9 would give, _get_xla_tensors_hlo, segfaulted under Ray and compiled one more graph on
-    LoRA models) and, when asked, the devices' execution time (torch_xla's metrics)."""
+    wall time at each end of a step of a trainer's optimizer (one stepping a trainer's parameters, as preemption
+    decides: a probe's or a second loop's steps are not the trainers'), the FLOPs of the first such step (_FlopCount:
+    what the process runs from the first training forward until that step ends) and, when asked, the devices'
+    execution time (XLA)."""
 
-    steps: int = 0  # this process's optimizer steps, samples and tokens since the trainers were built
+    steps: int = 0  # the trainers' optimizer steps, samples and tokens since the trainers were built
     samples: int = 0
     tokens: int = 0
-    kind: str = None  # of the last trainer built: its device kind, batch dim, data-parallel and model ways
+    kind: str = None  # of the last trainer built: its device kind, batch dim and data-parallel ways
     batch_dim: int = 0
     data_ways: int = 1
-    model_ways: int = 1
-    params: int = 0  # trainable, of the trainers: the 6 x N x T formula's N
     stepped: bool = False  # a step ended since the last trainer was built: the next one starts afresh
-    step_flops: int = None  # XLA: the first step's matmul FLOPs over the whole mesh (counting until then: flops)
-    flops: int = 0
-    counters: list = dataclasses.field(default_factory=list)  # the matmul modules' hook handles until the first step
+    step_flops: int = None  # the first step's FLOPs (XLA: over the whole mesh), once it ended
+    counting: object = None  # the _FlopCount in force from the first training forward until that step ends
     # (perf_counter, time.time, steps, samples, tokens) at the last RATE_WINDOW step ends and the one before them
     ends: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=RATE_WINDOW + 1))
 
     def watch(self, model, layout):
         if self.stepped:  # counts, FLOPs and rates are of the trainers built since the last step (a GAN's two)
-            self.steps = self.samples = self.tokens = self.params = 0
+            self.steps = self.samples = self.tokens = 0
             self.step_flops, self.stepped = None, False
             self.ends.clear()
         self.kind, self.batch_dim = layout.kind, layout.batch_dim
-        self.params += sum(p.numel() for p in model.parameters() if p.requires_grad)
         # processes that each read their own batch; on XLA 1: the batch's shape is the whole slice's already
         self.data_ways = 1 if layout.mesh is not None else (layout.data_ranks or _torch_dist_ranks())[0]
-        self.model_ways = (layout.rank_axes or {}).get(MODEL_AXIS, 1)
         model.register_forward_pre_hook(_owned(model, self._count_inputs), with_kwargs=True)
-        if layout.mesh is not None:
-            self.counters += [m.register_forward_hook(_owned(m, self._count_flops)) for m in model.modules()
-                              if isinstance(m, _MATMULS)]
         _add_step_hook("meter", "post", self._step_end)
 
     def _count_inputs(self, module, args, kwargs):
@@ -2456,20 +2462,19 @@ class _Meter:
             dim = self.batch_dim if tensors and tensors[0].dim() > self.batch_dim else 0
             self.samples += tensors[0].shape[dim] if tensors else 0
             self.tokens += ids[0].numel() if ids else 0
-
-    def _count_flops(self, module, args, output):
-        """XLA, the first step's training forwards: each matmul module's FLOPs from its shapes (global ones: the whole
-        mesh's), x 1 + 1 per gradient the backward computes (its input's, its weights'). No device is asked."""
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if torch.is_grad_enabled():
-            weights = any(p.requires_grad for p in module.parameters())
-            self.flops += _matmul_flops(module, output) * (1 + bool(x is not None and x.requires_grad) + weights)
+            # a mode the user is in may end before the step does: popping ours then would pop theirs
+            if self.step_flops is None and self.counting is None and not is_in_torch_dispatch_mode():
+                self.counting = _FlopCount(_STATE.xla_device is not None).start()
+            elif self.counting is not None and self.counting.thread == threading.get_ident():
+                self.counting.forwards += 1
+                if self.counting.forwards > FLOP_FORWARDS:
+                    self.step_flops, self.counting = self.counting.stop() and 0, None
 
     def _step_end(self, optimizer, args, kwargs):  # a few attribute writes: no call into torch_xla
-        if self.counters:  # the first step ended: its FLOPs are every step's
-            self.step_flops, self.flops = self.flops or None, 0
-            while self.counters:
-                self.counters.pop().remove()
+        if not _STATE.preemption.owns(optimizer):
+            return
+        if self.counting is not None and self.counting.thread == threading.get_ident():  # modes are per thread
+            self.step_flops, self.counting = self.counting.stop(), None
         self.steps, self.stepped = self.steps + 1, True
         self.ends.append((time.perf_counter(), time.time(), self.steps, self.samples, self.tokens))
 
@@ -2489,17 +2494,97 @@ class _Meter:
             data = _import("torch_xla.debug.metrics").metric_data("ExecuteReplicatedTime") or (0, 0, ())
             out["device_time_s"] = sum(ns for at, ns in data[2] if first[1] < at <= last[1]) / 1e9 / steps
             out["host_bound"] = out["step_time_s"] > 1.25 * out["device_time_s"]  # tracing sets the pace
-            devices = _import("torch_xla.runtime").global_runtime_device_count()
-            flops, out["flops_from"] = self.step_flops and self.step_flops / devices, "matmul_modules"
-        else:  # the stated formula: 6 x trainable parameters x tokens (or samples: one dense pass of each weight)
-            per = (last[4] - first[4]) or (last[3] - first[3])
-            flops = 6 * self.params * per / steps / self.model_ways
-            out["flops_from"] = "6*params*tokens" if last[4] > first[4] else "6*params*samples"
-        if flops:
+        if self.step_flops:  # XLA's shapes are the whole mesh's; a process's elsewhere (a DTensor op's: its shard's)
+            devices = _import("torch_xla.runtime").global_runtime_device_count() if xla else 1
+            flops, out["flops_from"] = self.step_flops / devices, "flop_counter"
             peak = _peak_flops(self.kind)
             out["flops_per_device"], out["tflops_per_device"] = flops, flops / out["step_time_s"] / 1e12
             out["peak_tflops"], out["mfu"] = peak and peak / 1e12, peak and flops / out["step_time_s"] / peak
         return out
+
+
+class _FlopCount(TorchDispatchMode):
+    """What runs while it is in force, in FLOPs: torch's formulas (torch.utils.flop_counter: matmuls, convolutions;
+    SDPA kernels: ours, which allow grouped-query heads) on the shapes of each op dispatched, forward and backward,
+    plus _EinsumCount's. Shapes only: no sync, transfer or compile. Unlike FlopCounterMode it runs each op as called
+    (that one decomposes ops without a formula; on XLA aten._propagate_xla_data, which carries shardings, comes here).
+    torch.compile compiles as without it (ignore_compile_internals); the mm and SDPA kernels its code calls count."""
+
+    def __init__(self, xla):
+        super().__init__()
+        formulas, aten = importlib.import_module("torch.utils.flop_counter"), torch.ops.aten
+        kernels = ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu")
+        self.formulas = {**formulas.flop_registry, **{
+            getattr(aten, f"_scaled_dot_product_{kernel}{end}"): formulas.shape_wrapper(formula)
+            for kernel in kernels for end, formula in (("", _sdpa_flops), ("_backward", _sdpa_backward_flops))}}
+        self.flops, self.forwards, self.thread, self.einsums = 0, 1, threading.get_ident(), xla and _EinsumCount(self)
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in self.formulas:
+            flops = self.formulas[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            if hasattr(first, "placements"):  # a DTensor's shapes are global: its shards (Partial: of the sum)
+                flops //= math.prod(first.device_mesh.size(i) for i, p in enumerate(first.placements)  # split it
+                                    if not p.is_replicate())
+            self.flops += flops
+        return out
+
+    def start(self):  # the einsum mode on XLA only: under torch.compile, dynamo recompiles once a function mode goes
+        self.__enter__()
+        if self.einsums:
+            self.einsums.__enter__()
+        return self
+
+    def stop(self):  # modes are per thread: the thread that started it stops it
+        if self.einsums:
+            self.einsums.__exit__(None, None, None)
+        self.__exit__(None, None, None)
+        return self.flops
+
+
+class _EinsumCount(torch.overrides.TorchFunctionMode):
+    """On XLA torch.einsum (the trainer's linear) runs in torch_xla's own autograd kernel, forward and backward, which
+    no dispatch mode sees: its FLOPs from the equation, x 1 + 1 per operand the backward computes a gradient of.
+    Elsewhere it dispatches to bmm, counted already: nothing is added."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.count = count
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        before = self.count.flops
+        out = func(*args, **(kwargs or {}))
+        if func is torch.einsum and self.count.flops == before and args and isinstance(args[0], str):
+            operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+            grads = sum(t.requires_grad for t in operands) if torch.is_grad_enabled() else 0
+            self.count.flops += _einsum_flops(args[0], [t.shape for t in operands]) * (1 + grads)
+        return out
+
+
+def _einsum_flops(equation, shapes):
+    """2 x the product of every index's size (the ellipsis's dims broadcast): a product of two operands, summed."""
+    sizes, ellipses = {}, []
+    for spec, shape in zip(equation.replace(" ", "").split("->")[0].split(","), shapes):
+        at, letters = spec.find("..."), spec.replace("...", "")
+        if at >= 0:
+            ellipses.append(shape[at:at + len(shape) - len(letters)])
+            shape = (*shape[:at], *shape[at + len(shape) - len(letters):])
+        for letter, n in zip(letters, shape):
+            sizes[letter] = max(n, sizes.get(letter, 1))
+    return 2 * math.prod(torch.broadcast_shapes(*ellipses)) * math.prod(sizes.values())
+
+
+def _sdpa_flops(query, key, value, *args, out_shape=None, **kwargs):  # scores, then their product with the values
+    return 2 * math.prod(query[:-2]) * query[-2] * key[-2] * (query[-1] + value[-1])
+
+
+def _sdpa_backward_flops(grad, query, key, value, *args, out_shape=None, **kwargs):  # scores again, 4 products
+    return 2 * math.prod(query[:-2]) * query[-2] * key[-2] * (3 * query[-1] + 2 * value[-1])
 
 
 _MATMULS = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.MultiheadAttention)
