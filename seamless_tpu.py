@@ -1373,16 +1373,71 @@ _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced:
 
 def _replicate(model, device):
     """DDP on `model` itself (torch's composable replicate): backward averages the gradients whichever object the
-    loop calls. find_unused_parameters (ranks may use different parameters in one step) costs one autograd-graph
-    walk per forward. A DDP model is used as is: wrapping twice all-reduces twice."""
+    loop calls. It starts without find_unused_parameters (torch's default: no autograd-graph walk per forward, and no
+    warning about one) and _UnusedCheck reads at the first step which parameters each rank used: only a model where
+    some rank leaves one out gets the walk. A DDP model is used as is: wrapping twice all-reduces twice."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model
     replicate = importlib.import_module("torch.distributed._composable.replicate")
-    replicate.replicate(model, device_id=device.index if device.type == "cuda" else device, find_unused_parameters=True)
+    replicate.replicate(model, device_id=device.index if device.type == "cuda" else device)
     replicate.replicate.state(model).lazy_init()  # now, not at the first forward: its broadcast is a collective
+    _UnusedCheck(model, replicate.replicate.state(model), device)
     if not hasattr(model, "no_sync"):  # DDP's own spelling for gradient accumulation, on this model's class only
         type(model).no_sync = _no_sync
     return model
+
+
+class _UnusedCheck:
+    """Which parameters the ranks use, read from the first step's gradients. DDP without find_unused_parameters hangs
+    or raises ("Expected to have finished reduction") when a rank leaves a parameter out, so the first forward that
+    would average runs as under no_sync, and at the end of its backward one all-reduce sums a used-mask and the
+    gradients (DDP's average). Then, on every rank alike, DDP stays as it is (every parameter used everywhere) or is
+    rebuilt with find_unused_parameters=True (one broadcast of the parameters). A model whose ranks use every
+    parameter at step 1 and leave one out later gets DDP's error: wrap it in DDP(..., find_unused_parameters=True)
+    before the trainer."""
+
+    def __init__(self, model, state, device):
+        self.state, self.device, self.armed, self.forcing = state, device, False, False
+        self.handles = [model.register_forward_pre_hook(self.before, prepend=True),
+                        model.register_forward_hook(self.after, always_call=True)]
+        self.handles += [p.register_post_accumulate_grad_hook(self.accumulated)
+                         for p in state._param_list if p.requires_grad]
+
+    def before(self, module, args):
+        if torch.is_grad_enabled() and not self.state._no_sync:  # a forward DDP would average: not yet
+            self.state._no_sync = self.armed = self.forcing = True
+
+    def after(self, module, args, output):
+        if self.forcing:
+            self.state._no_sync = self.forcing = False
+
+    def accumulated(self, param):  # in the backward of a forced forward: the check runs once it ends
+        if self.armed:
+            self.armed = False
+            torch.autograd.Variable._execution_engine.queue_callback(self.agree)
+
+    def agree(self):
+        dist, params = torch.distributed, [p for p in self.state._param_list if p.requires_grad]  # DDP's own
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        dist.all_reduce(used)
+        world, used = dist.get_world_size(), used.tolist()  # a sync, once
+        for p, count in zip(params, used):
+            if count:  # as DDP: divided, then summed; a parameter no rank used keeps grad None
+                grad = (p.grad if p.grad is not None else torch.zeros_like(p)).div(world).contiguous()
+                dist.all_reduce(grad)
+                p.grad = grad
+        for handle in self.handles:
+            handle.remove()
+        if min(used) < world:
+            old = self.state._ddp
+            old.reducer._remove_autograd_hooks()
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                self.state._param_list, device_ids=[self.device] if self.device.type == "cuda" else None,
+                find_unused_parameters=True)
+            self.state._ddp, self.state._ddp_weakref = ddp, weakref.ref(ddp)
+            _log("seamless_tpu: %d of %d parameters were left out by some rank at the first step: DDP now finds the "
+                 "unused ones at each forward (find_unused_parameters=True)", sum(c < world for c in used),
+                 len(params))
 
 
 @contextlib.contextmanager

@@ -77,9 +77,10 @@ def run(args, *, env=None, timeout, cwd=ROOT, check=True):
     return out
 
 
-def run_together(commands, *, timeout, cwd=ROOT):
+def run_together(commands, *, timeout, cwd=ROOT, stderr=False):
     """Start every (args, env) in `commands` at once (the ranks of one world), wait for all, fail on
-    any failure; returns their stdouts in order. A hang fails at `timeout` instead of stalling CI."""
+    any failure; returns their stdouts in order (with `stderr`, (stdout, stderr) pairs). A hang fails at
+    `timeout` instead of stalling CI."""
     procs = [popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for args, env in commands]
     try:
@@ -91,7 +92,7 @@ def run_together(commands, *, timeout, cwd=ROOT):
                 p.communicate()
     for i, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert_ok(p.returncode, out, err, f"process {i} of {len(procs)}")
-    return [out for out, _ in outs]
+    return outs if stderr else [out for out, _ in outs]
 
 
 def requires(*modules):

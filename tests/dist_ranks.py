@@ -53,7 +53,8 @@ def agreement(out_dir):
 
 
 class Heads(torch.nn.Module):
-    """A trunk and two task heads: a step may use either head (multi-task, conditional branches)."""
+    """A trunk and two task heads: a step may use either head (multi-task, conditional branches), or the sum of
+    several (a tuple of heads)."""
 
     def __init__(self):
         super().__init__()
@@ -63,7 +64,8 @@ class Heads(torch.nn.Module):
         )
 
     def forward(self, x, head=0):
-        return self.heads[head](torch.tanh(self.trunk(x)))
+        h = torch.tanh(self.trunk(x))
+        return sum(self.heads[i](h) for i in head) if isinstance(head, tuple) else self.heads[head](h)
 
 
 def heads_model():
@@ -165,6 +167,25 @@ def grad_sync(out_dir):
                 "weights": got["weights"],
             }
     return seen
+
+
+def unused_parameters(out_dir):
+    """DDP through the trainer on a model whose ranks use every parameter ("all", then torch's DDP warning about
+    find_unused_parameters must not appear, and DDP walks no graph) or where rank 1 always leaves head 1 out ("rank
+    1 skips"; run alone: torch warns on a rank that used everything once find_unused_parameters is on). Both train
+    like one process on the whole batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = os.environ["UNUSED_CASE"]
+    head_of = (lambda r, step: (0, 1)) if case == "all" else (lambda r, step: (0,) if r == 1 else (0, 1))
+    model, optimizer, trainer = kept_trainer("ddp")
+    state = __import__("torch.distributed._composable.replicate", fromlist=["_"]).replicate.state(model)
+    before = state._ddp.find_unused_parameters
+    got = sync_loop(model, optimizer, model, rank, world, head_of, accumulate=2)  # torch's warning goes to stderr
+    want = eager_loop(world, head_of, accumulate=2)
+    return {"find_unused_before": before, "find_unused_after": state._ddp.find_unused_parameters,
+            "weights_diff": max(abs(a - b) for a, b in zip(got["weights"], want["weights"])),
+            "norms_diff": max(abs(a - b) for a, b in zip(got["norms"], want["norms"])),
+            "weights": got["weights"]}
 
 
 class Repeated(torch.nn.Module):
