@@ -27,10 +27,15 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 RAY_WRITES = ("PYTHONBREAKPOINT", "RAY_USAGE_STATS_ENABLED")  # ray.init() sets these in the driver for good
 
 
-def env(*, drop=(), path=PYTHONPATH, **extra):
-    """This process's environment without the names in `drop`, with PYTHONPATH=`path`, plus `extra`."""
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # a child of a test that means the CPU sees no GPU, on a GPU host too
+
+
+def env(*, drop=(), path=PYTHONPATH, cuda=False, **extra):
+    """This process's environment without the names in `drop`, with PYTHONPATH=`path`, plus `extra`; without
+    `cuda` (the gpu tier's children), no GPU: CUDA_VISIBLE_DEVICES=''."""
     out = {k: v for k, v in os.environ.items() if k not in drop}
     out["PYTHONPATH"] = path
+    out.update({} if cuda else NO_CUDA)
     out.update(extra)
     return out
 
