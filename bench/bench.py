@@ -1462,10 +1462,11 @@ def render_preemption(times, s):
 
 def ddp_rank(rounds, steps, device):
     """One of 2 gloo ranks on `device` (cpu, or cuda: both ranks on GPU 0): the same MLP (64-512-512-1, batch 32,
-    AdamW) in DDP through the trainer, and in torch's DistributedDataParallel with its defaults twice (the A/A
-    floor), timed in blocks of `steps` in an order drawn per round from a seed both ranks share. The trainer's
-    preemption hook is off: this compares the DDP wrappers alone. Prints, on rank 0, {variant: [s per step]} and
-    find_unused_parameters of the trainer's DDP after its first step."""
+    AdamW) in DDP through the trainer, in torch's composable replicate() (what the trainer applies) and in torch's
+    DistributedDataParallel with its defaults twice (the A/A floor), timed in blocks of `steps` in an order drawn
+    per round from a seed both ranks share. The trainer's preemption hook is off: this compares the DDP wrappers.
+    Prints, on rank 0, {variant: [s per step]} and find_unused_parameters of the trainer's DDP after its first step.
+    """
     import torch
     from torch.distributed._composable.replicate import replicate
 
@@ -1488,6 +1489,7 @@ def ddp_rank(rounds, steps, device):
     for name in ("torch DDP", "torch DDP" + AA):
         models[name] = torch.nn.parallel.DistributedDataParallel(
             mlp().to(dev), device_ids=[0] if dev.type == "cuda" else None)
+    models["torch replicate()"] = replicate(mlp().to(dev), device_id=dev)  # the composable DDP the trainer applies
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     x, y = torch.randn(32, 64, device=dev), torch.randn(32, 1, device=dev)
 
@@ -1542,8 +1544,8 @@ def run_ddp(s):
 def render_ddp(out, s):
     md = ["2 gloo ranks, an MLP (64-512-512-1, batch 32, AdamW): DDP through the trainer (torch's composable "
           "replicate; find_unused_parameters off unless a rank leaves a parameter out at the first step) against "
-          "torch's DistributedDataParallel with its defaults, twice (A/A), in blocks drawn in a random order each "
-          "round. The trainer's preemption hook is off in both.", "",
+          "torch's composable replicate() alone and torch's DistributedDataParallel with its defaults, twice (A/A), "
+          "in blocks drawn in a random order each round. The trainer's preemption hook is off.", "",
           "| device | variant | median s/step | ratio to torch DDP [95% interval] |", "|---|---|---|---|"]
     lines = []
     for device, r in out.items():
