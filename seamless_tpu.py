@@ -20,7 +20,8 @@ workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes 
   thread from the signal); a global post-step hook. Several processes: a gloo group (a collective; on a slice without
   torch.distributed over a TCPStore process 0 serves) and an atexit that ends its last all-reduce.
 - first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits for it), an atexit report of a
-  failure nobody asked about, and under torch.distributed one more gloo group.
+  failure nobody asked about, under torch.distributed one more gloo group; on CUDA a side stream and one pinned
+  host copy of the state, kept for the next save.
 - Ray: the xla_tpu backend starts a gloo default process group on each worker (ended at shutdown); TorchTrainer.fit
   with use_tpu=True calls ray.init() in the driver when it is not initialised, to check the cluster's TPUs.
 """
