@@ -12,6 +12,9 @@ Tiers (setup.cfg registers them; every test file names exactly one with `pytestm
     xla        real torch_xla SPMD on 4 virtual CPU devices (tests/test_real_xla.py, tests/test_op_sweep.py)
     ray        a real local Ray cluster (tests/test_ray.py, tests/test_ray_slice.py)
     workloads  third-party models on real torch_xla (tests/test_workloads.py)
+    gpu        on a CUDA host only (skipped without one): the GPU path against the plain loop (tests/test_gpu.py)
+Every tier but gpu means the CPU: on a GPU host, cuda_hidden makes torch.cuda.is_available() False for its tests and
+tests/child.py gives their child processes CUDA_VISIBLE_DEVICES='', so they run as on CI.
 `./dev.sh test -m fast` runs one tier; plain `./dev.sh test` runs them all. tests/DURATIONS.md has what each
 test of `-m "fast or procs"` took on a 2-core machine: measure again before moving a test between tiers.
 """
@@ -31,7 +34,7 @@ try:  # imported up front: ray's import writes RAY_CLIENT_MODE, which the hygien
 except ImportError:
     pass
 
-TIERS = ("fast", "procs", "xla", "ray", "workloads")
+TIERS = ("fast", "procs", "xla", "ray", "workloads", "gpu")
 st._reset_caches()  # the first test starts where the hygiene fixture leaves every later one
 
 
@@ -89,6 +92,15 @@ def hygiene():
     assert _torch_as_patched() == patched, (
         f"torch still patched after _reset_caches(): {patched} -> {_torch_as_patched()}"
     )
+
+
+@pytest.fixture(autouse=True)
+def cuda_hidden(request, hygiene, monkeypatch):
+    """A test of any tier but gpu means the CPU: on a GPU host torch.cuda.is_available() is False for it (a test may
+    patch it back). Not CUDA_VISIBLE_DEVICES here: the CUDA runtime reads it once per process, and the gpu tier may
+    run later in this one."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture

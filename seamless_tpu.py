@@ -21,7 +21,8 @@ workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes 
   thread from the signal); a global post-step hook. Several processes: a gloo group (a collective; on a slice without
   torch.distributed over a TCPStore process 0 serves) and an atexit that ends its last all-reduce.
 - first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits for it), an atexit report of a
-  failure nobody asked about, and under torch.distributed one more gloo group.
+  failure nobody asked about, under torch.distributed one more gloo group; on CUDA a side stream and one pinned
+  host copy of the state, kept for the next save.
 - Ray: the xla_tpu backend starts a gloo default process group on each worker (ended at shutdown); TorchTrainer.fit
   with use_tpu=True calls ray.init() in the driver when it is not initialised, to check the cluster's TPUs.
 """
@@ -1633,16 +1634,71 @@ _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced:
 
 def _replicate(model, device):
     """DDP on `model` itself (torch's composable replicate): backward averages the gradients whichever object the
-    loop calls. find_unused_parameters (ranks may use different parameters in one step) costs one autograd-graph
-    walk per forward. A DDP model is used as is: wrapping twice all-reduces twice."""
+    loop calls. It starts without find_unused_parameters (torch's default: no autograd-graph walk per forward, and no
+    warning about one) and _UnusedCheck reads at the first step which parameters each rank used: only a model where
+    some rank leaves one out gets the walk. A DDP model is used as is: wrapping twice all-reduces twice."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model
     replicate = importlib.import_module("torch.distributed._composable.replicate")
-    replicate.replicate(model, device_id=device.index if device.type == "cuda" else device, find_unused_parameters=True)
+    replicate.replicate(model, device_id=device.index if device.type == "cuda" else device)
     replicate.replicate.state(model).lazy_init()  # now, not at the first forward: its broadcast is a collective
+    _UnusedCheck(model, replicate.replicate.state(model), device)
     if not hasattr(model, "no_sync"):  # DDP's own spelling for gradient accumulation, on this model's class only
         type(model).no_sync = _no_sync
     return model
+
+
+class _UnusedCheck:
+    """Which parameters the ranks use, read from the first step's gradients. DDP without find_unused_parameters hangs
+    or raises ("Expected to have finished reduction") when a rank leaves a parameter out, so the first forward that
+    would average runs as under no_sync, and at the end of its backward one all-reduce sums a used-mask and the
+    gradients (DDP's average). Then, on every rank alike, DDP stays as it is (every parameter used everywhere) or is
+    rebuilt with find_unused_parameters=True (one broadcast of the parameters). A model whose ranks use every
+    parameter at step 1 and leave one out later gets DDP's error: wrap it in DDP(..., find_unused_parameters=True)
+    before the trainer."""
+
+    def __init__(self, model, state, device):
+        self.state, self.device, self.armed, self.forcing = state, device, False, False
+        self.handles = [model.register_forward_pre_hook(self.before, prepend=True),
+                        model.register_forward_hook(self.after, always_call=True)]
+        self.handles += [p.register_post_accumulate_grad_hook(self.accumulated)
+                         for p in state._param_list if p.requires_grad]
+
+    def before(self, module, args):
+        if torch.is_grad_enabled() and not self.state._no_sync:  # a forward DDP would average: not yet
+            self.state._no_sync = self.armed = self.forcing = True
+
+    def after(self, module, args, output):
+        if self.forcing:
+            self.state._no_sync = self.forcing = False
+
+    def accumulated(self, param):  # in the backward of a forced forward: the check runs once it ends
+        if self.armed:
+            self.armed = False
+            torch.autograd.Variable._execution_engine.queue_callback(self.agree)
+
+    def agree(self):
+        dist, params = torch.distributed, [p for p in self.state._param_list if p.requires_grad]  # DDP's own
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        dist.all_reduce(used)
+        world, used = dist.get_world_size(), used.tolist()  # a sync, once
+        for p, count in zip(params, used):
+            if count:  # as DDP: divided, then summed; a parameter no rank used keeps grad None
+                grad = (p.grad if p.grad is not None else torch.zeros_like(p)).div(world).contiguous()
+                dist.all_reduce(grad)
+                p.grad = grad
+        for handle in self.handles:
+            handle.remove()
+        if min(used) < world:
+            old = self.state._ddp
+            old.reducer._remove_autograd_hooks()
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                self.state._param_list, device_ids=[self.device] if self.device.type == "cuda" else None,
+                find_unused_parameters=True)
+            self.state._ddp, self.state._ddp_weakref = ddp, weakref.ref(ddp)
+            _log("seamless_tpu: %d of %d parameters were left out by some rank at the first step: DDP now finds the "
+                 "unused ones at each forward (find_unused_parameters=True)", sum(c < world for c in used),
+                 len(params))
 
 
 @contextlib.contextmanager
@@ -3134,10 +3190,13 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
         for value in state.values():  # a meta-built model not used yet is initialised before it is saved
             if isinstance(value, torch.nn.Module) and (_STATE.meta_init.pending or _STATE.meta_init.unset):
                 _initialize_pending(value, refuse=True)
-        attempt, error = None, None
+        attempt, error, ready = None, None, None
         try:  # all that reads the state happens now, blocking or not; a failure on any rank is shared below
-            tensors = {k: _map_tensors(_state_dicts(v), lambda t: _saved_form(t, blocking))
-                       for k, v in state.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
+            dicts = {k: _state_dicts(v) for k, v in state.items()
+                     if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
+            stage = None if blocking else _STATE.saves.staging_for(dicts)  # CUDA: pinned buffers, a side stream
+            tensors = {k: _map_tensors(d, lambda t: _saved_form(t, blocking, stage)) for k, d in dicts.items()}
+            ready = stage and stage.issued()  # the call returns once the copies are queued
             objects = {k: _map_tensors(_state_dicts(v), _cpu_copy)
                        for k, v in state.items() if _is_stateful(v) and k not in tensors}
             files = {OBJECT_STATES: {"objects": objects, "rng": rng}, PLAIN_VALUES: plain}
@@ -3151,7 +3210,7 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
         except Exception as e:
             error = e
         attempt = _agree(f"save_checkpoint({directory!r})", attempt, error)
-        write = functools.partial(_write_checkpoint, directory, attempt, tensors, files, keep_last, blocking)
+        write = functools.partial(_write_checkpoint, directory, attempt, tensors, files, keep_last, blocking, ready)
         if blocking:
             return write()
         future, handed_off = _STATE.saves.start(write, os.path.join(directory, attempt), saved), True
@@ -3167,6 +3226,19 @@ class _Saves:
     """The asynchronous save in flight (one at a time) and the gloo group its thread's collectives use."""
     group: object = None  # under torch.distributed: its own process group, never the training loop's
     in_flight: object = None  # the _SaveFuture not yet waited for
+    staging: object = None  # CUDA: the _Staging buffers the saves copy the state into, one set, reused
+
+    def staging_for(self, dicts):
+        """The _Staging of a save of `dicts` (state_dicts) when it holds CUDA tensors (DTensors: their local parts),
+        with its buffers fitted to them; else None. Called after wait(): the buffers are free."""
+        found = []
+        _map_tensors(dicts, lambda t: found.append(t.to_local() if hasattr(t, "to_local") else t) or t)
+        cuda = [t for t in found if t.is_cuda]
+        if not cuda:
+            return None
+        self.staging = self.staging or _Staging()
+        self.staging.begin([(tuple(t.shape), t.dtype) for t in cuda], cuda[0].device)
+        return self.staging
 
     def start(self, write, path, saved):
         """The Future of `write()` (a save into `path`), run on a thread of its own, which calls `saved` at the end."""
@@ -3202,6 +3274,45 @@ class _Saves:
                          "LATEST names", future.path, type(error).__name__, error)
 
 
+class _Staging:
+    """CUDA: the pinned host buffers an asynchronous save copies the state into (host memory: one copy of the state,
+    kept for the next save and made anew when the tensors' shapes or dtypes change). The copies run on a side stream
+    after the work queued so far (the state at the call), and the training stream waits for them on the GPU, not the
+    host: the next step's in-place writes come after them. That stalls the GPU for the copy (pinned: ~55 GB/s on an
+    H100); the writer thread waits for the copies' event before it reads the buffers."""
+
+    def __init__(self):
+        self.buffers, self.stream, self.left = [], None, None
+
+    def begin(self, specs, device):
+        self.buffers = _staging_buffers(self.buffers, specs, lambda shape, dtype: torch.empty(
+            shape, dtype=dtype, pin_memory=True))
+        self.stream = self.stream or torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.device, self.left = device, iter(self.buffers)
+
+    def copy(self, t):
+        buffer = next(self.left)
+        with torch.cuda.stream(self.stream):
+            return buffer.copy_(t.detach(), non_blocking=True)
+
+    def issued(self):
+        """The event the copies end at; from here the training stream waits for it (on the GPU)."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        return event
+
+
+def _staging_buffers(held, specs, alloc):
+    """The host buffers of a save of tensors with `specs` [(shape, dtype), in order]: `held` when it was made for the
+    same specs, else new ones from alloc(shape, dtype) (`held` is dropped first: one set at a time)."""
+    if [(tuple(b.shape), b.dtype) for b in held] == list(specs):
+        return held
+    held.clear()
+    return [alloc(shape, dtype) for shape, dtype in specs]
+
+
 class _SaveFuture(concurrent.futures.Future):
     """An asynchronous save's Future (of `path`) that remembers whether its outcome was asked for (_Saves.wait)."""
     asked, path = False, None
@@ -3215,12 +3326,15 @@ class _SaveFuture(concurrent.futures.Future):
         return super().exception(timeout)
 
 
-def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking):
-    """This process's shards, then (process 0) the other files and the commit; all ranks return or raise together."""
+def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking, ready=None):
+    """This process's shards, then (process 0) the other files and the commit; all ranks return or raise together.
+    `ready`: the CUDA event the host copies of `tensors` end at."""
     group = None if blocking else _STATE.saves.group
     path = os.path.join(directory, attempt)
     error = None
     try:
+        if ready is not None:
+            ready.synchronize()
         dcp = importlib.import_module("torch.distributed.checkpoint")  # part of torch, slow to import: on use
         xla = _STATE.xla_device is not None
         planner = _import("torch_xla.experimental.distributed_checkpoint").SPMDSavePlanner() if xla else None
@@ -3246,7 +3360,7 @@ def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking):
     return directory
 
 
-def _saved_form(t, blocking):
+def _saved_form(t, blocking, stage=None):
     """What the writer gets for `t`: the tensor (blocking) or a host copy taken now (a DTensor keeps its placements).
     On XLA, this process's replica-0 shards of a split tensor when asynchronous, and when blocking of one also
     replicated over some mesh axes (a multi-host ("data", "fsdp") mesh's parameters, a planned weight beside a data
@@ -3262,9 +3376,13 @@ def _saved_form(t, blocking):
     if blocking:
         return t
     if hasattr(t, "to_local"):
-        local = t.to_local().detach().to("cpu", copy=True)
+        local = _host_copy(t.to_local(), stage)
         return type(t).from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return t.detach().to("cpu", copy=True)
+    return _host_copy(t, stage)
+
+
+def _host_copy(t, stage):  # CUDA: into the save's pinned buffer, queued (_Staging)
+    return stage.copy(t) if stage is not None and t.is_cuda else t.detach().to("cpu", copy=True)
 
 
 def _refuse_nested_state(value, where):

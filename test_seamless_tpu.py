@@ -279,6 +279,27 @@ def test_async_checkpoint_saves_the_state_at_the_call_while_training_goes_on(tmp
     assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], adam_at_call)
 
 
+def test_async_staging_buffers_are_one_set_reused_while_the_tensors_keep_their_shapes_and_dtypes(cpu):
+    """The CUDA asynchronous save's host buffers (_Staging, pinned there): the same set for a save of the same
+    shapes and dtypes (host memory stays one copy of the state), a new set, the old one dropped, when any differs
+    (optimizer state that appeared, a dtype change). The copies themselves run in the gpu tier."""
+    made = []
+
+    def alloc(shape, dtype):
+        made.append((shape, dtype))
+        return torch.empty(shape, dtype=dtype)
+
+    model_only = [((4, 3), torch.float32), ((4,), torch.float32)]
+    with_adam = model_only + [((4, 3), torch.float32), ((4, 3), torch.float32), ((), torch.float32)]
+    first = st._staging_buffers([], model_only, alloc)
+    assert st._staging_buffers(first, model_only, alloc) is first and made == model_only, "reused, nothing made"
+    second = st._staging_buffers(first, with_adam, alloc)
+    assert [(tuple(b.shape), b.dtype) for b in second] == with_adam and first == [], "the old set is dropped"
+    third = st._staging_buffers(second, [((4, 3), torch.bfloat16)] + with_adam[1:], alloc)
+    assert third is not second and third[0].dtype == torch.bfloat16 and len(made) == 2 + 5 + 5
+    assert st._staging_buffers(third, [((4, 3), torch.bfloat16)] + with_adam[1:], alloc) is third
+
+
 def test_async_checkpoint_failure_raises_from_its_future_or_else_the_next_call(tmp_path, cpu):
     model = torch.nn.Linear(3, 2)
     trainer = st.SeamlessTPUTrainer(model, device="cpu")

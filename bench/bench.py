@@ -1160,6 +1160,75 @@ def render_accumulate(result, s):
     return md + ["", f"- {line}"], [line]
 
 
+def gpu_saves_child(rounds, steps=10):
+    """CUDA only: 8 Linear(4096, 4096) layers with AdamW (1.6 GB of state), batch 64. The step time through the
+    trainer against the same model in a plain loop (blocks in a random order each round, plain twice for the A/A
+    floor); the pinned-copy time of the state (its floor); save_checkpoint(blocking=False)'s return time per save;
+    and the step time while that save is in flight (the block right after the call) against the trainer's quiet
+    block of the same round. Reports {"times", "pinned_copy_s", "returns_s", "quiet", "during", "in_flight"}."""
+    import shutil
+
+    import torch
+
+    import seamless_tpu as st
+
+    rounds, steps = int(rounds), int(steps)
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)])
+
+    model = build()
+    trainer = st.SeamlessTPUTrainer(model, device="gpu")
+    plain = build().to(trainer.device)
+    optimizers = {"trainer": torch.optim.AdamW(model.parameters(), lr=1e-5),
+                  "plain": torch.optim.AdamW(plain.parameters(), lr=1e-5)}
+    optimizers["plain" + AA] = optimizers["plain"]
+    models = {"trainer": model, "plain": plain, "plain" + AA: plain}
+    x = torch.randn(64, 4096, device=trainer.device)
+
+    def block(name):
+        m, opt = models[name], optimizers[name]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps
+
+    for name in models:
+        block(name)
+    state = [t for t in [*model.state_dict().values(), *(v for s in optimizers["trainer"].state.values()
+                                                          for v in s.values())] if t.is_cuda]
+    pinned, copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in state], []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for b, t in zip(pinned, state):
+            b.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        copies.append(time.perf_counter() - start)
+    del pinned
+    times, returns, quiet, during, in_flight = {name: [] for name in models}, [], [], [], 0
+    for r in range(rounds):
+        for name in random.Random(r).sample(sorted(times), len(times)):
+            times[name].append(block(name))
+        quiet.append(times["trainer"][-1])
+        directory = tempfile.mkdtemp()
+        start = time.perf_counter()
+        future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizers["trainer"])
+        returns.append(time.perf_counter() - start)
+        during.append(block("trainer"))
+        in_flight += not future.done()
+        future.result()
+        shutil.rmtree(directory)
+    report({"times": times, "pinned_copy_s": min(copies), "state_bytes": sum(t.nbytes for t in state),
+            "returns_s": returns, "quiet": quiet, "during": during, "in_flight": in_flight,
+            "device": torch.cuda.get_device_name()})
+
+
 def save_while_training_child(rounds, steps=8):
     """Step time of an 85 MB MLP (AdamW: a 255 MB checkpoint) under fsdp on XLA, in blocks of `steps`: plain,
     plain again (A/A), and with an asynchronous save in flight, in a new order each round; and a blocking
@@ -1242,7 +1311,11 @@ def run_checkpoints(s):
             load[phase] = run_script(["tests/load_cost.py", "fsdp4", phase, os.path.join(d, "c")], env)
     saving = run_child("save-while-training", 2 if s.smoke else 7, env=env, timeout=900)
     preempt = [preempt_time() for _ in range(1 if s.smoke else 3)]
-    return {"load": load, "saving": saving, "preempt": preempt}
+    out = {"load": load, "saving": saving, "preempt": preempt}
+    if __import__("torch").cuda.is_available():  # the GPU path, where there is one
+        gpu_env = dict(os.environ, SEAMLESS_TPU_DEVICE="gpu", PYTHONPATH=TESTS_PATH)
+        out["gpu"] = run_child("gpu-saves", 2 if s.smoke else 5, env=gpu_env, timeout=600)
+    return out
 
 
 def render_checkpoints(result, s):
@@ -1286,7 +1359,20 @@ def render_checkpoints(result, s):
         f"{all(p[1] for p in result['preempt'])}",
         f"- {line}",
     ]
-    return md, [line]
+    lines = [line]
+    if "gpu" in result:  # CUDA hosts only
+        g = result["gpu"]
+        plain = g["times"]["plain"]
+        ratio = statistics.median(a / b for a, b in zip(g["times"]["trainer"], plain))
+        floor = statistics.median(a / b for a, b in zip(g["times"]["plain" + AA], plain))
+        returns = ", ".join(f"{r * 1e3:.0f} ms" for r in g["returns_s"])
+        during = statistics.median(a / b for a, b in zip(g["during"], g["quiet"]))
+        lines.append(f"GPU ({g['device']}): trainer / plain step {ratio:.3f} (A/A {floor:.3f}); "
+                     f"save_checkpoint(blocking=False) of {g['state_bytes'] / 1e9:.2f} GB returned in {returns} "
+                     f"(pinned copy {g['pinned_copy_s'] * 1e3:.0f} ms); the {len(g['during'])} blocks after the "
+                     f"call {during:.3f}x a quiet block ({g['in_flight']} ended with the save still writing)")
+        md.append(f"- {lines[-1]}")
+    return md, lines
 
 
 def preemption_rank(rounds, steps):
@@ -1374,6 +1460,108 @@ def render_preemption(times, s):
                 f"{extra * 1e6:+.0f} us per step"]
 
 
+def ddp_rank(rounds, steps, device):
+    """One of 2 gloo ranks on `device` (cpu, or cuda: both ranks on GPU 0): the same MLP (64-512-512-1, batch 32,
+    AdamW) in DDP through the trainer, in torch's composable replicate() (what the trainer applies) and in torch's
+    DistributedDataParallel with its defaults twice (the A/A floor), timed in blocks of `steps` in an order drawn
+    per round from a seed both ranks share. The trainer's preemption hook is off: this compares the DDP wrappers.
+    Prints, on rank 0, {variant: [s per step]} and find_unused_parameters of the trainer's DDP after its first step.
+    """
+    import torch
+    from torch.distributed._composable.replicate import replicate
+
+    import seamless_tpu as st
+
+    rounds, steps = int(rounds), int(steps)
+    torch.set_num_threads(THREADS)
+    torch.distributed.init_process_group("gloo")
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                   torch.nn.ReLU(), torch.nn.Linear(512, 1))
+
+    shim = mlp()
+    st.SeamlessTPUTrainer(shim, device=str(dev))
+    st._STATE.optimizer_hooks.pop("preemption").remove()
+    models = {"trainer": shim}
+    for name in ("torch DDP", "torch DDP" + AA):
+        models[name] = torch.nn.parallel.DistributedDataParallel(
+            mlp().to(dev), device_ids=[0] if dev.type == "cuda" else None)
+    models["torch replicate()"] = replicate(mlp().to(dev), device_id=dev)  # the composable DDP the trainer applies
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
+    x, y = torch.randn(32, 64, device=dev), torch.randn(32, 1, device=dev)
+
+    def block(name):
+        model, optimizer = models[name], optimizers[name]
+        torch.distributed.barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps
+
+    for name in models:  # warm-up, and the trainer's first step reads which parameters the ranks use
+        block(name)
+    rng, times = random.Random(0), {name: [] for name in models}
+    for _ in range(rounds):
+        for name in rng.sample(list(times), len(times)):
+            times[name].append(block(name))
+    found = replicate.state(shim)._ddp.find_unused_parameters
+    if torch.distributed.get_rank() == 0:
+        report({"times": times, "find_unused": found})
+    torch.distributed.destroy_process_group()
+
+
+def run_ddp(s):
+    """ddp_rank on 2 gloo CPU ranks, and on 2 ranks sharing GPU 0 where CUDA is present."""
+    import torch
+
+    rounds, steps = (2, 10) if s.smoke else (30, 50)
+    out = {}
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        port = random.Random().randrange(20000, 40000)
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", USE_TORCH_XLA="0")
+        if device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "ddp-rank", str(rounds),
+                                   str(steps), device], cwd=ROOT, env=dict(env, RANK=str(rank)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        outs = [p.communicate(timeout=600) for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError("the ddp ranks failed:\n" + "\n".join(err[-2000:] for _, err in outs))
+        out[device] = result(outs[0][0], "ddp rank 0")
+        out[device]["warned"] = sum("find_unused_parameters=True was specified" in err for _, err in outs)
+    return out
+
+
+def render_ddp(out, s):
+    md = ["2 gloo ranks, an MLP (64-512-512-1, batch 32, AdamW): DDP through the trainer (torch's composable "
+          "replicate; find_unused_parameters off unless a rank leaves a parameter out at the first step) against "
+          "torch's composable replicate() alone and torch's DistributedDataParallel with its defaults, twice (A/A), "
+          "in blocks drawn in a random order each round. The trainer's preemption hook is off.", "",
+          "| device | variant | median s/step | ratio to torch DDP [95% interval] |", "|---|---|---|---|"]
+    lines = []
+    for device, r in out.items():
+        times, base = r["times"], r["times"]["torch DDP"]
+        for name in times:
+            ratios = [a / b for a, b in zip(times[name], base)]
+            cell = "1" if name == "torch DDP" else "{:.3f} [{:.3f}, {:.3f}]".format(*interval(ratios))
+            md.append(f"| {device} | {name} | {statistics.median(times[name]) * 1e6:.0f} us | {cell} |")
+        ratio = statistics.median(a / b for a, b in zip(times["trainer"], base))
+        floor = statistics.median(a / b for a, b in zip(times["torch DDP" + AA], base))
+        lines.append(f"DDP on 2 gloo ranks ({device}): trainer / torch DDP {ratio:.3f} (A/A {floor:.3f}); "
+                     f"find_unused_parameters {r['find_unused']}; ranks that printed torch's find_unused warning: "
+                     f"{r['warned']}")
+    return md + [""] + [f"- {line}" for line in lines], lines
+
+
 def run_tp(s):
     return tensor_parallel(s.warm, *s.block("transformer", True), s.repeats, random.Random(0))
 
@@ -1384,7 +1572,8 @@ def run_fsdp(s):
 
 
 CHILDREN = {"import": import_child, "ray-fit": ray_fit_child, "rule-cost": rule_cost_child,  # --child NAME ARGS
-            "save-while-training": save_while_training_child, "preemption-rank": preemption_rank}
+            "save-while-training": save_while_training_child, "preemption-rank": preemption_rank,
+            "ddp-rank": ddp_rank, "gpu-saves": gpu_saves_child}
 WORK_MODELS = ["encoder", "encoder_seq_first", "gpt", "word_lm", "vit", "conv", "conv_bn", "qwen3", "folded"]
 
 
@@ -1458,6 +1647,7 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
     "preemption": Section(
         "Preemption agreement per step on 2 gloo ranks (A/A method)", run_preemption, render_preemption
     ),
+    "ddp": Section("DDP on 2 gloo ranks: the trainer's against torch's defaults (A/A method)", run_ddp, render_ddp),
     "tp": Section(
         "Tensor parallelism on XLA (4 devices, a transformers LM with its own plan): ddp, fsdp, TP, 2-D",
         run_tp,

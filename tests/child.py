@@ -27,10 +27,15 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 RAY_WRITES = ("PYTHONBREAKPOINT", "RAY_USAGE_STATS_ENABLED")  # ray.init() sets these in the driver for good
 
 
-def env(*, drop=(), path=PYTHONPATH, **extra):
-    """This process's environment without the names in `drop`, with PYTHONPATH=`path`, plus `extra`."""
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # a child of a test that means the CPU sees no GPU, on a GPU host too
+
+
+def env(*, drop=(), path=PYTHONPATH, cuda=False, **extra):
+    """This process's environment without the names in `drop`, with PYTHONPATH=`path`, plus `extra`; without
+    `cuda` (the gpu tier's children), no GPU: CUDA_VISIBLE_DEVICES=''."""
     out = {k: v for k, v in os.environ.items() if k not in drop}
     out["PYTHONPATH"] = path
+    out.update({} if cuda else NO_CUDA)
     out.update(extra)
     return out
 
@@ -77,9 +82,10 @@ def run(args, *, env=None, timeout, cwd=ROOT, check=True):
     return out
 
 
-def run_together(commands, *, timeout, cwd=ROOT):
+def run_together(commands, *, timeout, cwd=ROOT, stderr=False):
     """Start every (args, env) in `commands` at once (the ranks of one world), wait for all, fail on
-    any failure; returns their stdouts in order. A hang fails at `timeout` instead of stalling CI."""
+    any failure; returns their stdouts in order (with `stderr`, (stdout, stderr) pairs). A hang fails at
+    `timeout` instead of stalling CI."""
     procs = [popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for args, env in commands]
     try:
@@ -91,7 +97,7 @@ def run_together(commands, *, timeout, cwd=ROOT):
                 p.communicate()
     for i, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert_ok(p.returncode, out, err, f"process {i} of {len(procs)}")
-    return [out for out, _ in outs]
+    return outs if stderr else [out for out, _ in outs]
 
 
 def requires(*modules):

@@ -53,7 +53,8 @@ def agreement(out_dir):
 
 
 class Heads(torch.nn.Module):
-    """A trunk and two task heads: a step may use either head (multi-task, conditional branches)."""
+    """A trunk and two task heads: a step may use either head (multi-task, conditional branches), or the sum of
+    several (a tuple of heads)."""
 
     def __init__(self):
         super().__init__()
@@ -63,7 +64,8 @@ class Heads(torch.nn.Module):
         )
 
     def forward(self, x, head=0):
-        return self.heads[head](torch.tanh(self.trunk(x)))
+        h = torch.tanh(self.trunk(x))
+        return sum(self.heads[i](h) for i in head) if isinstance(head, tuple) else self.heads[head](h)
 
 
 def heads_model():
@@ -83,14 +85,14 @@ def flat(model):
     ).tolist()
 
 
-def sync_loop(model, optimizer, call, rank, world, head_of, accumulate=1, evaluate=False, steps=4):
-    """The user's loop on this rank's rows: backward (k micro-batches, all but the last under
+def sync_loop(model, optimizer, call, rank, world, head_of, accumulate=1, evaluate=False, steps=4, device="cpu"):
+    """The user's loop on this rank's rows (moved to `device`): backward (k micro-batches, all but the last under
     model.no_sync()), clip_grad_norm_ between backward and step, an optional no-grad eval pass."""
     norms = []
     for step in range(steps):
         for micro in range(accumulate):
             x, y = full_batch(step, world, micro)
-            x, y = x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+            x, y = x[4 * rank:4 * rank + 4].to(device), y[4 * rank:4 * rank + 4].to(device)
             quiet = micro < accumulate - 1
             with call.no_sync() if quiet else contextlib.nullcontext():
                 (F.mse_loss(call(x, head_of(rank, step)), y) / accumulate).backward()
@@ -100,7 +102,7 @@ def sync_loop(model, optimizer, call, rank, world, head_of, accumulate=1, evalua
         optimizer.zero_grad()
         if evaluate:
             with torch.no_grad():
-                call(torch.ones(2, 4), 0)
+                call(torch.ones(2, 4, device=device), 0)
     return {"norms": norms, "weights": flat(model)}
 
 
@@ -165,6 +167,27 @@ def grad_sync(out_dir):
                 "weights": got["weights"],
             }
     return seen
+
+
+def unused_parameters(out_dir):
+    """DDP through the trainer on a model whose ranks use every parameter ("all", then torch's DDP warning about
+    find_unused_parameters must not appear, and DDP walks no graph) or where rank 1 always leaves head 1 out ("rank
+    1 skips"; run alone: torch warns on a rank that used everything once find_unused_parameters is on). Both train
+    like one process on the whole batch. On SEAMLESS_TPU_DEVICE (the gpu tier: both ranks on one GPU)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case = os.environ["UNUSED_CASE"]
+    head_of = (lambda r, step: (0, 1)) if case == "all" else (lambda r, step: (0,) if r == 1 else (0, 1))
+    model, optimizer = heads_model()
+    trainer = st.SeamlessTPUTrainer(model, device=os.environ["SEAMLESS_TPU_DEVICE"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # on the device's parameters
+    state = __import__("torch.distributed._composable.replicate", fromlist=["_"]).replicate.state(model)
+    before = state._ddp.find_unused_parameters
+    got = sync_loop(model, optimizer, model, rank, world, head_of, accumulate=2, device=trainer.device)
+    want = eager_loop(world, head_of, accumulate=2)
+    return {"find_unused_before": before, "find_unused_after": state._ddp.find_unused_parameters,
+            "weights_diff": max(abs(a - b) for a, b in zip(got["weights"], want["weights"])),
+            "norms_diff": max(abs(a - b) for a, b in zip(got["norms"], want["norms"])),
+            "weights": got["weights"]}
 
 
 class Repeated(torch.nn.Module):

@@ -215,6 +215,25 @@ def test_gradients_are_averaged_in_backward_whichever_object_the_loop_calls(tmp_
         assert all(other[name]["weights"] == seen["weights"] for other in ranks[1:]), f"{name}: the ranks diverged"
 
 
+def test_ddp_walks_no_graph_and_prints_no_warning_when_every_parameter_is_used_and_finds_a_rank_that_skips_one(
+        tmp_path):
+    """The trainer's DDP starts without find_unused_parameters and reads the used parameters at the first step:
+    a model whose ranks use all of them keeps it off (no "did not find any unused parameters" warning on stderr,
+    where torch 2.9 prints it from C++, not as a Python warning); one where rank 1 leaves a head out turns it on.
+    Both, with no_sync accumulation, train like one process on the whole batch, the same on every rank."""
+    for case, find_unused in (("all", False), ("skips", True)):
+        env = child.env(SEAMLESS_TPU_DEVICE="cpu", UNUSED_CASE=case)
+        outs = child.run_together([(["tests/dist_ranks.py", "unused_parameters", rank, 2, tmp_path / f"store-{case}",
+                                     tmp_path], env) for rank in range(2)], timeout=120, stderr=True)
+        ranks = [child.result(out) for out, _ in outs]
+        for rank, (seen, (_, err)) in enumerate(zip(ranks, outs)):
+            assert (seen["find_unused_before"], seen["find_unused_after"]) == (False, find_unused), (case, rank, seen)
+            assert seen["weights_diff"] <= 1e-5 and seen["norms_diff"] <= 1e-5, (case, rank, seen)
+            assert seen["weights"] == ranks[0]["weights"], f"{case}: the ranks diverged"
+            if case == "all":
+                assert "find_unused_parameters" not in err, (rank, err[-2000:])
+
+
 def test_save_failure_on_process_0_raises_on_every_rank(tmp_path):
     rank0, rank1 = run_ranks("save_errors", tmp_path)
     assert (

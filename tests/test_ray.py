@@ -60,7 +60,7 @@ def test_example_ray_two_workers_tensor_parallel():
 def cluster():
     with child.ray_env():
         ray.init(num_cpus=2, resources={"TPU": 4}, include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": child.PYTHONPATH}})
+                 runtime_env={"env_vars": {"PYTHONPATH": child.PYTHONPATH, **child.NO_CUDA}})
         try:
             yield
         finally:

@@ -56,7 +56,8 @@ def test_two_host_slice_runs_the_xla_backend(tmp_path):
                 cluster.add_node(
                     num_cpus=2, resources=resources, labels={**LABELS, "ray.io/tpu-worker-id": str(worker_id)}
                 )
-            ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": child.PYTHONPATH}})
+            ray.init(address=cluster.address,
+                     runtime_env={"env_vars": {"PYTHONPATH": child.PYTHONPATH, **child.NO_CUDA}})
             (tmp_path / "out").mkdir()
             scaling = ScalingConfig(num_workers=2, use_tpu=True, topology="2x2x2", accelerator_type="TPU-V4")
             assert scaling.num_tpus_per_worker == 4
