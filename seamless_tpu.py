@@ -4,27 +4,24 @@
     x, y = trainer.to_device(x, y)               # on XLA: the batch dim split over the mesh's batch axes
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step (and loop iteration) is one graph
 
-Backends: "tpu" (PJRT_DEVICE=TPU), "xla" (torch_xla, another PJRT device), "gpu", "cpu"; torch_xla and ray load when
-used. README.md is the manual; `python -m seamless_tpu` reports the environment. Env read: SEAMLESS_TPU_DEVICE (auto|
-tpu|xla|gpu|cpu|a torch.device), _SIGTERM_GRACE, _COMPILE_CACHE; PJRT_DEVICE (the user's, not torch_xla's import-time
-guess); TPU_ACCELERATOR_TYPE; RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER_ADDR,
-SEAMLESS_TPU_PORT. Written only where unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu"
-workers MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes):
+Backends "tpu" (PJRT_DEVICE=TPU), "xla" (another PJRT device), "gpu", "cpu"; torch_xla and ray load when used. README.md
+is the manual; `python -m seamless_tpu` reports the environment. Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a
+device), _SIGTERM_GRACE, _COMPILE_CACHE; PJRT_DEVICE (the user's, not torch_xla's import guess); TPU_ACCELERATOR_TYPE;
+RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER_ADDR, SEAMLESS_TPU_PORT. Written where
+unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE,
+*_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
   swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); torch.xla; for XLA inputs only:
   torch.utils.checkpoint, F.multi_head_attention_forward, F.embedding_bag, AutogradXLA kernels (linear, norms, grouped
   convolutions, resampling, pooling, im2col/col2im, kl_div); without jax torch_xla's scan backward, nn.GRU; step hooks.
 - each trainer: a post-step hook (stats), torch modes counting its first step's FLOPs; log(): a thread, step
   closures; profile(): a hook; FSDP2 or TP off XLA: a global pre-step hook rebinding older optimizers.
-- first trainer (main thread) or the Ray backends' start (each worker's main thread): a SIGTERM handler chaining the
-  user's (SIG_IGN left alone); a default or Ray exit held until trainer.preempted's save, the grace at most (a daemon
-  thread from the signal); a global post-step hook. Several processes: a gloo group (a collective; on a slice without
-  torch.distributed over a TCPStore process 0 serves) and an atexit that ends its last all-reduce.
-- first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits for it), an atexit report of a
-  failure nobody asked about, under torch.distributed one more gloo group; on CUDA a side stream and one pinned
-  host copy of the state, kept for the next save.
-- Ray: the xla_tpu backend starts a gloo default process group on each worker (ended at shutdown); TorchTrainer.fit
-  with use_tpu=True calls ray.init() in the driver when it is not initialised, to check the cluster's TPUs.
+- first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
+  kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread); a post-step
+  hook. Several processes: a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
+- first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits), an atexit report of an unasked
+  failure, a gloo group under torch.distributed; on CUDA a side stream and one pinned host copy, kept for the next.
+- Ray: xla_tpu workers get a gloo default group (ended at shutdown); fit(use_tpu=True) may ray.init() the driver.
 """
 __all__ = [
     "get_device", "device_type", "is_xla_backend", "to_device", "SeamlessTPUTrainer", "parse_topology",
