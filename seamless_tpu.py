@@ -747,6 +747,19 @@ def _tp_specs(model, plan, axis_sizes, xla=True):
             specs[param] = tuple(MODEL_AXIS if d == dim else across for d in range(param.dim()))
     return specs
 
+def _check_torch_tp_plan(plan, sizes):
+    """What torch.distributed cannot do right with a tensor-parallel plan, refused before any work."""
+    if FSDP_AXIS not in sizes:
+        raise NotImplementedError("tensor parallelism off XLA runs with strategy='fsdp' (FSDP2 over the other mesh "
+                                  "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh "
+                                  "trains wrong weights (measured on gloo), so use strategy='fsdp'")
+    for pattern, style in plan.items():
+        if isinstance(style, str) and TP_STYLES[style] is None:  # its gradient needs an all-reduce over the group
+            raise NotImplementedError(f"tp_plan[{pattern!r}] = {style!r} off XLA: only the splitting styles "
+                                      "(colwise, rowwise and their variants) are built for torch.distributed so far; "
+                                      "on XLA every style works")
+
+
 # --- 7. XLA activation and torch patches ----------------------------------------------------------
 
 
@@ -1316,7 +1329,7 @@ def _before_forward(module, args, kwargs):
         cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
                                          for t in (*args, *kwargs.values()))
 
-# --- 9. layouts: meshes, batch sharding, DDP/FSDP/TP placement, optimizer state -------------------
+# --- 9a. layouts: the _Layout value, meshes, XLA placement, batch and activation sharding ---------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1330,7 +1343,7 @@ class _Layout:
     mesh: object = None  # XLA: the SPMD mesh the trainer keeps for its life
     batch: object = None  # XLA: the _BatchSharding of its batches (their batch dim over all axes but the model's)
     planned: dict = dataclasses.field(default_factory=dict)  # XLA: {parameter: spec} of the tensor-parallel plan
-    styles: dict = None  # torch.distributed: {pattern: ParallelStyle} of the tensor-parallel plan
+    styles: dict = None  # torch.distributed: {pattern: style} of the tensor-parallel plan (a name or a ParallelStyle)
     rank_axes: dict = None  # torch.distributed with a plan: {data or fsdp axis: size, "model": size} of the ranks
     data_ranks: tuple = None  # (data-parallel size, index) when tensor-parallel groups of ranks share batches
     wrap: str = None  # off XLA: "ddp", "fsdp2" or "tp" across ranks; None in one process
@@ -1341,70 +1354,6 @@ class _Layout:
         brief = {"mesh": self.mesh and _axis_sizes(self.mesh), "batch": self.batch and self.batch.axes,
                  "planned": len(self.planned), "styles": sorted(self.styles or ())}
         return "_Layout(" + ", ".join(f"{k}={brief.get(k, v)!r}" for k, v in vars(self).items()) + ")"
-
-
-def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim=None):
-    """The _Layout of a trainer, every argument and plan error raised before anything moves. On XLA the mesh is
-    taken, built or found here and kept for the trainer's life, whatever later replaces the process mesh."""
-    kind, device, dim = _resolve_kind(device), get_device(device), _batch_dim(model, batch_dim)
-    xla, (world, rank) = _is_xla(device), _torch_dist_ranks()
-    if not xla and (mesh is not None or (xla_spmd_config is not None and world == 1)):
-        raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but the "
-                         f"device is {device} in one process")
-    if xla and mesh is not None:
-        if strategy == "fsdp":
-            _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
-        _set_mesh(mesh)
-    elif xla and (xla_spmd_config is not None or strategy == "fsdp"):
-        create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
-    mesh, batch = (_STATE.mesh, _STATE.batch_sharding) if xla else (None, None)
-    if xla and dim != batch.dim:  # to_device() then splits batches as this trainer's
-        if batch.minibatch:
-            raise ValueError(f"batch_dim={dim} on several hosts: torch_xla 2.9 assembles a multi-host batch along "
-                             f"dim 0 only (ShardingSpec minibatch); move batches with the batch first (x.transpose(0, "
-                             f"{dim})) and pass batch_dim=0")
-        batch = _STATE.batch_sharding = _BatchSharding.for_mesh(mesh, dim)
-    distributed = mesh is None and world > 1
-    planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
-    if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
-        _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", device.type)
-    wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
-    data_ranks = (world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]) if rank_axes else None
-    return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes, data_ranks, wrap,
-                   _has_meta_tensors(model), dim)
-
-
-def _place(model, layout):
-    """The model placed as `layout` says, in the one order that works, and returned (in DDP across ranks). Meta
-    tensors are made real as they will be trained: on XLA split as they are made, under FSDP2 after it split them
-    (each rank allocates only its shards), else whole."""
-    xla, fsdp, fsdp2 = _is_xla(layout.device), layout.strategy == "fsdp", layout.wrap == "fsdp2"
-    if layout.meta_built:
-        _materialize(model, layout.device, layout.mesh, fsdp, layout.planned, lay_out=not fsdp2)
-    if not (layout.meta_built and fsdp2):
-        model.to(layout.device)
-    if xla:
-        # As planned, else with fsdp (FSDPv2) one dimension over the fsdp axis: XLA gives the gradients the same
-        # sharding and puts the all-gathers and reduce-scatters in the step graph. Split ones stay as they are.
-        for param in model.parameters():
-            if param in layout.planned and not _is_split(param):
-                _mark_sharding(param, layout.mesh, layout.planned[param])
-            elif fsdp and param.dim() and not _is_split(param):
-                _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
-        if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
-            _watch_inputs(model, layout.batch)
-            _shard_activations(model, layout.batch, fsdp and not layout.planned)
-            _check_work(model, layout)
-            _cut_each_iteration(model)
-    if layout.meta_built and not xla and not fsdp2:
-        _initialize_pending(model)  # whole on each process, as DDP and TP want it
-    if layout.wrap in ("tp", "fsdp2"):
-        _fully_shard(model, layout.device, layout.styles, layout.rank_axes)
-    if fsdp2 and layout.meta_built:
-        _initialize_pending(model, layout.device)  # each module on the CPU in turn, each rank keeping its shards
-    if layout.wrap == "ddp":
-        return _replicate(model, layout.device)
-    return model
 
 
 def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
@@ -1437,30 +1386,6 @@ def _set_mesh(mesh):
 def get_xla_mesh():
     """The SPMD mesh in use in this process, or None (not on XLA, or not set up yet)."""
     return _STATE.mesh
-
-
-def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
-    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of the tensor parallelism. Off XLA
-    the ranks form a mesh too, by default (world / N, N), N = model_parallel_size: neighbours form a group."""
-    sizes = _axis_sizes(mesh) if mesh is not None else {}
-    if distributed and xla_spmd_config is not None:
-        shape, names = _mesh_from_config(xla_spmd_config, _torch_dist_ranks()[0], strategy)
-        sizes = dict(zip(names, shape))
-    model_size = sizes.get(MODEL_AXIS, 1)
-    if model_size == 1:
-        if tp_plan is not None:
-            raise ValueError(f"tp_plan splits weights over a '{MODEL_AXIS}' mesh axis, and this trainer's mesh has "
-                             f"none of size > 1 (axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': "
-                             "N}, or drop tp_plan")
-        return {}, None, None
-    plan = _model_tp_plan(model) if tp_plan is None else tp_plan
-    if not plan:
-        raise ValueError(f"the mesh's '{MODEL_AXIS}' axis has size {model_size}, but there is no tensor-parallel "
-                         f"plan, so the {model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. "
-                         "Pass tp_plan= (e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': "
-                         "'rowwise'}), or drop the axis (model_parallel_size=1, or a mesh without it)")
-    planned = _tp_specs(model, plan, sizes, xla=mesh is not None)
-    return (planned, None, None) if mesh is not None else ({}, _torch_tp_styles(plan, sizes), sizes)
 
 
 class _BatchSharding:
@@ -1625,6 +1550,65 @@ def _is_split(tensor):
     # XLA marks every tensor that a replicated graph computed "{replicated}": nobody chose that.
     return _import("torch_xla")._XLAC._get_xla_sharding_spec(tensor) not in ("", "{replicated}")
 
+def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
+    """(XLA specs by parameter, torch ParallelStyles by pattern, rank axis sizes) of the tensor parallelism. Off XLA
+    the ranks form a mesh too, by default (world / N, N), N = model_parallel_size: neighbours form a group."""
+    sizes = _axis_sizes(mesh) if mesh is not None else {}
+    if distributed and xla_spmd_config is not None:
+        shape, names = _mesh_from_config(xla_spmd_config, _torch_dist_ranks()[0], strategy)
+        sizes = dict(zip(names, shape))
+    model_size = sizes.get(MODEL_AXIS, 1)
+    if model_size == 1:
+        if tp_plan is not None:
+            raise ValueError(f"tp_plan splits weights over a '{MODEL_AXIS}' mesh axis, and this trainer's mesh has "
+                             f"none of size > 1 (axes {dict(sizes)}); pass xla_spmd_config={{'model_parallel_size': "
+                             "N}, or drop tp_plan")
+        return {}, None, None
+    plan = _model_tp_plan(model) if tp_plan is None else tp_plan
+    if not plan:
+        raise ValueError(f"the mesh's '{MODEL_AXIS}' axis has size {model_size}, but there is no tensor-parallel "
+                         f"plan, so the {model_size} devices of each '{MODEL_AXIS}' row would compute the same thing. "
+                         "Pass tp_plan= (e.g. {'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': "
+                         "'rowwise'}), or drop the axis (model_parallel_size=1, or a mesh without it)")
+    planned = _tp_specs(model, plan, sizes, xla=mesh is not None)
+    if mesh is not None:
+        return planned, None, None
+    _check_torch_tp_plan(plan, sizes)
+    return {}, plan, sizes
+
+
+def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim=None):
+    """The _Layout of a trainer, every argument and plan error raised before anything moves. On XLA the mesh is
+    taken, built or found here and kept for the trainer's life, whatever later replaces the process mesh."""
+    kind, device, dim = _resolve_kind(device), get_device(device), _batch_dim(model, batch_dim)
+    xla, (world, rank) = _is_xla(device), _torch_dist_ranks()
+    if not xla and (mesh is not None or (xla_spmd_config is not None and world == 1)):
+        raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but the "
+                         f"device is {device} in one process")
+    if xla and mesh is not None:
+        if strategy == "fsdp":
+            _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
+        _set_mesh(mesh)
+    elif xla and (xla_spmd_config is not None or strategy == "fsdp"):
+        create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
+    mesh, batch = (_STATE.mesh, _STATE.batch_sharding) if xla else (None, None)
+    if xla and dim != batch.dim:  # to_device() then splits batches as this trainer's
+        if batch.minibatch:
+            raise ValueError(f"batch_dim={dim} on several hosts: torch_xla 2.9 assembles a multi-host batch along "
+                             f"dim 0 only (ShardingSpec minibatch); move batches with the batch first (x.transpose(0, "
+                             f"{dim})) and pass batch_dim=0")
+        batch = _STATE.batch_sharding = _BatchSharding.for_mesh(mesh, dim)
+    distributed = mesh is None and world > 1
+    planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
+    if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
+        _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", device.type)
+    wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
+    data_ranks = (world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]) if rank_axes else None
+    return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes, data_ranks, wrap,
+                   _has_meta_tensors(model), dim)
+
+# --- 9b. torch.distributed placement, optimizer rebinding, and the placement pipeline -------------
+
 
 _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced: the DTensor that replaced it
 
@@ -1718,7 +1702,8 @@ def _fully_shard(model, device, styles=None, sizes=None):
         device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     if styles:
         tp = importlib.import_module("torch.distributed.tensor.parallel")
-        _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], styles))
+        _replacing_parameters(model, lambda: tp.parallelize_module(model, mesh[MODEL_AXIS], _torch_tp_styles(
+            styles, sizes)))
         mesh = mesh[FSDP_AXIS]  # FSDP2 replaces them again: optimizers follow the chain
     # Each distinct block once: ModuleList([blk] * 3) shares one, and fully_shard twice is an AssertionError in torch.
     blocks = list({id(b): b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m}.values())
@@ -1733,11 +1718,7 @@ def _fully_shard(model, device, styles=None, sizes=None):
 
 
 def _torch_tp_styles(plan, sizes):
-    """The plan as torch ParallelStyles, refusing what torch.distributed cannot do right (before any work)."""
-    if FSDP_AXIS not in sizes:
-        raise NotImplementedError("tensor parallelism off XLA runs with strategy='fsdp' (FSDP2 over the other mesh "
-                                  "dimension); with 'ddp', torch 2.9's replicate() over a tensor-parallel sub-mesh "
-                                  "trains wrong weights (measured on gloo), so use strategy='fsdp'")
+    """The plan (checked by _check_torch_tp_plan when the layout was made) as torch ParallelStyles."""
     tp = importlib.import_module("torch.distributed.tensor.parallel")
     replicate_layout = importlib.import_module("torch.distributed.tensor").Replicate()
     styles = {}
@@ -1747,13 +1728,9 @@ def _torch_tp_styles(plan, sizes):
         elif TP_STYLES[style] == "out":
             gather = style in ("colwise_gather_output", "colwise_rep")
             styles[pattern] = tp.ColwiseParallel(output_layouts=replicate_layout) if gather else tp.ColwiseParallel()
-        elif TP_STYLES[style] == "in":
+        else:
             whole_input = style in ("embedding_rowwise", "rowwise_split_input")
             styles[pattern] = tp.RowwiseParallel(**({"input_layouts": replicate_layout} if whole_input else {}))
-        else:  # a replicated weight inside a split computation needs its gradient all-reduced over the group
-            raise NotImplementedError(f"tp_plan[{pattern!r}] = {style!r} off XLA: only the splitting styles (colwise, "
-                                      "rowwise and their variants) are built for torch.distributed so far; on XLA "
-                                      "every style works")
     return styles
 
 
@@ -1808,6 +1785,39 @@ def _placed_like(value, param, key=None):
         if sharding is not None:
             _mark_sharding(value, sharding)
     return value
+
+
+def _place(model, layout):
+    """The model placed as `layout` says, in the one order that works, and returned (in DDP across ranks). Meta
+    tensors are made real as they will be trained: on XLA split as they are made, under FSDP2 after it split them
+    (each rank allocates only its shards), else whole."""
+    xla, fsdp, fsdp2 = _is_xla(layout.device), layout.strategy == "fsdp", layout.wrap == "fsdp2"
+    if layout.meta_built:
+        _materialize(model, layout.device, layout.mesh, fsdp, layout.planned, lay_out=not fsdp2)
+    if not (layout.meta_built and fsdp2):
+        model.to(layout.device)
+    if xla:
+        # As planned, else with fsdp (FSDPv2) one dimension over the fsdp axis: XLA gives the gradients the same
+        # sharding and puts the all-gathers and reduce-scatters in the step graph. Split ones stay as they are.
+        for param in model.parameters():
+            if param in layout.planned and not _is_split(param):
+                _mark_sharding(param, layout.mesh, layout.planned[param])
+            elif fsdp and param.dim() and not _is_split(param):
+                _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
+        if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
+            _watch_inputs(model, layout.batch)
+            _shard_activations(model, layout.batch, fsdp and not layout.planned)
+            _check_work(model, layout)
+            _cut_each_iteration(model)
+    if layout.meta_built and not xla and not fsdp2:
+        _initialize_pending(model)  # whole on each process, as DDP and TP want it
+    if layout.wrap in ("tp", "fsdp2"):
+        _fully_shard(model, layout.device, layout.styles, layout.rank_axes)
+    if fsdp2 and layout.meta_built:
+        _initialize_pending(model, layout.device)  # each module on the CPU in turn, each rank keeping its shards
+    if layout.wrap == "ddp":
+        return _replicate(model, layout.device)
+    return model
 
 # --- 10. models built on meta ---------------------------------------------------------------------
 
