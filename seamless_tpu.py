@@ -2440,7 +2440,7 @@ class SeamlessTPUTrainer:
         with no sync, compile or transfer: steps, samples and tokens so far (of all processes), step_time_s (wall
         time between step ends), device_time_s (XLA: the devices' execution time per step) and host_bound,
         samples_per_s, tokens_per_s, flops_per_device (the first step's, counted from the shapes of its matmuls,
-        convolutions, attention kernels and, on XLA, einsums, forward and backward; flops_from "flop_counter", None
+        convolutions, attention and, on XLA, einsums and RNNs, forward and backward; flops_from "flop_counter", None
         where nothing was counted), tflops_per_device, and mfu against the device's dense bf16 peak (None where it is
         not known: CPU, XLA:CPU). Samples and tokens: the batch dim of the model's first tensor input, and the size of
         its first integer one, in forwards under grad."""
@@ -2567,11 +2567,12 @@ class _Meter:
 
 
 class _FlopCount(TorchDispatchMode):
-    """What runs while it is in force, in FLOPs: torch's formulas (torch.utils.flop_counter: matmuls, convolutions;
-    SDPA kernels: ours, which allow grouped-query heads) on the shapes of each op dispatched, forward and backward,
-    plus _EinsumCount's. Shapes only: no sync, transfer or compile. Unlike FlopCounterMode it runs each op as called
-    (that one decomposes ops without a formula; on XLA aten._propagate_xla_data, which carries shardings, comes here).
-    torch.compile compiles as without it (ignore_compile_internals); the mm and SDPA kernels its code calls count."""
+    """What runs while it is in force, in FLOPs, from shapes only (no sync, transfer or compile). Off XLA: torch's
+    formulas (torch.utils.flop_counter: matmuls, convolutions; SDPA kernels: ours, which allow grouped-query heads)
+    on each op dispatched, forward and backward. Unlike FlopCounterMode it runs each op as called (that one decomposes
+    ops without a formula). torch.compile compiles as without it (ignore_compile_internals). On XLA no dispatch mode
+    may run: under one, torch_xla 2.9 drops in-place writes to views (mask[:, -2:] = False did nothing, and the first
+    step trained on a wrong mask), so _FunctionFlops counts the calls instead."""
 
     def __init__(self, xla):
         super().__init__()
@@ -2580,7 +2581,8 @@ class _FlopCount(TorchDispatchMode):
         self.formulas = {**formulas.flop_registry, **{
             getattr(aten, f"_scaled_dot_product_{kernel}{end}"): formulas.shape_wrapper(formula)
             for kernel in kernels for end, formula in (("", _sdpa_flops), ("_backward", _sdpa_backward_flops))}}
-        self.flops, self.forwards, self.thread, self.einsums = 0, 1, threading.get_ident(), xla and _EinsumCount(self)
+        self.flops, self.forwards, self.thread, self.functions = 0, 1, threading.get_ident(), xla and _FunctionFlops(
+            self)
 
     @classmethod
     def ignore_compile_internals(cls):
@@ -2597,36 +2599,84 @@ class _FlopCount(TorchDispatchMode):
             self.flops += flops
         return out
 
-    def start(self):  # the einsum mode on XLA only: under torch.compile, dynamo recompiles once a function mode goes
-        self.__enter__()
-        if self.einsums:
-            self.einsums.__enter__()
+    def start(self):
+        (self.functions or self).__enter__()
         return self
 
     def stop(self):  # modes are per thread: the thread that started it stops it
-        if self.einsums:
-            self.einsums.__exit__(None, None, None)
-        self.__exit__(None, None, None)
+        (self.functions or self).__exit__(None, None, None)
         return self.flops
 
 
-class _EinsumCount(torch.overrides.TorchFunctionMode):
-    """On XLA torch.einsum (the trainer's linear) runs in torch_xla's own autograd kernel, forward and backward, which
-    no dispatch mode sees: its FLOPs from the equation, x 1 + 1 per operand the backward computes a gradient of.
-    Elsewhere it dispatches to bmm, counted already: nothing is added."""
+class _FunctionFlops(torch.overrides.TorchFunctionMode):
+    """XLA: the FLOPs of the matmul-like calls the step makes, from their shapes: forward, plus the same again for
+    each operand the backward computes a gradient of (attention: its backward's products; an RNN: its weights' and
+    its states' gradients). A call inside a counted one (the trainer's linear kernel's einsum) is not seen: a
+    function mode is off inside its own handler."""
 
     def __init__(self, count):
         super().__init__()
         self.count = count
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        before = self.count.flops
         out = func(*args, **(kwargs or {}))
-        if func is torch.einsum and self.count.flops == before and args and isinstance(args[0], str):
-            operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-            grads = sum(t.requires_grad for t in operands) if torch.is_grad_enabled() else 0
-            self.count.flops += _einsum_flops(args[0], [t.shape for t in operands]) * (1 + grads)
+        name = getattr(func, "__name__", "")
+        if name in _FUNCTION_FLOPS:
+            self.count.flops += _FUNCTION_FLOPS[name](out, *args, **(kwargs or {}))
         return out
+
+
+def _grads(*tensors):
+    return sum(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors) if torch.is_grad_enabled() else 0
+
+
+def _product_flops(contracted):
+    """A matmul's FLOPs given where its contracted size is: 2 x output x that size, x 1 + 1 per operand's gradient."""
+    def flops(out, a, b, *rest, **kwargs):
+        x, y = (b, rest[0]) if contracted == "addmm" else (a, b)
+        return 2 * out.numel() * x.shape[-1] * (1 + _grads(x, y))
+    return flops
+
+
+def _conv_flops(transposed):
+    def flops(out, input, weight, *rest, **kwargs):
+        return 2 * (input if transposed else out).numel() * weight[0].numel() * (1 + _grads(input, weight))
+    return flops
+
+
+def _rnn_flops(out, input, *args, **kwargs):
+    """Each 2-D weight once per step and sample, forward; backward, its gradient and its input's (the state's always,
+    the layer's input's where it needs one)."""
+    cell = not isinstance(args[1], (list, tuple))
+    weights = [w for w in (args[1:3] if cell else args[1]) if isinstance(w, torch.Tensor) and w.dim() == 2]
+    rows = input.numel() // input.shape[-1]
+    backward = torch.is_grad_enabled() and (input.requires_grad or any(w.requires_grad for w in weights))
+    return sum(2 * rows * w.numel() * (1 + backward * (w.requires_grad + (i > 0 or input.requires_grad)))
+               for i, w in enumerate(weights))
+
+
+def _einsum_call_flops(equation, *operands):
+    operands = operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
+    return _einsum_flops(equation, [t.shape for t in operands]) * (1 + _grads(*operands))
+
+
+def _attention_flops(out, query, key, value, *args, **kwargs):
+    shapes = (query.shape, key.shape, value.shape)
+    return _sdpa_flops(*shapes) + (_sdpa_backward_flops(None, *shapes) if _grads(query, key, value) else 0)
+
+
+_FUNCTION_FLOPS = {
+    **dict.fromkeys(("linear",), lambda out, input, weight, *rest, **kwargs: 2 * out.numel() * weight.shape[-1] * (
+        1 + _grads(input, weight))),
+    **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm"), _product_flops("ab")),
+    **dict.fromkeys(("addmm", "baddbmm"), _product_flops("addmm")),
+    "einsum": lambda out, equation, *operands, **kwargs: _einsum_call_flops(equation, *operands),
+    **{f"conv{d}d": _conv_flops(False) for d in (1, 2, 3)},
+    **{f"conv_transpose{d}d": _conv_flops(True) for d in (1, 2, 3)},
+    "scaled_dot_product_attention": _attention_flops,
+    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"),
+                    _rnn_flops),
+}
 
 
 def _einsum_flops(equation, shapes):

@@ -3,7 +3,7 @@
     ./dev.sh bench                      # every section: writes bench/RESULTS.md and bench/step_times.png
     ./dev.sh bench --smoke              # a few steps of every section (CI); writes nothing unless --out is given
     ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd,
-                                        # eager_cpu, compiles, overhead, imports, ray, fsdp, accumulate,
+                                        # eager_cpu, compiles, overhead, imports, ray, fsdp, compile, accumulate,
                                         # preemption, tp, work); writes nothing unless --out is given
 
 RESULTS.md holds one block per section (between <!-- bench:NAME --> and <!-- /bench:NAME -->), whose
@@ -1160,6 +1160,44 @@ def render_accumulate(result, s):
     return md + ["", f"- {line}"], [line]
 
 
+COMPILE_MODES = ("hand", "shim", "hand_scan", "shim_scan")  # bench/compile_depth.py's loops
+
+
+def run_compile(s):
+    """bench/compile_depth.py: an SDPA GPT at 2, 8 and 24 blocks (2 in a smoke run), each loop in a fresh process,
+    the four loops in a random order per round, 3 rounds: XLA's compile seconds over the first 2 steps (2 graphs)
+    and the steady step."""
+    env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla")
+    rng, runs = random.Random(0), {}
+    for depth in (2,) if s.smoke else (2, 8, 24):
+        for _ in range(1 if s.smoke else 3):
+            for mode in rng.sample(COMPILE_MODES, len(COMPILE_MODES)):
+                runs.setdefault(f"{mode}/{depth}", []).append(
+                    run_script(["bench/compile_depth.py", mode, depth, 3 if s.smoke else 10], env, timeout=900))
+    return runs
+
+
+def render_compile(runs, s):
+    md = ["Compile seconds: XLA's CompileTime over the first 2 steps (the step, then with AdamW state); step: the "
+          "steady step. Ratios to the hand-written loop of the same round; [min, max] over the rounds.", "",
+          "| blocks | loop | compile s (median) | compile / hand [min, max] | step ms (median) | step / hand |",
+          "|---|---|---|---|---|---|"]
+    headline = []
+    for depth in sorted({int(key.split("/")[1]) for key in runs}):
+        hand = runs[f"hand/{depth}"]
+        for mode in COMPILE_MODES:
+            rs = runs[f"{mode}/{depth}"]
+            ratios = [r["compile_s"] / h["compile_s"] for r, h in zip(rs, hand)]
+            steps = [r["step_s"] / h["step_s"] for r, h in zip(rs, hand)]
+            md.append(f"| {depth} | {mode} | {statistics.median(r['compile_s'] for r in rs):.1f} | "
+                      f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}] | "
+                      f"{statistics.median(r['step_s'] for r in rs) * 1e3:.0f} | {statistics.median(steps):.2f} |")
+            if mode == "shim":
+                headline.append(f"compile {depth} blocks: shim / hand {statistics.median(ratios):.2f} "
+                                f"[{min(ratios):.2f}, {max(ratios):.2f}] (target 1.10)")
+    return md + [""] + [f"- {line}" for line in headline], headline
+
+
 def gpu_saves_child(rounds, steps=10):
     """CUDA only: 8 Linear(4096, 4096) layers with AdamW (1.6 GB of state), batch 64. The step time through the
     trainer against the same model in a plain loop (blocks in a random order each round, plain twice for the A/A
@@ -1635,6 +1673,10 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
     ),
     "fsdp": Section(
         "strategy='fsdp' vs 'ddp' on XLA (4 devices, transformer, AdamW)", run_fsdp, fsdp_section, charted=True
+    ),
+    "compile": Section(
+        "First-step compile time against depth on XLA (4 devices, SDPA GPT): the shim, the hand-written loop and "
+        "torch_xla's scan_layers", run_compile, render_compile,
     ),
     "accumulate": Section(
         "Gradient accumulation on XLA: compile time against k (ratio to k=1)", run_accumulate, render_accumulate

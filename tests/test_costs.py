@@ -165,21 +165,35 @@ def test_flops_and_mfu_are_the_first_steps_products_attention_and_convolutions(m
     assert stats["mfu"] == flops / 0.5 / 1e12 and stats["peak_tflops"] == 1.0
 
 
-def test_einsum_flops_come_from_the_equation_where_no_dispatch_counts_them(fresh):
-    """On XLA no dispatch mode sees torch.einsum (the trainer's linear there): _EinsumCount counts 2 x every index's
-    size, x 1 + 1 per operand the backward computes a gradient of. Where einsum dispatches to bmm (the CPU), the
-    dispatch mode counts that and nothing is added."""
+def test_xla_flops_come_from_the_calls_with_no_dispatch_mode(fresh):
+    """On XLA no dispatch mode may run (torch_xla 2.9 drops in-place writes to views under one): _FunctionFlops
+    counts the matmul-like calls from their shapes, x 1 + 1 per operand the backward computes a gradient of; an
+    einsum's from its equation (2 x every index's size); a call inside a counted one (F.linear's own kernel) is not
+    seen again. Off XLA the dispatch mode counts what runs."""
     assert st._einsum_flops("...n,mn->...m", [(4, 6, 10), (64, 10)]) == 2 * 4 * 6 * 10 * 64
     assert st._einsum_flops("bhqd, bhkd -> bhqk", [(2, 4, 5, 8), (2, 4, 7, 8)]) == 2 * 2 * 4 * 5 * 7 * 8
     assert st._einsum_flops("...ij,...jk", [(3, 1, 4, 5), (2, 5, 6)]) == 2 * 3 * 2 * 4 * 5 * 6
     x, w, forward = torch.randn(4, 6, 10), torch.randn(64, 10, requires_grad=True), 2 * 4 * 6 * 10 * 64
-    alone = types.SimpleNamespace(flops=0)  # as on XLA: no dispatch mode counts what einsum runs
-    with st._EinsumCount(alone):
-        torch.einsum("...n,mn->...m", x, w)
-        with torch.no_grad():
-            torch.einsum("...n,mn->...m", [x, w])
-    assert alone.flops == forward * 2 + forward
     count = st._FlopCount(xla=True).start()
+    assert torch._C._len_torch_dispatch_stack() == 0, "no dispatch mode on XLA"
+    torch.einsum("...n,mn->...m", x, w)
+    with torch.no_grad():
+        torch.einsum("...n,mn->...m", [x, w])
+    torch.nn.functional.linear(x, w)  # its aten kernel's matmuls are inside the counted call
+    x @ w.T
+    torch.nn.functional.conv2d(torch.randn(2, 3, 8, 8), torch.randn(5, 3, 3, 3, requires_grad=True), padding=1)
+    q = torch.randn(2, 4, 6, 8, requires_grad=True)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    lstm = torch.nn.LSTM(10, 16, batch_first=True)
+    lstm(x)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[:, -2:] = False  # in place, on a view
+    conv = 2 * 2 * 5 * 8 * 8 * 27 * 2
+    sdpa = 2 * 2 * 4 * 6 * 6 * (8 + 8) + 2 * 2 * 4 * 6 * 6 * (3 * 8 + 2 * 8)
+    rnn = sum(2 * 24 * n * (1 + 1 + (i > 0)) for i, n in enumerate((64 * 10, 64 * 16)))
+    assert count.stop() == forward * 2 + forward + forward * 2 * 2 + conv + sdpa + rnn
+    assert mask.sum() == 6
+    count = st._FlopCount(xla=False).start()
     torch.einsum("...n,mn->...m", x, w)
     assert count.stop() == forward, "the bmm, once"
 

@@ -1,0 +1,124 @@
+"""First-step compile time against depth (bench section `compile`): an SDPA GPT (d=64, batch 8 x 32) of DEPTH blocks,
+2 AdamW steps (2 graphs: the step, then the step with optimizer state), then timed steps, on 4 XLA devices.
+
+    python bench/compile_depth.py MODE DEPTH [STEPS]
+
+MODE: hand       the hand-written torch_xla SPMD loop: the model moved, its batch marked, torch_xla.sync() a step
+      shim       the same loop through SeamlessTPUTrainer
+      hand_scan  hand, with the blocks run by torch_xla's scan_layers (one block traced, looped)
+      shim_scan  shim, the same
+Prints one line RESULT {"compile_s": XLA's CompileTime over the 2 warm-up steps, "graphs", "step_s": median
+seconds of a steady step, "loss"}. A process per run: SPMD is one-way, and XLA's in-memory cache would hit.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+B, T, E, V = 8, 32, 64, 256
+
+
+class Block(nn.Module):  # nanoGPT's: pre-norm, causal SDPA
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(E), nn.Linear(E, 3 * E), nn.Linear(E, E)
+        self.ln2, self.fc, self.out = nn.LayerNorm(E), nn.Linear(E, 4 * E), nn.Linear(4 * E, E)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (z.view(b, t, 4, e // 4).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(E, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, e)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, depth, scan):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(T, E) * 0.02)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.ln, self.head, self.scan = nn.LayerNorm(E), nn.Linear(E, V, bias=False), scan
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos
+        if self.scan:
+            from torch_xla.experimental.scan_layers import scan_layers
+
+            h = scan_layers(self.blocks, h)
+        else:
+            for block in self.blocks:
+                h = block(h)
+        return self.head(self.ln(h)).view(-1, V)
+
+
+def main(mode, depth, steps=10):
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = GPT(int(depth), scan=mode.endswith("scan"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(V, (B, T + 1), generator=g)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1).contiguous()
+    if mode.startswith("shim"):
+        import seamless_tpu as st
+
+        trainer = st.SeamlessTPUTrainer(model)
+        x, y = trainer.to_device(x, y)
+
+        def step():
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+    else:
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        device = torch_xla.device()
+        mesh = xs.Mesh(np.arange(xr.global_runtime_device_count()), (xr.global_runtime_device_count(),), ("data",))
+        model.to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after the move: the new parameters
+        x, y = x.to(device), y.to(device)
+        xs.mark_sharding(x, mesh, ("data", None))
+        xs.mark_sharding(y, mesh, ("data",))
+
+        def step():
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            torch_xla.sync()
+            return loss
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    for _ in range(2):
+        loss = step()
+    xm.wait_device_ops()
+    compile_ns = (met.metric_data("CompileTime") or (0, 0))[1]
+    graphs = met.counter_value("UncachedCompile") or 0
+    times = []
+    for _ in range(int(steps)):
+        start = time.perf_counter()
+        loss = step()
+        xm.wait_device_ops()
+        times.append(time.perf_counter() - start)
+    print("RESULT " + json.dumps({"compile_s": compile_ns / 1e9, "graphs": graphs, "step_s": statistics.median(times),
+                                  "loss": float(loss.detach().cpu())}), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
