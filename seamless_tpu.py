@@ -2661,8 +2661,11 @@ def _einsum_call_flops(equation, *operands):
 
 
 def _attention_flops(out, query, key, value, *args, **kwargs):
-    shapes = (query.shape, key.shape, value.shape)
-    return _sdpa_flops(*shapes) + (_sdpa_backward_flops(None, *shapes) if _grads(query, key, value) else 0)
+    """Forward: the scores and their product with the values; backward on XLA: 4 products (the scores are kept,
+    where torch's flash kernels compute them again)."""
+    backward = 2 * math.prod(query.shape[:-2]) * query.shape[-2] * key.shape[-2] * 2 * (query.shape[-1] + value.shape[
+        -1])
+    return _sdpa_flops(query.shape, key.shape, value.shape) + (backward if _grads(query, key, value) else 0)
 
 
 _FUNCTION_FLOPS = {

@@ -189,7 +189,7 @@ def test_xla_flops_come_from_the_calls_with_no_dispatch_mode(fresh):
     mask = torch.ones(3, 4, dtype=torch.bool)
     mask[:, -2:] = False  # in place, on a view
     conv = 2 * 2 * 5 * 8 * 8 * 27 * 2
-    sdpa = 2 * 2 * 4 * 6 * 6 * (8 + 8) + 2 * 2 * 4 * 6 * 6 * (3 * 8 + 2 * 8)
+    sdpa = 2 * 2 * 4 * 6 * 6 * (8 + 8) + 2 * 2 * 4 * 6 * 6 * 2 * (8 + 8)  # XLA's backward: 4 products
     rnn = sum(2 * 24 * n * (1 + 1 + (i > 0)) for i, n in enumerate((64 * 10, 64 * 16)))
     assert count.stop() == forward * 2 + forward + forward * 2 * 2 + conv + sdpa + rnn
     assert mask.sum() == 6
