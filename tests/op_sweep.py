@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import child
+import work_split
 
 B, C, S, T, E, V = 8, 8, 8, 6, 16, 20  # batch, channels, image side, sequence, features, vocabulary
 STEPS, LR = 3, 0.1  # plain SGD: one compiled graph a case, and the weights carry each step's gradients
@@ -246,13 +247,7 @@ def train(model, batch, loss_of, trainer=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     if trainer is not None:
         batch = trainer.to_device(batch)
-    losses = []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = loss_of(model, batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
+    losses = work_split.steps(model, batch, loss_of, optimizer, STEPS)
     state = {k: v.detach().float().cpu().flatten().tolist() for k, v in model.state_dict().items()
              if v.is_floating_point()}
     return [float(loss.cpu()) for loss in losses], state

@@ -168,22 +168,33 @@ def build(name):
 MODELS = ["encoder", "encoder_seq_first", "gpt", "word_lm", "vit", "conv", "conv_bn", "qwen3"]
 
 
-def train(model, batch, loss_of, trainer=None):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if trainer is not None:
-        batch = trainer.to_device(batch)
-    losses, stats = [], []
-    for _ in range(STEPS):
+def steps(model, batch, loss_of, optimizer, n, after_step=None):
+    """The plain loop, n steps: the losses, on the device; after_step() after each."""
+    losses = []
+    for _ in range(n):
         optimizer.zero_grad()
         loss = loss_of(model, batch)
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
-        if trainer is not None:  # counted once the step ran: executions are counted as they end
-            import torch_xla.core.xla_model as xm
+        if after_step is not None:
+            after_step()
+    return losses
 
-            xm.wait_device_ops()
-            stats.append(trainer.compile_stats())
+
+def train(model, batch, loss_of, trainer=None):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if trainer is not None:
+        batch = trainer.to_device(batch)
+    stats = []
+
+    def counted():  # once the step ran: executions are counted as they end
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+        stats.append(trainer.compile_stats())
+
+    losses = steps(model, batch, loss_of, optimizer, STEPS, counted if trainer is not None else None)
     return [float(loss.cpu()) for loss in losses], stats
 
 
@@ -207,7 +218,7 @@ def on_xla(name):
         losses, stats = train(model, batch, loss_of, trainer)
         shapes = [tuple(p.shape) for p in model.parameters()]
         collectives, memory = hlo.step_collectives(dump, shapes), trainer.memory_stats()
-        whole, per_device, share = hlo.dot_flops_per_device(dump, skip=before)
+        whole, per_device, share = hlo.dot_flops_per_device(dump, skip=before, count=hlo.matmul_flops)
         before_read, costs, read = trainer.compile_stats(), trainer.stats(), trainer.compile_stats()
         out[layout] = {"losses": losses, "dots": share, "hlo_dot_flops": [whole, per_device], "costs": costs,
                        "stats_read": [read, before_read],
