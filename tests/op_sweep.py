@@ -48,13 +48,13 @@ def seq(layer, call=None, post=E):
     return Between(nn.Linear(E, E), layer, nn.Linear(post, E), call), (B, T, E)
 
 
+def seq_first(layer, call=None):
+    """A (T, B, E) model around a seq-first layer: the trainer infers batch_dim=1 from it, as from the user's own."""
+    return Between(nn.Linear(E, E), layer, nn.Linear(E, E), call), (T, B, E)
+
+
 def first(layer, h):  # layers that return (output, state) or (output, weights)
     return layer(h)[0]
-
-
-def seq_first(layer, h):  # a (T, B, E) layer inside a batch-first model
-    out = layer(h.transpose(0, 1))
-    return (out[0] if isinstance(out, tuple) else out).transpose(0, 1)
 
 
 class Cells(nn.Module):
@@ -185,18 +185,17 @@ def cases():
         "lstm_cell": lambda: seq(Cells(nn.LSTMCell(E, E))),
         "gru_cell": lambda: seq(Cells(nn.GRUCell(E, E))),
         "lstm": lambda: seq(nn.LSTM(E, E, 2, batch_first=True), first),
-        "gru_seq_first": lambda: seq(nn.GRU(E, E), seq_first),
+        "gru_seq_first": lambda: seq_first(nn.GRU(E, E), first),
         "rnn_bidirectional": lambda: seq(nn.RNN(E, E, batch_first=True, bidirectional=True), first, post=2 * E),
         # attention and transformer layers
         "multihead_attention": lambda: seq(nn.MultiheadAttention(E, 2, batch_first=True),
                                            lambda m, h: m(h, h, h, need_weights=False)[0]),
-        "multihead_attention_seq_first": lambda: seq(nn.MultiheadAttention(E, 2), lambda m, h: seq_first(
-            lambda x: m(x, x, x, need_weights=False), h)),
+        "multihead_attention_seq_first": lambda: seq_first(nn.MultiheadAttention(E, 2),
+                                                           lambda m, h: m(h, h, h, need_weights=False)[0]),
         "transformer_encoder_layer": lambda: seq(nn.TransformerEncoderLayer(E, 2, 2 * E, 0.0, batch_first=True)),
         "transformer_decoder_layer": lambda: seq(nn.TransformerDecoderLayer(E, 2, 2 * E, 0.0, batch_first=True),
                                                  lambda m, h: m(h, h)),
-        "transformer": lambda: seq(nn.Transformer(E, 2, 1, 1, 2 * E, 0.0), lambda m, h: seq_first(
-            lambda x: m(x, x), h)),
+        "transformer": lambda: seq_first(nn.Transformer(E, 2, 1, 1, 2 * E, 0.0), lambda m, h: m(h, h)),
         "sdpa_causal": lambda: seq(Sdpa("causal")),
         "sdpa_bool_mask": lambda: seq(Sdpa("bool")),
         "sdpa_float_mask": lambda: seq(Sdpa("float")),
@@ -272,7 +271,7 @@ def on_xla(names, dump, unfixed=False):
             before, logged[:] = hlo.dumped_files(dump), []
             print(f"{name}/{layout}", flush=True)
             model, batch, loss_of = build(name)
-            trainer = st.SeamlessTPUTrainer(model, **kwargs, batch_dim=0)  # seq-first layers inside batch-first models
+            trainer = st.SeamlessTPUTrainer(model, **kwargs)
             if unfixed:  # the trainer's kernels again, all but group_norm's
                 ours = next(p.__self__ for p in st._STATE.torch_patches if isinstance(
                     getattr(p, "__self__", None), torch.library.Library))
