@@ -5,8 +5,9 @@
 
 MODE: hand       the hand-written torch_xla SPMD loop: the model moved, its batch marked, torch_xla.sync() a step
       shim       the same loop through SeamlessTPUTrainer
-      hand_scan  hand, with the blocks run by torch_xla's scan_layers (one block traced, looped)
-      shim_scan  shim, the same
+      hand_scan  hand, with the blocks run by torch_xla's scan_layers (one block traced, looped): torch_xla 2.9
+                 raises ModuleNotFoundError (jax) in its SPMD backward unless torch_xla[pallas] is installed
+      shim_scan  shim, the same (the trainer runs it without jax)
 Prints one line RESULT {"compile_s": XLA's CompileTime over the 2 warm-up steps, "graphs", "step_s": median
 seconds of a steady step, "loss"}. A process per run: SPMD is one-way, and XLA's in-memory cache would hit.
 """
