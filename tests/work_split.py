@@ -303,6 +303,33 @@ def functionals():
         "batch_norm training 4-D": (batch_norm, [randn(b, 3, 4, 4) * 2 + 1, randn(3), randn(3)], (), False),
         "batch_norm no running stats": (lambda x: batch_norm(x, stats=False), [randn(b, 5)], (), False),
         "batch_norm bf16 autocast": (batch_norm, [randn(b, 3, 4, 4), randn(3), randn(3)], (), True),
+        # the kernels tests/op_sweep.py's families brought (dispatcher-level, so torch.* and F reach them alike)
+        "group_norm affine": (lambda x, w, c: F.group_norm(x, 4, w, c), [randn(b, 8, 5, 5), randn(8), randn(8)], (),
+                              False),
+        "instance_norm": (F.instance_norm, [randn(b, 3, 6, 6) * 2 + 1], (), False),
+        "conv2d groups 4 stride 2": (lambda x, w: F.conv2d(x, w, None, 2, 1, 1, 4), [randn(b, 8, 9, 9),
+                                                                                   randn(8, 2, 3, 3)], (), False),
+        "conv1d depthwise dilation 2": (lambda x, w, c: F.conv1d(x, w, c, 1, 2, 2, 6), [randn(b, 6, 10),
+                                                                                      randn(6, 1, 3), randn(6)], (),
+                                        False),
+        "unfold then fold": (lambda x: F.fold(F.unfold(x, 3, padding=1, stride=2), (9, 9), 3, padding=1, stride=2),
+                             [randn(b, 3, 9, 9)], (), False),
+        "adaptive avg pool 9 -> (4, 2)": (lambda x: F.adaptive_avg_pool2d(x, (4, 2)), [randn(b, 3, 9, 9)], (), False),
+        "adaptive max pool 9 -> (4, 5)": (lambda x: F.adaptive_max_pool2d(x, (4, 5)), [randn(b, 3, 9, 9)], (), False),
+        "kl_div batchmean": (lambda a, t: F.kl_div(a.log_softmax(-1), t.softmax(-1), reduction="batchmean"),
+                             [randn(b, 10), randn(b, 10)], (), False),
+        "kl_div log_target": (lambda a, t: F.kl_div(a.log_softmax(-1), t.log_softmax(-1), log_target=True),
+                              [randn(b, 10), randn(b, 10)], (), False),
+        "embedding_bag mean, padding": (lambda w, ids: F.embedding_bag(ids, w, mode="mean", padding_idx=3),
+                                        [randn(10, 4)], (torch.randint(10, (b, 5), generator=g),), False),
+        "embedding_bag max": (lambda w, ids: F.embedding_bag(ids, w, mode="max"), [randn(10, 4)],
+                              (torch.randint(10, (b, 5), generator=g),), False),
+        **{f"interpolate {mode} {size}": (lambda x, mode=mode, size=size: F.interpolate(
+            x, **({"size": (5, 13)} if size == "to size" else {"scale_factor": 2}), mode=mode,
+            **({} if mode == "nearest" else {"align_corners": False})), [randn(b, 3, 7, 7)], (), False)
+           for mode in ("nearest", "bilinear", "bicubic") for size in ("x2", "to size")},
+        "interpolate trilinear": (lambda x: F.interpolate(x, size=(3, 7, 4), mode="trilinear"),
+                                  [randn(2, 3, 5, 5, 5)], (), False),
     }
     return {name: diff(*case) for name, case in cases.items()}
 
