@@ -908,14 +908,11 @@ def _keep_batch_dims():
         _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
 
 
-def _leading_batch():
-    """Whether the trainers' batches hold their samples on dim 0: then torch's own linear keeps the split (folding
-    (B, T, E) into B*T rows keeps B major), with a smaller program than the einsum."""
-    return _STATE.batch_sharding is None or _STATE.batch_sharding.dim == 0
-
-
 def _xla_linear(input, weight, bias=None):
-    if input.dim() <= 2 or _leading_batch():
+    """> 2-D: an einsum, where torch folds the leading dims into one (the batch minor for seq-first inputs). Kept for
+    batch-first inputs too, where the fold would keep the split: one lowering for every layout, at no measured cost
+    in compile time (bench 'compile')."""
+    if input.dim() <= 2:
         return torch.ops.aten.linear.default.decompose(input, weight, bias)
     out = torch.einsum("...n,mn->...m", input, weight)  # autocast cast both already, as it casts linear
     return out if bias is None else out + bias.to(out.dtype)
