@@ -910,8 +910,8 @@ def _keep_batch_dims():
 
 def _xla_linear(input, weight, bias=None):
     """> 2-D: an einsum, where torch folds the leading dims into one (the batch minor for seq-first inputs). Kept for
-    batch-first inputs too, where the fold would keep the split: one lowering for every layout, at no measured cost
-    in compile time (bench 'compile')."""
+    batch-first inputs too, where the fold would keep the split: one lowering for every layout, its compile cost
+    within the noise of bench 'compile'."""
     if input.dim() <= 2:
         return torch.ops.aten.linear.default.decompose(input, weight, bias)
     out = torch.einsum("...n,mn->...m", input, weight)  # autocast cast both already, as it casts linear
