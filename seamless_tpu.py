@@ -919,10 +919,12 @@ def _xla_linear(input, weight, bias=None):
 
 
 def _normalized(x, dims, eps):
-    """(x - mean) / sqrt(var + eps) over `dims`, in fp32 as torch's kernels compute it, centred once."""
+    """((x - mean) / sqrt(var + eps), 1 / sqrt(var + eps)) over `dims`, in fp32 as torch's kernels compute them,
+    centred once."""
     x = x.float()
     centred = x - x.mean(dims, keepdim=True)
-    return centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+    rstd = torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+    return centred * rstd, rstd
 
 
 def _affine(y, weight, bias, shape, dtype):
@@ -941,10 +943,7 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, dims, weight, bias, eps):
-        x = input.float()  # fp32 statistics, as torch's kernel
-        centred = x - x.mean(dims, keepdim=True)
-        rstd = torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
-        normed = centred * rstd
+        normed, rstd = _normalized(input, dims, eps)
         ctx.save_for_backward(normed, rstd, weight)
         ctx.dims, ctx.dtypes = dims, (input.dtype, bias is not None and bias.dtype)
         y = normed if weight is None else normed * weight
@@ -963,7 +962,7 @@ class _LayerNorm(torch.autograd.Function):
 
 
 def _xla_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
-    y = _normalized(input.unflatten(1, (num_groups, -1)).flatten(2), -1, eps).view(input.shape)
+    y = _normalized(input.unflatten(1, (num_groups, -1)).flatten(2), -1, eps)[0].view(input.shape)
     return _affine(y, weight, bias, (-1,) + (1,) * (input.dim() - 2), input.dtype)
 
 
