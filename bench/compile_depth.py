@@ -20,40 +20,20 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from work_split import Block, E  # noqa: E402  (nanoGPT's block, d=64: the tests' own)
+from work_split import GPT  # noqa: E402  (the tests' nanoGPT, d=64)
 
 B, T, V = 8, 32, 256
-
-
-class GPT(nn.Module):
-    def __init__(self, depth, scan):
-        super().__init__()
-        self.emb, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(T, E) * 0.02)
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
-        self.ln, self.head, self.scan = nn.LayerNorm(E), nn.Linear(E, V, bias=False), scan
-
-    def forward(self, x):
-        h = self.emb(x) + self.pos
-        if self.scan:
-            from torch_xla.experimental.scan_layers import scan_layers
-
-            h = scan_layers(self.blocks, h)
-        else:
-            for block in self.blocks:
-                h = block(h)
-        return self.head(self.ln(h)).view(-1, V)
 
 
 def main(mode, depth, steps=10):
     import numpy as np
 
     torch.manual_seed(0)
-    model = GPT(int(depth), scan=mode.endswith("scan"))
+    model = GPT(int(depth), scan=mode.endswith("scan"), seq=T, vocab=V)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(V, (B, T + 1), generator=g)

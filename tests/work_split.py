@@ -62,17 +62,26 @@ class Block(nn.Module):  # nanoGPT's: pre-norm, causal SDPA
 
 
 class GPT(nn.Module):
-    def __init__(self):
+    """nanoGPT's shape. scan: the blocks run by torch_xla's scan_layers on XLA (torchprime's compile-time idiom: one
+    traced block, looped; it deep-copies the first block, hooks and all), by a plain loop elsewhere."""
+
+    def __init__(self, depth=2, scan=False, seq=T, vocab=V):
         super().__init__()
-        self.emb, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(T, E) * 0.02)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.ln, self.head = nn.LayerNorm(E), nn.Linear(E, V, bias=False)
+        self.emb, self.pos = nn.Embedding(vocab, E), nn.Parameter(torch.randn(seq, E) * 0.02)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.ln, self.head = nn.LayerNorm(E), nn.Linear(E, vocab, bias=False)
+        self.scan, self.vocab = scan, vocab
 
     def forward(self, x):
         h = self.emb(x) + self.pos
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.ln(h)).view(-1, V)
+        if self.scan and h.device.type == "xla":
+            from torch_xla.experimental.scan_layers import scan_layers
+
+            h = scan_layers(self.blocks, h)
+        else:
+            for block in self.blocks:
+                h = block(h)
+        return self.head(self.ln(h)).view(-1, self.vocab)
 
 
 class Folded(nn.Module):
@@ -85,28 +94,6 @@ class Folded(nn.Module):
     def forward(self, x):
         b, t, e = x.shape
         return self.head(self.proj(x.transpose(0, 1).reshape(t * b, e)).view(t, b, -1).mean(0))
-
-
-class Scanned(nn.Module):
-    """torchprime's compile-time idiom: a homogeneous stack of blocks run by torch_xla's scan_layers on XLA (one
-    traced block, looped), by a plain loop elsewhere. scan_layers deep-copies the first block, hooks and all."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb, self.pos = nn.Embedding(V, E), nn.Parameter(torch.randn(T, E) * 0.02)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-        self.ln, self.head = nn.LayerNorm(E), nn.Linear(E, V, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x) + self.pos
-        if h.device.type == "xla":
-            from torch_xla.experimental.scan_layers import scan_layers
-
-            h = scan_layers(self.blocks, h)
-        else:
-            for block in self.blocks:
-                h = block(h)
-        return self.head(self.ln(h)).view(-1, V)
 
 
 def qwen3():
@@ -150,7 +137,7 @@ def build(name):
         x = torch.randint(V, (T, B), generator=g)
         return WordLM(), (x, torch.randint(V, (T * B,), generator=g)), lambda m, b: F.cross_entropy(m(b[0]), b[1])
     if name in ("gpt", "scan"):
-        model = GPT() if name == "gpt" else Scanned()
+        model = GPT() if name == "gpt" else GPT(depth=4, scan=True)
         return model, (tokens, tokens.roll(-1, 1).flatten()), lambda m, b: F.cross_entropy(m(b[0]), b[1])
     if name in ("vit", "conv", "conv_bn"):
         small = images[:, :, :16, :16].contiguous()
