@@ -172,9 +172,8 @@ def _add_step_hook(name, when, hook):  # a global optimizer-step hook, once per 
 
 
 def _owned(module, hook):
-    """`hook` for `module` alone. A deep copy copies a module's hook dicts, so an EMA copy or the layer torch_xla's
-    scan_layers runs functionally would run the trainer's hooks on modules it never placed (KeyError at their first
-    forward); there they do nothing. functional_call runs the module itself: they run as usual."""
+    """`hook` for `module` alone: a deep copy (an EMA, the layer scan_layers runs) copies the hook dicts, and there
+    it does nothing (it raised KeyError at their first forward). functional_call runs the module itself."""
     owner = weakref.ref(module)
 
     @functools.wraps(hook)  # keeps its name for whoever lists a module's hooks
