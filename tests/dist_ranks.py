@@ -549,14 +549,18 @@ def exit_while_the_agreement_is_in_flight(out_dir):
     started at that step still waits for rank 0. Left to end during finalization, gloo's thread freed its tensor
     there and aborted the process ("terminate called without an active exception"). An atexit handler
     registered before the trainer's (so it runs after it) writes what the trainer left: the all-reduce ended and
-    dropped, and when."""
+    dropped, and whether rank 0 had reached its step by then (a file it writes just before: an order, not a
+    clock)."""
     import atexit
     import json
     import time
 
+    stepping = os.path.join(out_dir, "rank0_stepping")
+
     def at_exit():
         with open(os.path.join(out_dir, f"exit{dist.get_rank() if dist.is_initialized() else rank}.json"), "w") as f:
-            json.dump({"pending": st._STATE.preemption.pending is not None, "waited": time.monotonic() - stepped}, f)
+            left = {"pending": st._STATE.preemption.pending is not None, "peer_stepped": os.path.exists(stepping)}
+            json.dump(left, f)
 
     rank = dist.get_rank()
     atexit.register(at_exit)
@@ -566,8 +570,8 @@ def exit_while_the_agreement_is_in_flight(out_dir):
     model(torch.ones(2, 4)).sum().backward()
     if rank == 0:
         time.sleep(3)
+        open(stepping, "w").close()
     optimizer.step()
-    stepped = time.monotonic()
     return {"in_flight": st._STATE.preemption.pending is not None}
 
 
