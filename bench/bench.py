@@ -3,8 +3,9 @@
     ./dev.sh bench                      # every section: writes bench/RESULTS.md and bench/step_times.png
     ./dev.sh bench --smoke              # a few steps of every section (CI); writes nothing unless --out is given
     ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd,
-                                        # eager_cpu, compiles, overhead, imports, ray, fsdp, compile, accumulate,
-                                        # preemption, tp, work); writes nothing unless --out is given
+                                        # logging, eager_cpu, compiles, overhead, imports, ray, fsdp, compile,
+                                        # accumulate, checkpoints, preemption, ddp, tp, work); writes nothing
+                                        # unless --out is given
 
 RESULTS.md holds one block per section (between <!-- bench:NAME --> and <!-- /bench:NAME -->), whose
 first line names the commit it ran at and the command that runs it alone. A write to --out replaces
