@@ -917,6 +917,17 @@ def _xla_linear(input, weight, bias=None):
     return out if bias is None else out + bias.to(out.dtype)
 
 
+def _xla_matmul(input, other):
+    """Batched (equal batch shapes) or > 2-D by a matrix: an einsum, where torch folds the batch dims into one (a
+    (B, H, T, d) attention product into (B*H, T, d)): GSPMD kept one of two splits of the fold (Qwen3 on a 2 x 2
+    mesh, heads over one axis, batch over the other: each device computed 1/2 of attention's products)."""
+    if input.dim() >= 3 and other.dim() == 2:
+        return torch.einsum("...n,nm->...m", input, other)
+    if input.dim() >= 3 and input.shape[:-2] == other.shape[:-2]:
+        return torch.einsum("...ij,...jk->...ik", input, other)
+    return torch.ops.aten.matmul.default.decompose(input, other)
+
+
 def _normalized(x, dims, eps):
     """((x - mean) / sqrt(var + eps), 1 / sqrt(var + eps)) over `dims`, in fp32 as torch's kernels compute them,
     centred once."""
@@ -1126,7 +1137,7 @@ def _grouped_conv(spatial):
 
 
 _XLA_KERNELS = {
-    "linear": _xla_linear, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
+    "linear": _xla_linear, "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
     "batch_norm": _xla_batch_norm, "kl_div": _xla_kl_div,
     **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
     **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},

@@ -3,7 +3,7 @@ virtual XLA devices through SeamlessTPUTrainer with "ddp" and "fsdp", read from 
 
     python tests/work_split.py eager          # every model's eager losses (a process without XLA)
     python tests/work_split.py MODEL          # MODEL on XLA: losses, dot FLOPs per device, collectives, warnings
-    python tests/work_split.py functionals    # the four functionals replaced on XLA against torch's own
+    python tests/work_split.py functionals    # the ops lowered on XLA against torch's own
 
 Each reports one RESULT line (child.report).
 """
@@ -221,7 +221,7 @@ def on_xla(name):
 
 
 def functionals():
-    """The four functionals the trainer replaces on XLA against torch's own (the same call on CPU tensors), over
+    """The ops the trainer lowers on XLA against torch's own (the same call on CPU tensors), over
     the options that reach them: per case, the largest difference of the outputs and of every input's gradient,
     relative to the largest value."""
     import seamless_tpu as st
@@ -273,6 +273,11 @@ def functionals():
         "linear 3-D": (F.linear, [randn(4, b, e), randn(3, e), randn(3)], (), False),
         "linear 4-D no bias": (F.linear, [randn(2, 3, b, e), randn(5, e)], (), False),
         "linear 3-D bf16 autocast": (F.linear, [randn(4, b, e), randn(3, e), randn(3)], (), True),
+        "matmul 4-D @ 4-D (attention's scores)": (torch.matmul, [randn(b, heads, t, 4), randn(b, heads, 4, s)], (),
+                                                  False),
+        "matmul 3-D @ 2-D, bf16 autocast": (torch.matmul, [randn(t, b, e), randn(e, 3)], (), True),
+        "matmul broadcast (B, H, T, d) @ (H, d, S)": (torch.matmul, [randn(b, heads, t, 4), randn(heads, 4, s)], (),
+                                                     False),
         "layer_norm affine": (lambda x, w, c: F.layer_norm(x, (e,), w, c), [randn(b, t, e) * 3 + 1, randn(e),
                                                                          randn(e)], (), False),
         "layer_norm 2 dims, no affine": (lambda x: F.layer_norm(x, (t, e)), [randn(b, t, e)], (), False),

@@ -251,12 +251,11 @@ def lm_tensor_parallel():
         got = lm_lora_loop(True, steps=TP_STEPS, lora=False, strategy=strategy, xla_spmd_config=config)
         if shape == (2, 2):  # dumped from the first graphs XLA compiles in this process (main() set XLA_FLAGS)
             dump = os.environ["SEAMLESS_TPU_HLO_DUMP"]
-            whole, one, ratio = hlo.dot_flops_per_device(dump, count=lambda text: hlo.dot_flops(text, False))
+            whole, one, ratio = hlo.dot_flops_per_device(dump)
             print(f"{what}: dot FLOPs per step {whole} in all, {one} on one device ({ratio:.3f})")
+            # attention's products included: the trainer's matmul keeps (batch, heads) apart, where torch's folded
+            # them into one dim of which GSPMD kept one split (0.271 before)
             assert ratio == 0.25, f"{what}: a device holds {ratio:.3f} of the step's dot FLOPs, not 1/4"
-            # with attention's batched products (heads over `model`, 2 key/value heads): 0.271 measured, not yet 1/4
-            _, _, with_attention = hlo.dot_flops_per_device(dump)
-            assert with_attention <= 0.28, f"{what}: {with_attention:.3f} of the step with attention's products"
         assert_close(got["losses"], want["losses"], 1e-5, what)
         assert_flat(got["compiles"], 2, what)
         assert_flat(got["transfers"], 2, what + " host transfers")
