@@ -876,17 +876,17 @@ def _patch_torch_for_xla():
 
 # --- 7b. XLA lowerings that keep the batch split ----------------------------------------------------
 # torch_xla lowers these ops in ways GSPMD cannot split over the batch (found by tests/op_sweep.py, 4 devices, batch
-# split): from there on each device computed the whole batch, and "fsdp" all-gathered activations. linear on > 2-D
-# inputs (matmul folds (T, B, E) into (T*B, E)), layer_norm and training batch_norm (one op over the batch; also
-# instance_norm, which torch builds on it), group_norm (a GroupNorm conv net ran 0.32-0.61 of its convolutions per
-# device), upsampling (each device gathered the whole upsampled image), adaptive average pooling to sizes that do not
-# divide the input's, and multi-head attention ((T, B, H, d) viewed as (T*B, E)). Ours keep every dimension, reduce
-# where GSPMD can split, and give eager's numbers (1e-6; running statistics with eager's unbiased variance, where
-# torch_xla's batch_norm keeps the biased one). They are kernels for the dispatcher's AutogradXLA key, so every caller
-# reaches them (nn modules, torch.* and functionals imported before the trainer existed) and only XLA tensors do: the
-# parent ops are CompositeImplicitAutograd, so autograd differentiates our ops and nothing of torch_xla's is replaced.
-# aten::kl_div gets torch's own decomposition there: torch_xla's XLA kernel has no autograd kernel, so each backward
-# warned "an autograd kernel was not registered". Multi-head attention is a Python function: patched in F.
+# split): from there on each device computed the whole batch, and "fsdp" all-gathered activations. matmul (and so
+# linear) on > 2-D inputs (folds (T, B, E) into (T*B, E)), layer_norm and training batch_norm (one op over the batch;
+# also instance_norm, which torch builds on it), group_norm (a GroupNorm conv net ran 0.32-0.61 of its convolutions
+# per device), upsampling (each device gathered the whole upsampled image), adaptive average pooling to sizes that do
+# not divide the input's, and multi-head attention ((T, B, H, d) viewed as (T*B, E)). Ours keep every dimension,
+# reduce where GSPMD can split, and give eager's numbers (1e-6; running statistics with eager's unbiased variance,
+# where torch_xla's batch_norm keeps the biased one). They are kernels for the dispatcher's AutogradXLA key, so every
+# caller reaches them (nn modules, torch.* and functionals imported before the trainer existed) and only XLA tensors
+# do: the parent ops are CompositeImplicitAutograd, so autograd differentiates our ops and nothing of torch_xla's is
+# replaced. aten::kl_div gets torch's own decomposition there: torch_xla's XLA kernel has no autograd kernel, so each
+# backward warned "an autograd kernel was not registered". Multi-head attention is a Python function: patched in F.
 
 
 def _keep_batch_dims():
@@ -907,20 +907,12 @@ def _keep_batch_dims():
         _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
 
 
-def _xla_linear(input, weight, bias=None):
-    """> 2-D: an einsum, where torch folds the leading dims into one (the batch minor for seq-first inputs). Kept for
-    batch-first inputs too, where the fold would keep the split: one lowering for every layout, its compile cost
-    within the noise of bench 'compile'."""
-    if input.dim() <= 2:
-        return torch.ops.aten.linear.default.decompose(input, weight, bias)
-    out = torch.einsum("...n,mn->...m", input, weight)  # autocast cast both already, as it casts linear
-    return out if bias is None else out + bias.to(out.dtype)
-
-
 def _xla_matmul(input, other):
-    """Batched (equal batch shapes) or > 2-D by a matrix: an einsum, where torch folds the batch dims into one (a
-    (B, H, T, d) attention product into (B*H, T, d)): GSPMD kept one of two splits of the fold (Qwen3 on a 2 x 2
-    mesh, heads over one axis, batch over the other: each device computed 1/2 of attention's products)."""
+    """Batched (equal batch shapes) or > 2-D by a matrix: an einsum, where torch folds the batch dims into one. A
+    (B, H, T, d) attention product became (B*H, T, d), of which GSPMD kept one of two splits (Qwen3 on a 2 x 2 mesh:
+    1/2 of attention's products per device); linear, which torch lowers to matmul on XLA, folded (T, B, E) batches
+    into T*B rows. Kept batch-first too, where the fold keeps the split: one lowering for every layout, its compile
+    cost within the noise of bench 'compile'."""
     if input.dim() >= 3 and other.dim() == 2:
         return torch.einsum("...n,nm->...m", input, other)
     if input.dim() >= 3 and input.shape[:-2] == other.shape[:-2]:
@@ -1137,7 +1129,7 @@ def _grouped_conv(spatial):
 
 
 _XLA_KERNELS = {
-    "linear": _xla_linear, "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
+    "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
     "batch_norm": _xla_batch_norm, "kl_div": _xla_kl_div,
     **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
     **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
@@ -3160,7 +3152,7 @@ class _FlopCount(TorchDispatchMode):
 class _FunctionFlops(torch.overrides.TorchFunctionMode):
     """XLA: the FLOPs of the matmul-like calls the step makes, from their shapes: forward, plus the same again for
     each operand the backward computes a gradient of (attention: its backward's products; an RNN: its weights' and
-    its states' gradients). A call inside a counted one (the trainer's linear kernel's einsum) is not seen: a
+    its states' gradients). A call inside a counted one (the trainer's matmul kernel's einsum) is not seen: a
     function mode is off inside its own handler."""
 
     def __init__(self, count):

@@ -122,7 +122,7 @@ def test_reset_undoes_every_process_wide_change(fake):
     now = (F.multi_head_attention_forward, F.embedding_bag)
     assert all(new is not old for new, old in zip(now, functionals)), "the batch-keeping functionals are not in"
     assert kernels_at_autograd_xla() == set(st._XLA_KERNELS), "the batch-keeping kernels are not in"
-    assert {"group_norm", "batch_norm", "linear", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= set(st._XLA_KERNELS)
+    assert {"group_norm", "batch_norm", "matmul", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= set(st._XLA_KERNELS)
     assert torch.__future__.get_swap_module_params_on_conversion() and hasattr(torch, "xla")
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1
     state = st._STATE
