@@ -991,14 +991,15 @@ def _xla_kl_div(input, target, reduction=1, *, log_target=False):
 
 def _resized(input, sizes, scales, mode, align_corners=False):
     """input resized over its last len(sizes) dimensions one at a time, with eager's source positions and weights
-    (nearest: one tap, linear: two, cubic: four, A=-0.75), each tap an index_select along that dimension only. The
-    positions are computed on the device (iota): no transfer, no new constant per step."""
+    (nearest and nearest-exact: one tap, linear: two, cubic: four, A=-0.75), each tap an index_select along that
+    dimension only. The positions are computed on the device (iota): no transfer, no new constant per step."""
     for k, m in enumerate(sizes):
         d, n = input.dim() - len(sizes) + k, input.shape[input.dim() - len(sizes) + k]
         dst = torch.arange(m, device=input.device, dtype=torch.float32)
         given = scales[k] if scales else None
-        if mode == "nearest":
-            taps = [((dst * (1 / given if given else n / m)).floor().clamp(max=n - 1), None)]
+        if mode.startswith("nearest"):  # exact: the centre's source pixel, where nearest takes the left edge's
+            src = (dst + 0.5 if mode == "nearest-exact" else dst) * (1 / given if given else n / m)
+            taps = [(src.floor().clamp(max=n - 1), None)]
         else:
             if align_corners:
                 src = dst * ((n - 1) / (m - 1) if m > 1 else 0)
@@ -1133,6 +1134,7 @@ _XLA_KERNELS = {
     "batch_norm": _xla_batch_norm, "kl_div": _xla_kl_div,
     **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
     **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
+    **{f"_upsample_nearest_exact{d}d.vec": _resize_kernel(d, "nearest-exact", False) for d in (1, 2, 3)},
     "upsample_linear1d.vec": _resize_kernel(1, "linear", True),
     "upsample_bilinear2d.vec": _resize_kernel(2, "linear", True),
     "upsample_trilinear3d.vec": _resize_kernel(3, "linear", True),

@@ -318,8 +318,12 @@ def functionals():
                               (torch.randint(10, (b, 5), generator=g),), False),
         **{f"interpolate {mode} {size}": (lambda x, mode=mode, size=size: F.interpolate(
             x, **({"size": (5, 13)} if size == "to size" else {"scale_factor": 2}), mode=mode,
-            **({} if mode == "nearest" else {"align_corners": False})), [randn(b, 3, 7, 7)], (), False)
-           for mode in ("nearest", "bilinear", "bicubic") for size in ("x2", "to size")},
+            **({} if mode.startswith("nearest") else {"align_corners": False})), [randn(b, 3, 7, 7)], (), False)
+           for mode in ("nearest", "nearest-exact", "bilinear", "bicubic") for size in ("x2", "to size")},
+        "interpolate nearest-exact 1-D x0.4": (lambda x: F.interpolate(x, scale_factor=0.4, mode="nearest-exact"),
+                                               [randn(b, 3, 12)], (), False),
+        "interpolate nearest-exact 3-D to size": (lambda x: F.interpolate(x, size=(3, 7, 4), mode="nearest-exact"),
+                                                  [randn(2, 3, 5, 5, 5)], (), False),
         "interpolate trilinear": (lambda x: F.interpolate(x, size=(3, 7, 4), mode="trilinear"),
                                   [randn(2, 3, 5, 5, 5)], (), False),
     }
