@@ -886,7 +886,9 @@ def _patch_torch_for_xla():
 # caller reaches them (nn modules, torch.* and functionals imported before the trainer existed) and only XLA tensors
 # do: the parent ops are CompositeImplicitAutograd, so autograd differentiates our ops and nothing of torch_xla's is
 # replaced. aten::kl_div gets torch's own decomposition there: torch_xla's XLA kernel has no autograd kernel, so each
-# backward warned "an autograd kernel was not registered". Multi-head attention is a Python function: patched in F.
+# backward warned "an autograd kernel was not registered". glu and channel_shuffle, which torch_xla ran (or
+# differentiated) on the CPU, become ops it lowers; not composites, so for XLA tensors ours replace torch's derivative
+# formulas with autograd's of those ops. Multi-head attention is a Python function: patched in F.
 
 
 def _keep_batch_dims():
@@ -983,6 +985,23 @@ def _xla_batch_norm(input, weight, bias, running_mean, running_var, training, mo
             running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
             running_var.mul_(1 - momentum).add_((var * (n / max(n - 1, 1))).to(running_var.dtype), alpha=momentum)
     return _affine(centred * torch.rsqrt(var + eps).view(shape), weight, bias, shape, input.dtype)
+
+
+def _xla_glu(input, dim=-1):  # torch_xla ran glu's backward on the CPU
+    if input.shape[dim] % 2:
+        raise RuntimeError(f"Halving dimension must be even, but dimension {dim % input.dim()} is size "
+                           f"{input.shape[dim]}")
+    first, second = input.chunk(2, dim)
+    return first * torch.sigmoid(second)
+
+
+def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU; its refusals are torch's CPU kernel's
+    if groups <= 0:
+        raise RuntimeError(f"Number of groups to divide channels in must be positive. Value of groups:{groups}")
+    if input.dim() > 1 and input.shape[1] % groups:
+        raise RuntimeError(f"Number of channels must be divisible by groups. Got {input.shape[1]} channels and "
+                           f"{groups} groups.")
+    return torch.ops.aten.native_channel_shuffle(input, groups)
 
 
 def _xla_kl_div(input, target, reduction=1, *, log_target=False):
@@ -1131,7 +1150,8 @@ def _grouped_conv(spatial):
 
 _XLA_KERNELS = {
     "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
-    "batch_norm": _xla_batch_norm, "kl_div": _xla_kl_div,
+    "batch_norm": _xla_batch_norm, "kl_div": _xla_kl_div, "glu": _xla_glu,
+    "channel_shuffle": _xla_channel_shuffle,
     **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
     **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
     **{f"_upsample_nearest_exact{d}d.vec": _resize_kernel(d, "nearest-exact", False) for d in (1, 2, 3)},

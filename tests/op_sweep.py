@@ -172,6 +172,7 @@ def cases():
         "interpolate_bicubic": lambda: image(nn.Identity(), call=lambda _, h: F.interpolate(h, size=(11, 11),
                                                                                            mode="bicubic")),
         "pixel_shuffle": lambda: image(nn.PixelShuffle(2), out=C // 4),
+        "channel_shuffle": lambda: image(nn.ChannelShuffle(4)),
         "pixel_unshuffle": lambda: image(nn.PixelUnshuffle(2), out=4 * C),
         "fold_unfold": lambda: image(FoldBack()),
         "reflection_pad2d": lambda: image(nn.ReflectionPad2d(1)),
@@ -207,6 +208,7 @@ def cases():
             out.log_softmax(-1), target.softmax(-1), reduction="batchmean")),
         "kl_div_log_target": lambda: (*seq(nn.Identity()), lambda out, target: F.kl_div(
             out.log_softmax(-1), target.log_softmax(-1), reduction="batchmean", log_target=True)),
+        "glu": lambda: seq(nn.GLU(), post=E // 2),
         "cross_entropy_smoothed": lambda: (*seq(nn.Identity()), lambda out, target: F.cross_entropy(
             out.transpose(1, 2), target.argmax(-1), label_smoothing=0.1)),
     }
@@ -219,11 +221,12 @@ GROUPS = {  # a few families to a process: each process pays for torch_xla's sta
     "pool": ["max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "lp_pool2d",
              "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
              "max_unpool2d", "upsample_nearest", "upsample_nearest_exact", "upsample_bilinear", "upsample_linear1d",
-             "upsample_trilinear", "interpolate_bicubic", "pixel_shuffle", "pixel_unshuffle", "fold_unfold",
+             "upsample_trilinear", "interpolate_bicubic", "pixel_shuffle", "channel_shuffle", "pixel_unshuffle",
+             "fold_unfold",
              "reflection_pad2d", "replication_pad2d"],
     "seq": ["layer_norm", "rms_norm", "embedding_bag_mean", "embedding_bag_max", "embedding", "rnn_cell", "lstm_cell",
             "gru_cell", "lstm", "gru_seq_first", "rnn_bidirectional", "sdpa_causal", "sdpa_bool_mask",
-            "sdpa_float_mask", "kl_div", "kl_div_log_target", "cross_entropy_smoothed"],
+            "sdpa_float_mask", "kl_div", "kl_div_log_target", "cross_entropy_smoothed", "glu"],
     "attention": ["unet", "multihead_attention", "multihead_attention_seq_first", "transformer_encoder_layer",
                   "transformer_decoder_layer", "transformer"],
 }
@@ -261,6 +264,7 @@ def on_xla(names, dump, unfixed=False):
     import hlo
     import seamless_tpu as st
     import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
 
     logged = []
     handler = logging.Handler(logging.WARNING)
@@ -281,9 +285,12 @@ def on_xla(names, dump, unfixed=False):
                 for op, kernel in st._XLA_KERNELS.items():
                     if op != "group_norm":
                         unfixed_kernels.impl(op, kernel, "AutogradXLA")
+            cpu_ops = {k: met.counter_value(k) for k in met.counter_names() if k.startswith("aten::")}
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 losses, state = train(model, batch, loss_of, trainer)
+            on_cpu = sorted(k for k in met.counter_names()  # torch_xla's CPU fallbacks, counted since the case began
+                            if k.startswith("aten::") and met.counter_value(k) > cpu_ops.get(k, 0))
             xm.wait_device_ops()  # torch_xla compiles on a thread of its own: its dump is written by then
             shapes = [tuple(p.shape) for p in model.parameters()]
             gathers = hlo.step_collectives(dump, shapes, skip=before)
@@ -295,7 +302,7 @@ def on_xla(names, dump, unfixed=False):
             out[f"{name}/{layout}"] = {
                 "losses": losses, "state": state, "share": share, "flops": [whole, per_device],
                 "activation_gather_bytes": activations, "warnings": [str(w.message)[:300] for w in caught],
-                "logged": list(logged), "compiles": trainer.compile_stats()}
+                "logged": list(logged), "compiles": trainer.compile_stats(), "on_cpu": on_cpu}
     return out
 
 
