@@ -1255,6 +1255,7 @@ class _CompileWatchdog:
         self.sliced_input = False  # a forward's input was a view of a larger XLA tensor
         self.in_step = False  # inside optimizer.step(): a closure's forwards belong to the step
         self._at_cut = 0  # the compile count at the last cut, or at the start of the step in progress
+        self.cpu_ops = set()  # the ops torch_xla ran on the CPU that a warning named
 
     def before_step(self, met):
         self.in_step = True
@@ -1281,6 +1282,7 @@ class _CompileWatchdog:
             self._count(met, key, self.cuts + 1, "iteration")
 
     def _count(self, met, cut, index, what, known_cause=None):
+        self._cpu_ops(met)
         now = met.counter_value("UncachedCompile") or 0
         compiled, self._at_cut = now - self._at_cut, now
         pair, self.cut, self.cuts = (self.cut, cut), cut, self.cuts + 1
@@ -1300,6 +1302,19 @@ class _CompileWatchdog:
             "drops it), Python control flow on tensor values, or .item()/print(tensor) inside the step. "
             "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause,
             "Other causes: " if cause else "Likely causes: ")
+
+
+    def _cpu_ops(self, met):
+        """Warns once per op that torch_xla has run on the CPU (its aten:: counters, its only use of that prefix):
+        torch_xla 2.9 has no lowering for it. A list of names a cut (~1 us), no sync."""
+        ops = sorted(n for n in met.counter_names() if n.startswith("aten::") and n not in self.cpu_ops)
+        if ops:
+            self.cpu_ops.update(ops)
+            logger.warning(
+                "seamless_tpu: torch_xla ran %s on the CPU (no XLA lowering in torch_xla %s): each call waits for the "
+                "device, copies its inputs to the host and its result back, whole on every device. Build it from ops "
+                "XLA lowers, or move it out of the loop; PT_XLA_DEBUG_LEVEL=1 shows where it is called.",
+                ", ".join(ops), _version("torch_xla"))
 
 
 def _has_xla_params(optimizer):

@@ -489,10 +489,13 @@ class CompileCounter:
     """torch_xla.debug.metrics as the watchdog reads it: a compile count the test drives."""
 
     def __init__(self):
-        self.compiles = 0
+        self.compiles, self.on_cpu = 0, []  # on_cpu: the ops torch_xla ran on the CPU (its "aten::" counters)
 
     def counter_value(self, name):
         return self.compiles if name == "UncachedCompile" else 0
+
+    def counter_names(self):
+        return ["UncachedCompile", "xla::add", *self.on_cpu]
 
 
 def watched_steps(watchdog, met, optimizer, compiles_at, steps):
@@ -519,6 +522,25 @@ def test_watchdog_restarts_warm_up_for_a_new_parameter_group(fresh, caplog, unfr
                 optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
     warned = [r.getMessage() for r in caplog.records if "after warm-up" in r.getMessage()]
     assert len(warned) == (0 if unfreeze else 1), warned
+
+
+def test_watchdog_names_each_op_torch_xla_ran_on_the_cpu_once(fresh, caplog):
+    """An aten:: counter (torch_xla's CPU fallback) met at a cut is named in one warning; the same op later is not
+    named again, a new one is."""
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    watchdog, met = st._CompileWatchdog(), CompileCounter()
+    with caplog.at_level(logging.WARNING, logger="seamless_tpu"):
+        watched_steps(watchdog, met, optimizer, {0}, 2)
+        met.on_cpu += ["aten::glu_backward", "aten::_ctc_loss.Tensor"]
+        watched_steps(watchdog, met, optimizer, {0}, 3)
+        met.on_cpu.append("aten::median.dim_values")
+        watched_steps(watchdog, met, optimizer, set(), 3)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert warned[0].startswith("seamless_tpu: torch_xla ran aten::_ctc_loss.Tensor, aten::glu_backward on the CPU"
+                                " (no XLA lowering in torch_xla "), warned[0]
+    assert "copies its inputs to the host and its result back" in warned[0] and "PT_XLA_DEBUG_LEVEL=1" in warned[0]
+    assert warned[1].startswith("seamless_tpu: torch_xla ran aten::median.dim_values on the CPU"), warned[1]
 
 
 def test_watchdog_names_lbfgs_history_as_the_recompile_cause(fresh, caplog):

@@ -32,7 +32,7 @@ FAKE_API = {
     "torch_xla.core.xla_model": ("send_cpu_data_to_device", "wait_device_ops"),
     "torch_xla.distributed.spmd": ("Mesh", "ShardingSpec", "mark_sharding", "set_global_mesh", "get_global_mesh"),
     "torch_xla.distributed.parallel_loader": ("MpDeviceLoader",),
-    "torch_xla.debug.metrics": ("counter_value", "metric_data"),
+    "torch_xla.debug.metrics": ("counter_value", "counter_names", "metric_data"),
 }
 
 
@@ -271,6 +271,7 @@ class FakeXLA:
             return None
 
         metrics.counter_value, metrics.metric_data = counter_value, metric_data
+        metrics.counter_names = lambda: list(fx.counters)
 
         torch_xla.runtime, torch_xla.core, torch_xla.distributed, torch_xla.debug = runtime, core, distributed, debug
         core.xla_model, distributed.spmd, distributed.parallel_loader, debug.metrics = xm, spmd, pl, metrics
