@@ -886,9 +886,10 @@ def _patch_torch_for_xla():
 # caller reaches them (nn modules, torch.* and functionals imported before the trainer existed) and only XLA tensors
 # do: the parent ops are CompositeImplicitAutograd, so autograd differentiates our ops and nothing of torch_xla's is
 # replaced. aten::kl_div gets torch's own decomposition there: torch_xla's XLA kernel has no autograd kernel, so each
-# backward warned "an autograd kernel was not registered". glu and channel_shuffle, which torch_xla ran (or
-# differentiated) on the CPU, become ops it lowers; not composites, so for XLA tensors ours replace torch's derivative
-# formulas with autograd's of those ops. Multi-head attention is a Python function: patched in F.
+# backward warned "an autograd kernel was not registered". glu, channel_shuffle and grid_sample, which torch_xla ran
+# (or differentiated) on the CPU, become ops it lowers; glu and channel_shuffle are not composites, so for XLA tensors
+# ours replace torch's derivative formulas with autograd's of those ops. Multi-head attention is a Python function:
+# patched in F.
 
 
 def _keep_batch_dims():
@@ -1002,6 +1003,31 @@ def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU; its ref
         raise RuntimeError(f"Number of channels must be divisible by groups. Got {input.shape[1]} channels and "
                            f"{groups} groups.")
     return torch.ops.aten.native_channel_shuffle(input, groups)
+
+
+def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
+    """2-D bilinear or nearest sampling, zeros or border padding (torch_xla ran grid_sampler_2d and its backward on
+    the CPU): each tap a gather from the flattened image, along the spatial dims only; others take torch's path."""
+    if input.dim() != 4 or interpolation_mode > 1 or padding_mode > 1:
+        return torch.ops.aten.grid_sampler.default.decompose(input, grid, interpolation_mode, padding_mode,
+                                                             align_corners)
+    n, c, h, w = input.shape
+    size = grid.new_tensor([w, h])  # the grid's last dim is (x, y)
+    xy = (grid + 1) / 2 * (size - 1) if align_corners else ((grid + 1) * size - 1) / 2
+    x, y = (torch.minimum(xy.clamp(min=0), size - 1) if padding_mode == 1 else xy).unbind(-1)
+    flat = input.flatten(2)
+
+    def tap(ix, iy, weight):  # the pixel at (ix, iy), zero outside the image
+        inside = ((ix >= 0) & (ix <= w - 1) & (iy >= 0) & (iy <= h - 1)).to(weight.dtype)
+        at = (iy.clamp(0, h - 1) * w + ix.clamp(0, w - 1)).long().flatten(1)
+        return flat.gather(2, at[:, None].expand(n, c, -1)).unflatten(2, ix.shape[1:]) * (weight * inside)[:, None]
+
+    if interpolation_mode == 1:
+        return tap(x.round(), y.round(), 1 + 0 * x)  # half to even as torch's nearbyint; the grid's gradient 0
+    x0, y0 = x.floor(), y.floor()
+    tx, ty = x - x0, y - y0
+    return (tap(x0, y0, (1 - tx) * (1 - ty)) + tap(x0 + 1, y0, tx * (1 - ty)) + tap(x0, y0 + 1, (1 - tx) * ty)
+            + tap(x0 + 1, y0 + 1, tx * ty))
 
 
 def _xla_kl_div(input, target, reduction=1, *, log_target=False):
@@ -1151,7 +1177,7 @@ def _grouped_conv(spatial):
 _XLA_KERNELS = {
     "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
     "batch_norm": _xla_batch_norm, "kl_div": _xla_kl_div, "glu": _xla_glu,
-    "channel_shuffle": _xla_channel_shuffle,
+    "channel_shuffle": _xla_channel_shuffle, "grid_sampler": _xla_grid_sampler,
     **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
     **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
     **{f"_upsample_nearest_exact{d}d.vec": _resize_kernel(d, "nearest-exact", False) for d in (1, 2, 3)},

@@ -98,6 +98,18 @@ class Sdpa(nn.Module):
         return out.transpose(1, 2).flatten(2)
 
 
+class Warp(nn.Module):
+    """A spatial transformer's sampling: F.grid_sample at the affine grid of a learned transform."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = nn.Parameter(torch.tensor([[0.9, 0.1, 0.05], [-0.1, 0.9, 0.0]]))
+
+    def forward(self, h):
+        return F.grid_sample(h, F.affine_grid(self.theta.expand(len(h), 2, 3), h.shape, align_corners=False),
+                             align_corners=False)
+
+
 class ResBlock(nn.Module):
     """A diffusion UNet's residual block: GroupNorm, SiLU, convolution, twice, plus the input."""
 
@@ -171,6 +183,7 @@ def cases():
         "upsample_trilinear": lambda: image(nn.Upsample(scale_factor=2, mode="trilinear"), 3),
         "interpolate_bicubic": lambda: image(nn.Identity(), call=lambda _, h: F.interpolate(h, size=(11, 11),
                                                                                            mode="bicubic")),
+        "grid_sample": lambda: image(Warp()),
         "pixel_shuffle": lambda: image(nn.PixelShuffle(2), out=C // 4),
         "channel_shuffle": lambda: image(nn.ChannelShuffle(4)),
         "pixel_unshuffle": lambda: image(nn.PixelUnshuffle(2), out=4 * C),
@@ -221,9 +234,8 @@ GROUPS = {  # a few families to a process: each process pays for torch_xla's sta
     "pool": ["max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "lp_pool2d",
              "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
              "max_unpool2d", "upsample_nearest", "upsample_nearest_exact", "upsample_bilinear", "upsample_linear1d",
-             "upsample_trilinear", "interpolate_bicubic", "pixel_shuffle", "channel_shuffle", "pixel_unshuffle",
-             "fold_unfold",
-             "reflection_pad2d", "replication_pad2d"],
+             "upsample_trilinear", "interpolate_bicubic", "grid_sample", "pixel_shuffle", "channel_shuffle",
+             "pixel_unshuffle", "fold_unfold", "reflection_pad2d", "replication_pad2d"],
     "seq": ["layer_norm", "rms_norm", "embedding_bag_mean", "embedding_bag_max", "embedding", "rnn_cell", "lstm_cell",
             "gru_cell", "lstm", "gru_seq_first", "rnn_bidirectional", "sdpa_causal", "sdpa_bool_mask",
             "sdpa_float_mask", "kl_div", "kl_div_log_target", "cross_entropy_smoothed", "glu"],

@@ -327,6 +327,12 @@ def functionals():
         "interpolate trilinear": (lambda x: F.interpolate(x, size=(3, 7, 4), mode="trilinear"),
                                   [randn(2, 3, 5, 5, 5)], (), False),
         "glu dim 1": (lambda x: F.glu(x, 1), [randn(b, 6, 5)], (), False),
+        **{f"grid_sample {mode} {pad} align_corners={corners}": (
+            lambda x, grid, mode=mode, pad=pad, corners=corners: F.grid_sample(
+                x, grid, mode, pad, corners), [randn(b, 3, 6, 7), torch.rand(b, 5, 4, 2, generator=g) * 2.4 - 1.2],
+            (), False) for mode, pad, corners in (("bilinear", "zeros", False), ("bilinear", "border", True),
+                                                   ("nearest", "zeros", True), ("nearest", "border", False),
+                                                   ("bilinear", "reflection", False))},
         "channel_shuffle 3 groups": (lambda x: F.channel_shuffle(x, 3), [randn(b, 6, 4, 4)], (), False),
     }
     out = {name: diff(*case) for name, case in cases.items()}
