@@ -874,21 +874,18 @@ def _patch_torch_for_xla():
     _patch(ckpt, "CheckpointFunction", RoutedCheckpointFunction)
     _patch(ckpt._CheckpointFrame, "__init__", init_with_barrier)
 
-# --- 7b. XLA lowerings that keep the batch split ----------------------------------------------------
+# --- 7b. XLA lowerings that keep the batch split --------------------------------------------------
 # torch_xla lowers these ops in ways GSPMD cannot split over the batch (found by tests/op_sweep.py, 4 devices, batch
 # split): from there on each device computed the whole batch, and "fsdp" all-gathered activations. matmul (and so
-# linear) on > 2-D inputs (folds (T, B, E) into (T*B, E)), layer_norm and training batch_norm (one op over the batch;
-# also instance_norm, which torch builds on it), group_norm (a GroupNorm conv net ran 0.32-0.61 of its convolutions
-# per device), upsampling (each device gathered the whole upsampled image), adaptive average pooling to sizes that do
-# not divide the input's, and multi-head attention ((T, B, H, d) viewed as (T*B, E)). Ours keep every dimension,
-# reduce where GSPMD can split, and give eager's numbers (1e-6; running statistics with eager's unbiased variance,
-# where torch_xla's batch_norm keeps the biased one). They are kernels for the dispatcher's AutogradXLA key, so every
-# caller reaches them (nn modules, torch.* and functionals imported before the trainer existed) and only XLA tensors
-# do: the parent ops are CompositeImplicitAutograd, so autograd differentiates our ops and nothing of torch_xla's is
-# replaced. aten::kl_div gets torch's own decomposition there: torch_xla's XLA kernel has no autograd kernel, so each
-# backward warned "an autograd kernel was not registered". glu, channel_shuffle and grid_sample, which torch_xla ran
-# (or differentiated) on the CPU, become ops it lowers; glu and channel_shuffle are not composites, so for XLA tensors
-# ours replace torch's derivative formulas with autograd's of those ops. Multi-head attention is a Python function:
+# linear) on > 2-D inputs (folds (T, B, E) into (T*B, E), (B, H, T, d) into (B*H, T, d)), layer_norm and training
+# batch_norm (one op over the batch; also instance_norm, which torch builds on it), group_norm (a GroupNorm conv net
+# ran 0.32-0.61 of its convolutions per device), upsampling (each device gathered the whole upsampled image), adaptive
+# average pooling to sizes that do not divide the input's, grouped convolutions, and multi-head attention ((T, B, H,
+# d) viewed as (T*B, E)). Ours keep every dimension, reduce where GSPMD can split, and give eager's numbers (1e-6;
+# running statistics with eager's unbiased variance, where torch_xla's batch_norm keeps the biased one). They are
+# kernels for the dispatcher's AutogradXLA key, so every caller reaches them (nn modules, torch.* and functionals
+# imported before the trainer existed) and only XLA tensors do: the parent ops are CompositeImplicitAutograd, so
+# autograd differentiates our ops and nothing of torch_xla's is replaced. Multi-head attention is a Python function:
 # patched in F.
 
 
@@ -988,52 +985,6 @@ def _xla_batch_norm(input, weight, bias, running_mean, running_var, training, mo
     return _affine(centred * torch.rsqrt(var + eps).view(shape), weight, bias, shape, input.dtype)
 
 
-def _xla_glu(input, dim=-1):  # torch_xla ran glu's backward on the CPU
-    if input.shape[dim] % 2:
-        raise RuntimeError(f"Halving dimension must be even, but dimension {dim % input.dim()} is size "
-                           f"{input.shape[dim]}")
-    first, second = input.chunk(2, dim)
-    return first * torch.sigmoid(second)
-
-
-def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU; its refusals are torch's CPU kernel's
-    if groups <= 0:
-        raise RuntimeError(f"Number of groups to divide channels in must be positive. Value of groups:{groups}")
-    if input.dim() > 1 and input.shape[1] % groups:
-        raise RuntimeError(f"Number of channels must be divisible by groups. Got {input.shape[1]} channels and "
-                           f"{groups} groups.")
-    return torch.ops.aten.native_channel_shuffle(input, groups)
-
-
-def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
-    """2-D bilinear or nearest sampling, zeros or border padding (torch_xla ran grid_sampler_2d and its backward on
-    the CPU): each tap a gather from the flattened image, along the spatial dims only; others take torch's path."""
-    if input.dim() != 4 or interpolation_mode > 1 or padding_mode > 1:
-        return torch.ops.aten.grid_sampler.default.decompose(input, grid, interpolation_mode, padding_mode,
-                                                             align_corners)
-    n, c, h, w = input.shape
-    size = grid.new_tensor([w, h])  # the grid's last dim is (x, y)
-    xy = (grid + 1) / 2 * (size - 1) if align_corners else ((grid + 1) * size - 1) / 2
-    x, y = (torch.minimum(xy.clamp(min=0), size - 1) if padding_mode == 1 else xy).unbind(-1)
-    flat = input.flatten(2)
-
-    def tap(ix, iy, weight):  # the pixel at (ix, iy), zero outside the image
-        inside = ((ix >= 0) & (ix <= w - 1) & (iy >= 0) & (iy <= h - 1)).to(weight.dtype)
-        at = (iy.clamp(0, h - 1) * w + ix.clamp(0, w - 1)).long().flatten(1)
-        return flat.gather(2, at[:, None].expand(n, c, -1)).unflatten(2, ix.shape[1:]) * (weight * inside)[:, None]
-
-    if interpolation_mode == 1:
-        return tap(x.round(), y.round(), 1 + 0 * x)  # half to even as torch's nearbyint; the grid's gradient 0
-    x0, y0 = x.floor(), y.floor()
-    tx, ty = x - x0, y - y0
-    return (tap(x0, y0, (1 - tx) * (1 - ty)) + tap(x0 + 1, y0, tx * (1 - ty)) + tap(x0, y0 + 1, (1 - tx) * ty)
-            + tap(x0 + 1, y0 + 1, tx * ty))
-
-
-def _xla_kl_div(input, target, reduction=1, *, log_target=False):
-    return torch.ops.aten.kl_div.default.decompose(input, target, reduction, log_target=log_target)
-
-
 def _resized(input, sizes, scales, mode, align_corners=False):
     """input resized over its last len(sizes) dimensions one at a time, with eager's source positions and weights
     (nearest and nearest-exact: one tap, linear: two, cubic: four, A=-0.75), each tap an index_select along that
@@ -1108,6 +1059,121 @@ def _windows(input, kernel, dilation, padding, stride):
     return torch.stack(views, 2)
 
 
+def _grouped_conv(spatial):
+    """A grouped convolution as one einsum over its windows (the same FLOPs): GSPMD all-gathered the batch of a
+    feature_group_count convolution and ran it whole on each device."""
+    def kernel(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        stride, padding, dilation = ([v] * spatial if isinstance(v, int) else list(v) * (spatial // len(v))
+                                     for v in (stride, padding, dilation))
+        if groups == 1:
+            return getattr(torch.ops.aten, f"conv{spatial}d").default.decompose(input, weight, bias, stride, padding,
+                                                                                dilation, groups)
+        unbatched = input.dim() == spatial + 1
+        x = _windows(input[None] if unbatched else input, list(weight.shape[2:]), dilation, padding, stride)
+        x = x.unflatten(1, (groups, -1))  # (N, G, C/G, K, *out)
+        w = weight.flatten(2).unflatten(0, (groups, -1))  # (G, O/G, C/G, K)
+        out = torch.einsum("ngck...,gock->ngo...", x, w).flatten(1, 2)
+        out = out if bias is None else out + bias.view((-1,) + (1,) * spatial)
+        return out[0] if unbatched else out
+    return kernel
+
+
+_MHA_SIGNATURE = inspect.signature(torch.nn.functional.multi_head_attention_forward)
+
+
+def _xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, batch-first inside
+    F = torch.nn.functional
+    a = _MHA_SIGNATURE.bind(*args, **kwargs)
+    a.apply_defaults()
+    a = types.SimpleNamespace(**a.arguments)
+    query, key, value, heads = a.query, a.key, a.value, a.num_heads
+    if (query.device.type != "xla" or query.dim() != 3 or a.bias_k is not None or a.add_zero_attn
+            or a.static_k is not None or a.static_v is not None or (a.is_causal and a.attn_mask is None)):
+        return _TORCH_MHA(*args, **kwargs)  # torch's path: unbatched, rare options, or its own error
+    (t, b, _), s = query.shape, key.shape[0]
+    weights = ((a.q_proj_weight, a.k_proj_weight, a.v_proj_weight) if a.use_separate_proj_weight
+               else a.in_proj_weight.chunk(3))
+    biases = (None,) * 3 if a.in_proj_bias is None else a.in_proj_bias.chunk(3)
+    q, k, v = (F.linear(x.transpose(0, 1), w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
+               for x, w, bias in zip((query, key, value), weights, biases))  # (B, heads, T or S, head dim)
+    mask = F._canonical_mask(mask=a.attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                             target_type=q.dtype, check_other=False)
+    mask = mask.view(b, heads, t, s) if mask is not None and mask.dim() == 3 else mask
+    pad = F._canonical_mask(mask=a.key_padding_mask, mask_name="key_padding_mask", target_type=q.dtype,
+                            other_type=F._none_or_dtype(a.attn_mask), other_name="attn_mask")
+    if pad is not None:
+        mask = pad.view(b, 1, 1, s) if mask is None else mask + pad.view(b, 1, 1, s)
+    dropout = a.dropout_p if a.training else 0.0
+    if a.need_weights:  # as torch: scores scaled before the product, weights returned after dropout
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        probs = torch.softmax(scores if mask is None else scores + mask, -1)
+        probs = F.dropout(probs, dropout) if dropout > 0 else probs
+        out, probs = probs @ v, probs.mean(1) if a.average_attn_weights else probs
+    else:
+        out, probs = F.scaled_dot_product_attention(q, k, v, mask, dropout), None
+    out = F.linear(out.transpose(1, 2).flatten(2), a.out_proj_weight, a.out_proj_bias)
+    return out.transpose(0, 1), probs
+
+
+_xla_attention.keeps_batch_dims = True
+_TORCH_MHA = torch.nn.functional.multi_head_attention_forward
+
+# --- 7c. XLA lowerings of the ops torch_xla runs on the CPU ---------------------------------------
+# torch_xla 2.9 has no lowering for these: each call waited for the device, copied its inputs to the host and its
+# result back, whole on every device (the watchdog names the ones left). glu, channel_shuffle, grid_sample in 2-D,
+# im2col and col2im (F.unfold, F.fold), adaptive max pooling to sizes that do not divide the input's, and (B, L)
+# embedding bags (patched in F: torch flattens them into offsets before aten sees them). glu and channel_shuffle are
+# not composites: for XLA tensors ours replace torch's derivative formulas with autograd's of the ops they are made
+# of. aten::kl_div gets torch's own decomposition: torch_xla's XLA kernel has no autograd kernel, so each backward
+# warned "an autograd kernel was not registered". _XLA_KERNELS holds the kernels of 7b and 7c.
+
+
+def _xla_glu(input, dim=-1):  # torch_xla ran glu's backward on the CPU
+    if input.shape[dim] % 2:
+        raise RuntimeError(f"Halving dimension must be even, but dimension {dim % input.dim()} is size "
+                           f"{input.shape[dim]}")
+    first, second = input.chunk(2, dim)
+    return first * torch.sigmoid(second)
+
+
+def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU; its refusals are torch's CPU kernel's
+    if groups <= 0:
+        raise RuntimeError(f"Number of groups to divide channels in must be positive. Value of groups:{groups}")
+    if input.dim() > 1 and input.shape[1] % groups:
+        raise RuntimeError(f"Number of channels must be divisible by groups. Got {input.shape[1]} channels and "
+                           f"{groups} groups.")
+    return torch.ops.aten.native_channel_shuffle(input, groups)
+
+
+def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
+    """2-D bilinear or nearest sampling, zeros or border padding (torch_xla ran grid_sampler_2d and its backward on
+    the CPU): each tap a gather from the flattened image, along the spatial dims only; others take torch's path."""
+    if input.dim() != 4 or interpolation_mode > 1 or padding_mode > 1:
+        return torch.ops.aten.grid_sampler.default.decompose(input, grid, interpolation_mode, padding_mode,
+                                                             align_corners)
+    n, c, h, w = input.shape
+    size = grid.new_tensor([w, h])  # the grid's last dim is (x, y)
+    xy = (grid + 1) / 2 * (size - 1) if align_corners else ((grid + 1) * size - 1) / 2
+    x, y = (torch.minimum(xy.clamp(min=0), size - 1) if padding_mode == 1 else xy).unbind(-1)
+    flat = input.flatten(2)
+
+    def tap(ix, iy, weight):  # the pixel at (ix, iy), zero outside the image
+        inside = ((ix >= 0) & (ix <= w - 1) & (iy >= 0) & (iy <= h - 1)).to(weight.dtype)
+        at = (iy.clamp(0, h - 1) * w + ix.clamp(0, w - 1)).long().flatten(1)
+        return flat.gather(2, at[:, None].expand(n, c, -1)).unflatten(2, ix.shape[1:]) * (weight * inside)[:, None]
+
+    if interpolation_mode == 1:
+        return tap(x.round(), y.round(), 1 + 0 * x)  # half to even as torch's nearbyint; the grid's gradient 0
+    x0, y0 = x.floor(), y.floor()
+    tx, ty = x - x0, y - y0
+    return (tap(x0, y0, (1 - tx) * (1 - ty)) + tap(x0 + 1, y0, tx * (1 - ty)) + tap(x0, y0 + 1, (1 - tx) * ty)
+            + tap(x0 + 1, y0 + 1, tx * ty))
+
+
+def _xla_kl_div(input, target, reduction=1, *, log_target=False):
+    return torch.ops.aten.kl_div.default.decompose(input, target, reduction, log_target=log_target)
+
+
 def _xla_im2col(input, kernel_size, dilation, padding, stride):
     return _windows(input, kernel_size, dilation, padding, stride).flatten(1, 2).flatten(2)
 
@@ -1155,77 +1221,6 @@ def _xla_adaptive_max_pool2d(input, output_size):
     return value, row * input.shape[-1] + col
 
 
-def _grouped_conv(spatial):
-    """A grouped convolution as one einsum over its windows (the same FLOPs): GSPMD all-gathered the batch of a
-    feature_group_count convolution and ran it whole on each device."""
-    def kernel(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-        stride, padding, dilation = ([v] * spatial if isinstance(v, int) else list(v) * (spatial // len(v))
-                                     for v in (stride, padding, dilation))
-        if groups == 1:
-            return getattr(torch.ops.aten, f"conv{spatial}d").default.decompose(input, weight, bias, stride, padding,
-                                                                                dilation, groups)
-        unbatched = input.dim() == spatial + 1
-        x = _windows(input[None] if unbatched else input, list(weight.shape[2:]), dilation, padding, stride)
-        x = x.unflatten(1, (groups, -1))  # (N, G, C/G, K, *out)
-        w = weight.flatten(2).unflatten(0, (groups, -1))  # (G, O/G, C/G, K)
-        out = torch.einsum("ngck...,gock->ngo...", x, w).flatten(1, 2)
-        out = out if bias is None else out + bias.view((-1,) + (1,) * spatial)
-        return out[0] if unbatched else out
-    return kernel
-
-
-_XLA_KERNELS = {
-    "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
-    "batch_norm": _xla_batch_norm, "kl_div": _xla_kl_div, "glu": _xla_glu,
-    "channel_shuffle": _xla_channel_shuffle, "grid_sampler": _xla_grid_sampler,
-    **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
-    **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
-    **{f"_upsample_nearest_exact{d}d.vec": _resize_kernel(d, "nearest-exact", False) for d in (1, 2, 3)},
-    "upsample_linear1d.vec": _resize_kernel(1, "linear", True),
-    "upsample_bilinear2d.vec": _resize_kernel(2, "linear", True),
-    "upsample_trilinear3d.vec": _resize_kernel(3, "linear", True),
-    "upsample_bicubic2d.vec": _resize_kernel(2, "cubic", True),
-    "im2col": _xla_im2col, "col2im": _xla_col2im, "adaptive_max_pool2d": _xla_adaptive_max_pool2d,
-    **{f"conv{d}d": _grouped_conv(d) for d in (1, 2, 3)},
-}
-
-_MHA_SIGNATURE = inspect.signature(torch.nn.functional.multi_head_attention_forward)
-
-
-def _xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, batch-first inside
-    F = torch.nn.functional
-    a = _MHA_SIGNATURE.bind(*args, **kwargs)
-    a.apply_defaults()
-    a = types.SimpleNamespace(**a.arguments)
-    query, key, value, heads = a.query, a.key, a.value, a.num_heads
-    if (query.device.type != "xla" or query.dim() != 3 or a.bias_k is not None or a.add_zero_attn
-            or a.static_k is not None or a.static_v is not None or (a.is_causal and a.attn_mask is None)):
-        return _TORCH_MHA(*args, **kwargs)  # torch's path: unbatched, rare options, or its own error
-    (t, b, _), s = query.shape, key.shape[0]
-    weights = ((a.q_proj_weight, a.k_proj_weight, a.v_proj_weight) if a.use_separate_proj_weight
-               else a.in_proj_weight.chunk(3))
-    biases = (None,) * 3 if a.in_proj_bias is None else a.in_proj_bias.chunk(3)
-    q, k, v = (F.linear(x.transpose(0, 1), w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
-               for x, w, bias in zip((query, key, value), weights, biases))  # (B, heads, T or S, head dim)
-    mask = F._canonical_mask(mask=a.attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                             target_type=q.dtype, check_other=False)
-    mask = mask.view(b, heads, t, s) if mask is not None and mask.dim() == 3 else mask
-    pad = F._canonical_mask(mask=a.key_padding_mask, mask_name="key_padding_mask", target_type=q.dtype,
-                            other_type=F._none_or_dtype(a.attn_mask), other_name="attn_mask")
-    if pad is not None:
-        mask = pad.view(b, 1, 1, s) if mask is None else mask + pad.view(b, 1, 1, s)
-    dropout = a.dropout_p if a.training else 0.0
-    if a.need_weights:  # as torch: scores scaled before the product, weights returned after dropout
-        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-        probs = torch.softmax(scores if mask is None else scores + mask, -1)
-        probs = F.dropout(probs, dropout) if dropout > 0 else probs
-        out, probs = probs @ v, probs.mean(1) if a.average_attn_weights else probs
-    else:
-        out, probs = F.scaled_dot_product_attention(q, k, v, mask, dropout), None
-    out = F.linear(out.transpose(1, 2).flatten(2), a.out_proj_weight, a.out_proj_bias)
-    return out.transpose(0, 1), probs
-
-
 def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
                        mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False,
                        padding_idx=None):
@@ -1245,9 +1240,23 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
     return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
 
 
-_xla_attention.keeps_batch_dims = True
 _TORCH_EMBEDDING_BAG = torch.nn.functional.embedding_bag
-_TORCH_MHA = torch.nn.functional.multi_head_attention_forward
+_XLA_KERNELS = {
+    # 7b: GSPMD kept the batch split
+    "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
+    "batch_norm": _xla_batch_norm, **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
+    **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
+    "upsample_linear1d.vec": _resize_kernel(1, "linear", True),
+    "upsample_bilinear2d.vec": _resize_kernel(2, "linear", True),
+    "upsample_trilinear3d.vec": _resize_kernel(3, "linear", True),
+    "upsample_bicubic2d.vec": _resize_kernel(2, "cubic", True),
+    **{f"conv{d}d": _grouped_conv(d) for d in (1, 2, 3)},
+    # 7c: torch_xla ran them on the CPU (kl_div: it warned at each backward)
+    **{f"_upsample_nearest_exact{d}d.vec": _resize_kernel(d, "nearest-exact", False) for d in (1, 2, 3)},
+    "glu": _xla_glu, "channel_shuffle": _xla_channel_shuffle, "grid_sampler": _xla_grid_sampler,
+    "im2col": _xla_im2col, "col2im": _xla_col2im, "adaptive_max_pool2d": _xla_adaptive_max_pool2d,
+    "kl_div": _xla_kl_div,
+}
 
 # --- 8. graph cuts and the recompile watchdog -----------------------------------------------------
 
