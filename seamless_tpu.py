@@ -12,8 +12,8 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
   swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); torch.xla; for XLA inputs only:
-  torch.utils.checkpoint, F.multi_head_attention_forward, F.embedding_bag, AutogradXLA kernels (linear, norms, grouped
-  convolutions, resampling, pooling, im2col/col2im, kl_div); without jax torch_xla's scan backward, nn.GRU; step hooks.
+  torch.utils.checkpoint, F.multi_head_attention_forward, F.embedding_bag, AutogradXLA kernels (matmul, norms, grouped
+  convolutions, resampling, pooling, im2col/col2im, glu, ...); without jax torch_xla's scan backward, nn.GRU; hooks.
 - each trainer: a post-step hook (stats), torch modes counting its first step's FLOPs; log(): a thread, step
   closures; profile(): a hook; FSDP2 or TP off XLA: a global pre-step hook rebinding older optimizers.
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
