@@ -1278,12 +1278,11 @@ class _CompileWatchdog:
     """Counts XLA compiles per iteration (cut to cut: an optimizer step, closure included, or a trainer forward that
     starts the next one); warns once per process when one pair of consecutive cuts compiles on consecutive runs past
     warm-up (a graph met once is cached on its next run). Not per optimizer: that warned about graphs met once late
-    (the step after an eval, an EMA copy's third step, an eval metric over epochs). One counter read a cut, no sync."""
+    (the step after an eval, an EMA copy's 3rd step, an eval metric). A cut: a counter read, CPU ops named; no sync."""
 
     def __init__(self):
         self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
-        self.serials, self._numbers = weakref.WeakKeyDictionary(), itertools.count()  # optimizer or model -> its
-        # number: id() is reused once an object is gone
+        self.serials, self._numbers = weakref.WeakKeyDictionary(), itertools.count()  # by object: ids are reused
         self.pairs = {}  # (previous cut, this cut) -> (runs, late compiles in a row); a cut: (id, layout or kind)
         self.cut, self.cuts = None, 0  # the last cut, and how many there were
         self.late_compiles = 0  # iterations after warm-up that compiled
@@ -1317,7 +1316,7 @@ class _CompileWatchdog:
             self._count(met, key, self.cuts + 1, "iteration")
 
     def _count(self, met, cut, index, what, known_cause=None):
-        self._cpu_ops(met)
+        _name_cpu_fallbacks(met, self.cpu_ops)
         now = met.counter_value("UncachedCompile") or 0
         compiled, self._at_cut = now - self._at_cut, now
         pair, self.cut, self.cuts = (self.cut, cut), cut, self.cuts + 1
@@ -1338,18 +1337,6 @@ class _CompileWatchdog:
             "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause,
             "Other causes: " if cause else "Likely causes: ")
 
-
-    def _cpu_ops(self, met):
-        """Warns once per op that torch_xla has run on the CPU (its aten:: counters, its only use of that prefix):
-        torch_xla 2.9 has no lowering for it. A list of names a cut (~1 us), no sync."""
-        ops = sorted(n for n in met.counter_names() if n.startswith("aten::") and n not in self.cpu_ops)
-        if ops:
-            self.cpu_ops.update(ops)
-            logger.warning(
-                "seamless_tpu: torch_xla ran %s on the CPU (no XLA lowering in torch_xla %s): each call waits for the "
-                "device, copies its inputs to the host and its result back, whole on every device. Build it from ops "
-                "XLA lowers, or move it out of the loop; PT_XLA_DEBUG_LEVEL=1 shows where it is called.",
-                ", ".join(ops), _version("torch_xla"))
 
 
 def _has_xla_params(optimizer):
@@ -2757,6 +2744,19 @@ def _compile_stats(xla):
     names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
     stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
     return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
+
+
+def _name_cpu_fallbacks(met, named):
+    """Warns once per op that torch_xla has run on the CPU (its aten:: counters, its only use of that prefix; `named`:
+    those warned about): torch_xla 2.9 has no lowering for it. The watchdog's, at each cut: a list of names (~1 us)."""
+    ops = sorted(n for n in met.counter_names() if n.startswith("aten::") and n not in named)
+    if ops:
+        named.update(ops)
+        logger.warning(
+            "seamless_tpu: torch_xla ran %s on the CPU (no XLA lowering in torch_xla %s): each call waits for the "
+            "device, copies its inputs to the host and its result back, whole on every device. Build it from ops "
+            "XLA lowers, or move it out of the loop; PT_XLA_DEBUG_LEVEL=1 shows where it is called.",
+            ", ".join(ops), _version("torch_xla"))
 
 
 def _state_tensors(optimizers):
