@@ -1152,9 +1152,12 @@ def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corne
         return torch.ops.aten.grid_sampler.default.decompose(input, grid, interpolation_mode, padding_mode,
                                                              align_corners)
     n, c, h, w = input.shape
-    size = grid.new_tensor([w, h])  # the grid's last dim is (x, y)
-    xy = (grid + 1) / 2 * (size - 1) if align_corners else ((grid + 1) * size - 1) / 2
-    x, y = (torch.minimum(xy.clamp(min=0), size - 1) if padding_mode == 1 else xy).unbind(-1)
+
+    def source(g, size):  # a grid coordinate in [-1, 1] to a pixel position, clipped for border padding
+        at = (g + 1) / 2 * (size - 1) if align_corners else ((g + 1) * size - 1) / 2
+        return at.clamp(0, size - 1) if padding_mode == 1 else at
+
+    x, y = source(grid[..., 0], w), source(grid[..., 1], h)
     flat = input.flatten(2)
 
     def tap(ix, iy, weight):  # the pixel at (ix, iy), zero outside the image
