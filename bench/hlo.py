@@ -56,14 +56,13 @@ def live(hlo):
                      or m[1] in seen)
 
 
-def dot_flops(hlo, batched=True):
-    """2 x output elements x contracted size, summed over every live dot in an HLO module's text (without
-    `batched`: only the dots with no batch dimensions, such as attention's products have)."""
+def dot_flops(hlo):
+    """2 x output elements x contracted size, summed over every live dot in an HLO module's text (batched ones,
+    such as attention's products, included)."""
     hlo = live(hlo)
     shapes = {name: dims(shape) for name, shape in INSTRUCTION.findall(hlo)}
-    found = DOT.findall(hlo) if batched else [m.groups() for m in DOT.finditer(hlo) if "lhs_batch_dims" not in m[0]]
     return sum(2 * math.prod(dims(out)) * math.prod(shapes[lhs][i] for i in dims(contracted))
-               for out, lhs, contracted in found)
+               for out, lhs, contracted in DOT.findall(hlo))
 
 
 def conv_flops(hlo):
