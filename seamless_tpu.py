@@ -53,11 +53,13 @@ import re
 import shutil
 import signal
 import socket
+import string
 import sys
 import tempfile
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Mapping
@@ -892,9 +894,17 @@ def _patch_torch_for_xla():
 def _keep_batch_dims():
     if getattr(torch.nn.functional.multi_head_attention_forward, "keeps_batch_dims", False):
         return  # registered by an earlier process state
+    lost = [op for op in _HANDS_BACK if not torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"aten::{op}", "CompositeImplicitAutograd")]
+    if lost:  # .decompose() would return NotImplemented, and the kernel fail on the inputs it leaves to torch
+        raise RuntimeError(f"torch {torch.__version__} has no composite kernel for aten ops {lost}, to which "
+                           f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
+                           f"torch {_TESTED_WITH['torch']}: install that version.")
     library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
-    for op, kernel in _XLA_KERNELS.items():
-        library.impl(op, kernel, "AutogradXLA")
+    with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
+        warnings.simplefilter("ignore")
+        for op, kernel in _XLA_KERNELS.items():
+            library.impl(op, kernel, "AutogradXLA")
     _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
     _patch(torch.nn.functional, "multi_head_attention_forward", _xla_attention)
     _patch(torch.nn.functional, "embedding_bag", _xla_embedding_bag)
@@ -907,6 +917,25 @@ def _keep_batch_dims():
         _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
 
 
+def _torch_path(op):
+    """torch's composite kernel of aten `op`, for the inputs a lowering leaves to torch: rare ones, torch.func, and
+    bad ones (torch's own error). _keep_batch_dims checks at registration that each of _HANDS_BACK has one."""
+    if op not in _HANDS_BACK:
+        raise RuntimeError(f"seamless_tpu bug: aten::{op} is not in _HANDS_BACK, so nothing checked its composite")
+    return getattr(torch.ops.aten, op).default.decompose
+
+
+_HANDS_BACK = {"matmul", "einsum", "layer_norm", "batch_norm", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+               "conv1d", "conv2d", "conv3d", "grid_sampler", "kl_div"}
+
+
+def _transformed(*tensors):
+    """torch.func or forward-mode AD is at work: an autograd.Function called from a dispatcher kernel has no
+    functorch rule there (custom_function_call has no AutogradXLA kernel), so the kernels use plain ops instead."""
+    return torch._C._are_functorch_transforms_active() or any(
+        t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def _xla_matmul(input, other):
     """Batched (equal batch shapes) or > 2-D by a matrix: an einsum, where torch folds the batch dims into one. A
     (B, H, T, d) attention product became (B*H, T, d), of which GSPMD kept one of two splits (Qwen3 on a 2 x 2 mesh:
@@ -917,16 +946,103 @@ def _xla_matmul(input, other):
         return torch.einsum("...n,nm->...m", input, other)
     if input.dim() >= 3 and input.shape[:-2] == other.shape[:-2]:
         return torch.einsum("...ij,...jk->...ik", input, other)
-    return torch.ops.aten.matmul.default.decompose(input, other)
+    return _torch_path("matmul")(input, other)
+
+
+def _xla_einsum(equation, tensors, *, path=None):
+    """Two operands: torch_xla's einsum (one dot that keeps every batch dim), with a backward of einsums, so that it
+    differentiates again (torch_xla's backward is a C++ function: a second derivative through it was silently 0).
+    Three or more, a subscript twice in an operand, broadcasting, torch.func: torch's composite (its bmm folds the
+    batch dims)."""
+    subs = len(tensors) == 2 and not _transformed(*tensors) and _einsum_subscripts(equation, *tensors)
+    if not subs:
+        return _torch_path("einsum")(equation, tensors, path=path)
+    return _Einsum.apply(subs, *tensors)
+
+
+def _einsum_subscripts(equation, a, b):
+    """((subscripts of a, of b), of the output), ellipses spelled out, if each operand's subscripts match its dims,
+    none repeats within one, and a shared one has one size; else None, and torch's path decides (or raises)."""
+    inputs, arrow, out = equation.replace(" ", "").partition("->")
+    subs = inputs.split(",")
+    spare = [c for c in string.ascii_letters if c not in equation]
+    if len(subs) != 2 or a.dtype != b.dtype or "..." in out and "..." not in inputs:
+        return None
+    widths = [t.dim() - len(s.replace("...", "")) for s, t in zip(subs, (a, b))]
+    n = max(widths)
+    subs = [s.replace("...", "".join(spare[n - w:n])) for s, w in zip(subs, widths)]
+    if not arrow:  # implicit: the ellipsis, then the subscripts used once, sorted
+        out = "".join(spare[:n]) + "".join(sorted(c for c in inputs if inputs.count(c) == 1 and c != "."))
+    out = out.replace("...", "".join(spare[:n]))
+    if not all(c in string.ascii_letters for c in "".join(subs) + out):
+        return None
+    sizes = {}
+    for s, t in zip(subs, (a, b)):
+        if len(s) != t.dim() or len(set(s)) < len(s) or any(sizes.setdefault(c, m) != m for c, m in zip(s, t.shape)):
+            return None
+    return (tuple(subs), out) if len(set(out)) == len(out) and set(out) <= set(sizes) else None
+
+
+class _Einsum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, subs, a, b):
+        ctx.subs = subs
+        ctx.save_for_backward(a, b)
+        return _dot_general(subs, a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        (sa, sb), out = ctx.subs
+        return (None, _einsum_grad(grad, out, b, sb, a, sa) if ctx.needs_input_grad[1] else None,
+                _einsum_grad(grad, out, a, sa, b, sb) if ctx.needs_input_grad[2] else None)
+
+
+def _dot_general(subs, a, b):
+    """A two-operand einsum as one XLA dot (what torch_xla's lowering builds; torch_xla keeps that lowering at the
+    AutogradXLA key, which ours replaces, and the XLA key's einsum is torch's folding composite): subscripts in both
+    operands and the output are its batch dims, in both only its contracted dims; one operand's own are summed
+    first where the output lacks them."""
+    (sa, sb), out = subs
+    a, sa = _summed_out(a, sa, sb + out)
+    b, sb = _summed_out(b, sb, sa + out)
+    batch, contracted = [c for c in sa if c in sb and c in out], [c for c in sa if c in sb and c not in out]
+    dims = (([sa.index(c) for c in contracted], [sb.index(c) for c in contracted]),
+            ([sa.index(c) for c in batch], [sb.index(c) for c in batch]))
+    y = _import("torch_xla")._XLAC._xla_dot_general(a, b, dims)
+    got = "".join(batch) + "".join(c for c in sa if c not in sb) + "".join(c for c in sb if c not in sa)
+    return y.permute([got.index(c) for c in out])
+
+
+def _summed_out(t, subs, others):
+    lonely = [i for i, c in enumerate(subs) if c not in others]
+    return (t.sum(lonely), "".join(c for c in subs if c in others)) if lonely else (t, subs)
+
+
+def _einsum_grad(grad, out, other, other_subs, target, subs):
+    """The gradient of an operand: an einsum of the output's gradient with the other operand (which is _Einsum
+    again), spread along the subscripts that only this operand had (their sum's gradient is the same everywhere)."""
+    kept = "".join(c for c in subs if c in out + other_subs)
+    g = torch.einsum(f"{out},{other_subs}->{kept}", grad, other)
+    return g if kept == subs else g.reshape([m if c in kept else 1 for c, m in zip(subs, target.shape)]).expand_as(
+        target)
+
+
+def _computation_dtype(x):
+    """fp32 for half-precision inputs, as torch's norm kernels compute them; any other dtype kept (float64 too)."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _statistics(x, dims, eps):
+    """(x in the computation dtype, its mean over `dims`, 1 / sqrt(var + eps)), as torch's kernels compute them."""
+    x = x.to(_computation_dtype(x))
+    mean = x.mean(dims, keepdim=True)
+    return x, mean, torch.rsqrt((x - mean).square().mean(dims, keepdim=True) + eps)
 
 
 def _normalized(x, dims, eps):
-    """((x - mean) / sqrt(var + eps), 1 / sqrt(var + eps)) over `dims`, in fp32 as torch's kernels compute them,
-    centred once."""
-    x = x.float()
-    centred = x - x.mean(dims, keepdim=True)
-    rstd = torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
-    return centred * rstd, rstd
+    x, mean, rstd = _statistics(x, dims, eps)
+    return (x - mean) * rstd
 
 
 def _affine(y, weight, bias, shape, dtype):
@@ -935,45 +1051,62 @@ def _affine(y, weight, bias, shape, dtype):
 
 
 def _xla_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
-    return _LayerNorm.apply(input, tuple(range(-len(normalized_shape), 0)), weight, bias, eps)
+    shape = tuple(normalized_shape)
+    if not shape or input.dim() < len(shape) or input.shape[-len(shape):] != shape or any(
+            t is not None and t.shape != shape for t in (weight, bias)):  # torch's error
+        return _torch_path("layer_norm")(input, normalized_shape, weight, bias, eps, cudnn_enable)
+    dims = tuple(range(-len(shape), 0))
+    if _transformed(input, weight, bias):
+        return _affine(_normalized(input, dims, eps), weight, bias, shape, input.dtype)
+    return _LayerNorm.apply(input, dims, weight, bias, eps)[0]
 
 
 class _LayerNorm(torch.autograd.Function):
     """Layer norm by reductions over the normalized dims (torch_xla's own folds the rest into one dimension, where
     GSPMD loses the batch split even batch-first: 0.70 of a step per device), with torch's compact backward: left to
-    autograd, the reductions' backward made a 24-block GPT compile in 1.2-1.3x the hand-written loop's time."""
+    autograd, the reductions' backward made a 24-block GPT compile in 1.2-1.3x the hand-written loop's time. The mean
+    and 1/std come out as outputs, for setup_context to save as torch's kernel does; a backward that builds a graph
+    (create_graph: a gradient penalty) recomputes them from the input, so that their own derivatives are in it."""
 
     @staticmethod
-    def forward(ctx, input, dims, weight, bias, eps):
-        normed, rstd = _normalized(input, dims, eps)
-        ctx.save_for_backward(normed, rstd, weight)
-        ctx.dims, ctx.dtypes = dims, (input.dtype, bias is not None and bias.dtype)
-        y = normed if weight is None else normed * weight
-        return (y if bias is None else y + bias).to(input.dtype)
+    def forward(input, dims, weight, bias, eps):
+        x, mean, rstd = _statistics(input, dims, eps)
+        return _affine((x - mean) * rstd, weight, bias, x.shape[x.dim() - len(dims):], input.dtype), mean, rstd
 
     @staticmethod
-    def backward(ctx, grad):
-        normed, rstd, weight = ctx.saved_tensors
-        grad, dims = grad.float(), ctx.dims
+    def setup_context(ctx, inputs, output):
+        input, ctx.dims, weight, bias, ctx.eps = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(input, weight, *output[1:])
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        input, weight, mean, rstd = ctx.saved_tensors
+        x, dims = input.to(_computation_dtype(input)), ctx.dims
+        if torch.is_grad_enabled():
+            x, mean, rstd = _statistics(input, dims, ctx.eps)
+        normed, grad = (x - mean) * rstd, grad.to(x.dtype)
         outer = tuple(range(grad.dim() - len(dims)))
         g = grad if weight is None else grad * weight
         dx = rstd * (g - g.mean(dims, keepdim=True) - normed * (g * normed).mean(dims, keepdim=True))
         dw = None if weight is None else (grad * normed).sum(outer).to(weight.dtype)
-        db = grad.sum(outer).to(ctx.dtypes[1]) if ctx.dtypes[1] else None
-        return dx.to(ctx.dtypes[0]), None, dw, db, None
+        db = None if ctx.bias_dtype is None else grad.sum(outer).to(ctx.bias_dtype)
+        return dx.to(input.dtype), None, dw, db, None
 
 
 def _xla_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
-    y = _normalized(input.unflatten(1, (num_groups, -1)).flatten(2), -1, eps)[0].view(input.shape)
+    y = _normalized(input.unflatten(1, (num_groups, -1)).flatten(2), -1, eps).view(input.shape)
     return _affine(y, weight, bias, (-1,) + (1,) * (input.dim() - 2), input.dtype)
 
 
 def _xla_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
-    if not (training or running_mean is None):
-        return torch.ops.aten.batch_norm.default.decompose(input, weight, bias, running_mean, running_var, training,
-                                                          momentum, eps, cudnn_enabled)
+    if not (training or running_mean is None) or input.numel() == 0:
+        return _torch_path("batch_norm")(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                         cudnn_enabled)
     torch.nn.functional._verify_batch_size(input.size())
-    dims, shape, x = [0, *range(2, input.dim())], (-1,) + (1,) * (input.dim() - 2), input.float()
+    dims, shape = [0, *range(2, input.dim())], (-1,) + (1,) * (input.dim() - 2)
+    x = input.to(_computation_dtype(input))
     mean = x.mean(dims)
     centred = x - mean.view(shape)
     var = centred.square().mean(dims)
@@ -1178,6 +1311,8 @@ def _xla_kl_div(input, target, reduction=1, *, log_target=False):
 
 
 def _xla_im2col(input, kernel_size, dilation, padding, stride):
+    if input.dim() == 3:  # unbatched (C, H, W), as torch's
+        return _xla_im2col(input[None], kernel_size, dilation, padding, stride)[0]
     return _windows(input, kernel_size, dilation, padding, stride).flatten(1, 2).flatten(2)
 
 
@@ -1185,6 +1320,8 @@ def _xla_col2im(input, output_size, kernel_size, dilation, padding, stride):
     """F.fold: each window's column added back where _windows took it from (im2col's adjoint), one offset at a
     time, placed along each spatial dimension by a one-hot matrix: an einsum that keeps the batch split, at the cost
     of (H + W) multiply-adds per output element and offset, where torch's CPU scatter (torch_xla has none) adds."""
+    if input.dim() == 2:  # unbatched (C * K, L), as torch's
+        return _xla_col2im(input[None], output_size, kernel_size, dilation, padding, stride)[0]
     k = math.prod(kernel_size)
     padded = [size + 2 * pad for size, pad in zip(output_size, padding)]
     out = [(m - d * (kk - 1) - 1) // s + 1 for m, kk, d, s in zip(padded, kernel_size, dilation, stride)]
@@ -1202,11 +1339,9 @@ def _xla_col2im(input, output_size, kernel_size, dilation, padding, stride):
 
 
 def _xla_adaptive_max_pool2d(input, output_size):
-    """Sizes that do not divide the input's (torch_xla ran them on the CPU): each output's window [floor(i*n/m),
-    ceil((i+1)*n/m)) as gathered candidates (a short window repeats its last), the max along W, then along H;
-    the flat index of the winner, as torch's."""
-    if all(n % m == 0 for n, m in zip(input.shape[-2:], output_size)):
-        return torch.ops.aten.adaptive_max_pool2d.default.decompose(input, output_size)
+    """Each output's window [floor(i*n/m), ceil((i+1)*n/m)) as gathered candidates (a short window repeats its
+    last), the max along W, then along H; the flat index of the winner, as torch's. Every size: torch_xla ran those
+    that do not divide the input's on the CPU, and the op has no composite to hand the others to."""
     windows = []
     for n, m in zip(input.shape[-2:], output_size):
         i = torch.arange(m, device=input.device)
@@ -1229,9 +1364,12 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
                        padding_idx=None):
     """(B, L) bags as an embedding and a reduction over L: torch flattens them into offsets for aten's embedding_bag,
     which torch_xla runs on the CPU (two transfers a step, and the batch came back whole). Bags given by offsets,
-    max_norm and sparse take torch's path."""
+    max_norm, sparse, and whatever torch refuses (it checks before its own kernel runs) take torch's path."""
     if not (_is_xla(input.device) and input.dim() == 2 and offsets is None and max_norm is None and not sparse
-            and not input.is_nested and mode in ("sum", "mean", "max")):
+            and not input.is_nested and not input.is_floating_point() and weight.dim() == 2
+            and mode in ("sum", "mean", "max") and not (mode == "max" and scale_grad_by_freq)
+            and (per_sample_weights is None or mode == "sum" and per_sample_weights.shape == input.shape)
+            and (padding_idx is None or -len(weight) <= padding_idx < len(weight))):
         return _TORCH_EMBEDDING_BAG(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
                                     per_sample_weights, include_last_offset, padding_idx)
     rows = torch.nn.functional.embedding(input, weight, scale_grad_by_freq=scale_grad_by_freq)  # (B, L, E)
@@ -1246,7 +1384,7 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
 _TORCH_EMBEDDING_BAG = torch.nn.functional.embedding_bag
 _XLA_KERNELS = {
     # 7b: GSPMD kept the batch split
-    "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
+    "matmul": _xla_matmul, "einsum": _xla_einsum, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
     "batch_norm": _xla_batch_norm, **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
     **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
     "upsample_linear1d.vec": _resize_kernel(1, "linear", True),
