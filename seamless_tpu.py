@@ -12,8 +12,8 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
   swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); torch.xla; for XLA inputs only:
-  torch.utils.checkpoint, F.multi_head_attention_forward, F.embedding_bag, AutogradXLA kernels (matmul, norms, grouped
-  convolutions, resampling, pooling, im2col/col2im, glu, ...); without jax torch_xla's scan backward, nn.GRU; hooks.
+  torch.utils.checkpoint, F.multi_head_attention_forward, F.embedding_bag, AutogradXLA kernels (matmul, einsum, norms,
+  grouped convs, resampling, pooling, im2col/col2im, glu, ...); without jax torch_xla's scan backward, nn.GRU; hooks.
 - each trainer: a post-step hook (stats), torch modes counting its first step's FLOPs; log(): a thread, step
   closures; profile(): a hook; FSDP2 or TP off XLA: a global pre-step hook rebinding older optimizers.
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
@@ -76,6 +76,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 # - torch_xla._XLAC: _get_xla_sharding_spec, _get_xla_op_sharding, _xla_mark_sharding, _get_local_shards,
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
+# - torch_xla._XLAC._xla_dot_general, torch._C._are_functorch_transforms_active (the einsum kernel).
+#   TODO(remove when torch_xla's einsum backward is differentiable)
 # - torch_xla.experimental.distributed_checkpoint._helpers: _cpu_shards_from_tensors, _CpuShards.
 #   TODO(remove when torch_xla's SPMDSavePlanner saves partially replicated tensors)
 # - torch_xla.experimental.scan._backward_shard_alike, replaced where jax is missing (torch_xla[pallas] brings it).
@@ -884,56 +886,9 @@ def _patch_torch_for_xla():
 # ran 0.32-0.61 of its convolutions per device), upsampling (each device gathered the whole upsampled image), adaptive
 # average pooling to sizes that do not divide the input's, grouped convolutions, and multi-head attention ((T, B, H,
 # d) viewed as (T*B, E)). Ours keep every dimension, reduce where GSPMD can split, and give eager's numbers (1e-6;
-# running statistics with eager's unbiased variance, where torch_xla's batch_norm keeps the biased one). They are
-# kernels for the dispatcher's AutogradXLA key, so every caller reaches them (nn modules, torch.* and functionals
-# imported before the trainer existed) and only XLA tensors do: the parent ops are CompositeImplicitAutograd, so
-# autograd differentiates our ops and nothing of torch_xla's is replaced. Multi-head attention is a Python function:
-# patched in F.
-
-
-def _keep_batch_dims():
-    if getattr(torch.nn.functional.multi_head_attention_forward, "keeps_batch_dims", False):
-        return  # registered by an earlier process state
-    lost = [op for op in _HANDS_BACK if not torch._C._dispatch_has_kernel_for_dispatch_key(
-        f"aten::{op}", "CompositeImplicitAutograd")]
-    if lost:  # .decompose() would return NotImplemented, and the kernel fail on the inputs it leaves to torch
-        raise RuntimeError(f"torch {torch.__version__} has no composite kernel for aten ops {lost}, to which "
-                           f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
-                           f"torch {_TESTED_WITH['torch']}: install that version.")
-    library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
-    with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
-        warnings.simplefilter("ignore")
-        for op, kernel in _XLA_KERNELS.items():
-            library.impl(op, kernel, "AutogradXLA")
-    _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
-    _patch(torch.nn.functional, "multi_head_attention_forward", _xla_attention)
-    _patch(torch.nn.functional, "embedding_bag", _xla_embedding_bag)
-    scan, scan_gru = (sys.modules.get(f"torch_xla.experimental.{name}") for name in ("scan", "gru"))
-    if scan is not None and scan_gru is not None and importlib.util.find_spec("jax") is None:
-        # torch_xla's scan (its nn.GRU replacement, scan_layers) gives its SPMD backward's gradients the inputs'
-        # shardings with jax's shard_alike: without jax every such backward raised ModuleNotFoundError. Without it
-        # GSPMD propagates them (the numbers are the same); torch's own GRU, its parent class, steps without scan.
-        _patch(scan, "_backward_shard_alike", lambda carry, x, backward, init, xs: backward(carry, x))
-        _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
-
-
-def _torch_path(op):
-    """torch's composite kernel of aten `op`, for the inputs a lowering leaves to torch: rare ones, torch.func, and
-    bad ones (torch's own error). _keep_batch_dims checks at registration that each of _HANDS_BACK has one."""
-    if op not in _HANDS_BACK:
-        raise RuntimeError(f"seamless_tpu bug: aten::{op} is not in _HANDS_BACK, so nothing checked its composite")
-    return getattr(torch.ops.aten, op).default.decompose
-
-
-_HANDS_BACK = {"matmul", "einsum", "layer_norm", "batch_norm", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
-               "conv1d", "conv2d", "conv3d", "grid_sampler", "kl_div"}
-
-
-def _transformed(*tensors):
-    """torch.func or forward-mode AD is at work: an autograd.Function called from a dispatcher kernel has no
-    functorch rule there (custom_function_call has no AutogradXLA kernel), so the kernels use plain ops instead."""
-    return torch._C._are_functorch_transforms_active() or any(
-        t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+# running statistics with eager's unbiased variance, where torch_xla's batch_norm keeps the biased one). These parent
+# ops are CompositeImplicitAutograd: autograd differentiates our ops, and nothing of torch_xla's is replaced. Room 7d
+# registers them and says what every kernel keeps of torch's contract. Multi-head attention is patched in F.
 
 
 def _xla_matmul(input, other):
@@ -947,85 +902,6 @@ def _xla_matmul(input, other):
     if input.dim() >= 3 and input.shape[:-2] == other.shape[:-2]:
         return torch.einsum("...ij,...jk->...ik", input, other)
     return _torch_path("matmul")(input, other)
-
-
-def _xla_einsum(equation, tensors, *, path=None):
-    """Two operands: torch_xla's einsum (one dot that keeps every batch dim), with a backward of einsums, so that it
-    differentiates again (torch_xla's backward is a C++ function: a second derivative through it was silently 0).
-    Three or more, a subscript twice in an operand, broadcasting, torch.func: torch's composite (its bmm folds the
-    batch dims)."""
-    subs = len(tensors) == 2 and not _transformed(*tensors) and _einsum_subscripts(equation, *tensors)
-    if not subs:
-        return _torch_path("einsum")(equation, tensors, path=path)
-    return _Einsum.apply(subs, *tensors)
-
-
-def _einsum_subscripts(equation, a, b):
-    """((subscripts of a, of b), of the output), ellipses spelled out, if each operand's subscripts match its dims,
-    none repeats within one, and a shared one has one size; else None, and torch's path decides (or raises)."""
-    inputs, arrow, out = equation.replace(" ", "").partition("->")
-    subs = inputs.split(",")
-    spare = [c for c in string.ascii_letters if c not in equation]
-    if len(subs) != 2 or a.dtype != b.dtype or "..." in out and "..." not in inputs:
-        return None
-    widths = [t.dim() - len(s.replace("...", "")) for s, t in zip(subs, (a, b))]
-    n = max(widths)
-    subs = [s.replace("...", "".join(spare[n - w:n])) for s, w in zip(subs, widths)]
-    if not arrow:  # implicit: the ellipsis, then the subscripts used once, sorted
-        out = "".join(spare[:n]) + "".join(sorted(c for c in inputs if inputs.count(c) == 1 and c != "."))
-    out = out.replace("...", "".join(spare[:n]))
-    if not all(c in string.ascii_letters for c in "".join(subs) + out):
-        return None
-    sizes = {}
-    for s, t in zip(subs, (a, b)):
-        if len(s) != t.dim() or len(set(s)) < len(s) or any(sizes.setdefault(c, m) != m for c, m in zip(s, t.shape)):
-            return None
-    return (tuple(subs), out) if len(set(out)) == len(out) and set(out) <= set(sizes) else None
-
-
-class _Einsum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, subs, a, b):
-        ctx.subs = subs
-        ctx.save_for_backward(a, b)
-        return _dot_general(subs, a, b)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        (sa, sb), out = ctx.subs
-        return (None, _einsum_grad(grad, out, b, sb, a, sa) if ctx.needs_input_grad[1] else None,
-                _einsum_grad(grad, out, a, sa, b, sb) if ctx.needs_input_grad[2] else None)
-
-
-def _dot_general(subs, a, b):
-    """A two-operand einsum as one XLA dot (what torch_xla's lowering builds; torch_xla keeps that lowering at the
-    AutogradXLA key, which ours replaces, and the XLA key's einsum is torch's folding composite): subscripts in both
-    operands and the output are its batch dims, in both only its contracted dims; one operand's own are summed
-    first where the output lacks them."""
-    (sa, sb), out = subs
-    a, sa = _summed_out(a, sa, sb + out)
-    b, sb = _summed_out(b, sb, sa + out)
-    batch, contracted = [c for c in sa if c in sb and c in out], [c for c in sa if c in sb and c not in out]
-    dims = (([sa.index(c) for c in contracted], [sb.index(c) for c in contracted]),
-            ([sa.index(c) for c in batch], [sb.index(c) for c in batch]))
-    y = _import("torch_xla")._XLAC._xla_dot_general(a, b, dims)
-    got = "".join(batch) + "".join(c for c in sa if c not in sb) + "".join(c for c in sb if c not in sa)
-    return y.permute([got.index(c) for c in out])
-
-
-def _summed_out(t, subs, others):
-    lonely = [i for i, c in enumerate(subs) if c not in others]
-    return (t.sum(lonely), "".join(c for c in subs if c in others)) if lonely else (t, subs)
-
-
-def _einsum_grad(grad, out, other, other_subs, target, subs):
-    """The gradient of an operand: an einsum of the output's gradient with the other operand (which is _Einsum
-    again), spread along the subscripts that only this operand had (their sum's gradient is the same everywhere)."""
-    kept = "".join(c for c in subs if c in out + other_subs)
-    g = torch.einsum(f"{out},{other_subs}->{kept}", grad, other)
-    return g if kept == subs else g.reshape([m if c in kept else 1 for c, m in zip(subs, target.shape)]).expand_as(
-        target)
 
 
 def _computation_dtype(x):
@@ -1255,10 +1131,11 @@ _TORCH_MHA = torch.nn.functional.multi_head_attention_forward
 # torch_xla 2.9 has no lowering for these: each call waited for the device, copied its inputs to the host and its
 # result back, whole on every device (the watchdog names the ones left). glu, channel_shuffle, grid_sample in 2-D,
 # im2col and col2im (F.unfold, F.fold), adaptive max pooling to sizes that do not divide the input's, and (B, L)
-# embedding bags (patched in F: torch flattens them into offsets before aten sees them). glu and channel_shuffle are
-# not composites: for XLA tensors ours replace torch's derivative formulas with autograd's of the ops they are made
-# of. aten::kl_div gets torch's own decomposition: torch_xla's XLA kernel has no autograd kernel, so each backward
-# warned "an autograd kernel was not registered". _XLA_KERNELS holds the kernels of 7b and 7c.
+# embedding bags (patched in F: torch flattens them into offsets before aten sees them). glu, channel_shuffle, im2col,
+# col2im and adaptive_max_pool2d are not composites: for XLA tensors ours replace torch's derivative formulas with
+# autograd's of the ops they are made of, and have no composite to hand inputs back to. aten::kl_div gets torch's own
+# decomposition: torch_xla's XLA kernel has no autograd kernel, so each backward warned "an autograd kernel was not
+# registered".
 
 
 def _xla_glu(input, dim=-1):  # torch_xla ran glu's backward on the CPU
@@ -1382,9 +1259,144 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
 
 
 _TORCH_EMBEDDING_BAG = torch.nn.functional.embedding_bag
+# --- 7d. the lowerings' contract: registration, torch's path, torch.func, einsum -------------------
+# The kernels of 7b and 7c replace torch's (and torch_xla's einsum) for every XLA tensor in the process, so each keeps
+# the whole contract of its op: forward, first and second derivatives, torch.func, every input torch accepts, torch's
+# own error for bad ones. tests/test_opinfo.py proves it with torch's OpInfo samples for every op in _XLA_KERNELS.
+# What a kernel does not handle goes to torch's composite (_torch_path), checked to exist at registration. Under
+# torch.func and forward-mode AD the kernels use plain ops: an autograd.Function called from a dispatcher kernel has
+# no functorch rule there. torch_xla's einsum (the dot every matmul lowering here makes) had a C++ backward that
+# autograd cannot differentiate again: second derivatives through it were silently 0 (gradient penalties, MAML,
+# Hessian-vector products). Ours is the same dot, with a backward of einsums.
+
+
+def _keep_batch_dims():
+    if getattr(torch.nn.functional.multi_head_attention_forward, "keeps_batch_dims", False):
+        return  # registered by an earlier process state
+    lost = [op for op in _HANDS_BACK if not torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"aten::{op}", "CompositeImplicitAutograd")]
+    if lost:  # .decompose() would return NotImplemented, and the kernel fail on the inputs it leaves to torch
+        raise RuntimeError(f"torch {torch.__version__} has no composite kernel for aten ops {lost}, to which "
+                           f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
+                           f"torch {_TESTED_WITH['torch']}: install that version.")
+    library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
+    with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
+        warnings.simplefilter("ignore")
+        for op, kernel in _XLA_KERNELS.items():
+            library.impl(op, kernel, "AutogradXLA")
+    _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
+    _patch(torch.nn.functional, "multi_head_attention_forward", _xla_attention)
+    _patch(torch.nn.functional, "embedding_bag", _xla_embedding_bag)
+    scan, scan_gru = (sys.modules.get(f"torch_xla.experimental.{name}") for name in ("scan", "gru"))
+    if scan is not None and scan_gru is not None and importlib.util.find_spec("jax") is None:
+        # torch_xla's scan (its nn.GRU replacement, scan_layers) gives its SPMD backward's gradients the inputs'
+        # shardings with jax's shard_alike: without jax every such backward raised ModuleNotFoundError. Without it
+        # GSPMD propagates them (the numbers are the same); torch's own GRU, its parent class, steps without scan.
+        _patch(scan, "_backward_shard_alike", lambda carry, x, backward, init, xs: backward(carry, x))
+        _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
+
+
+def _torch_path(op):
+    """torch's composite kernel of aten `op`, for the inputs a lowering leaves to torch: rare ones, torch.func, and
+    bad ones (torch's own error). _keep_batch_dims checks at registration that each of _HANDS_BACK has one."""
+    if op not in _HANDS_BACK:
+        raise RuntimeError(f"seamless_tpu bug: aten::{op} is not in _HANDS_BACK, so nothing checked its composite")
+    return getattr(torch.ops.aten, op).default.decompose
+
+
+_HANDS_BACK = {"matmul", "einsum", "layer_norm", "batch_norm", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+               "conv1d", "conv2d", "conv3d", "grid_sampler", "kl_div"}
+
+
+def _transformed(*tensors):
+    """torch.func or forward-mode AD is at work: an autograd.Function called from a dispatcher kernel has no
+    functorch rule there (custom_function_call has no AutogradXLA kernel), so the kernels use plain ops instead."""
+    return torch._C._are_functorch_transforms_active() or any(
+        t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def _xla_einsum(equation, tensors, *, path=None):
+    """Two operands: torch_xla's einsum (one dot that keeps every batch dim), with a backward of einsums, so that it
+    differentiates again (torch_xla's backward is a C++ function: a second derivative through it was silently 0).
+    Three or more, a subscript twice in an operand, broadcasting, torch.func: torch's composite (its bmm folds the
+    batch dims)."""
+    subs = len(tensors) == 2 and not _transformed(*tensors) and _einsum_subscripts(equation, *tensors)
+    if not subs:
+        return _torch_path("einsum")(equation, tensors, path=path)
+    return _Einsum.apply(subs, *tensors)
+
+
+def _einsum_subscripts(equation, a, b):
+    """((subscripts of a, of b), of the output), ellipses spelled out, if each operand's subscripts match its dims,
+    none repeats within one, and a shared one has one size; else None, and torch's path decides (or raises)."""
+    inputs, arrow, out = equation.replace(" ", "").partition("->")
+    subs = inputs.split(",")
+    spare = [c for c in string.ascii_letters if c not in equation]
+    if len(subs) != 2 or a.dtype != b.dtype or "..." in out and "..." not in inputs:
+        return None
+    widths = [t.dim() - len(s.replace("...", "")) for s, t in zip(subs, (a, b))]
+    n = max(widths)
+    subs = [s.replace("...", "".join(spare[n - w:n])) for s, w in zip(subs, widths)]
+    if not arrow:  # implicit: the ellipsis, then the subscripts used once, sorted
+        out = "".join(spare[:n]) + "".join(sorted(c for c in inputs if inputs.count(c) == 1 and c != "."))
+    out = out.replace("...", "".join(spare[:n]))
+    if not all(c in string.ascii_letters for c in "".join(subs) + out):
+        return None
+    sizes = {}
+    for s, t in zip(subs, (a, b)):
+        if len(s) != t.dim() or len(set(s)) < len(s) or any(sizes.setdefault(c, m) != m for c, m in zip(s, t.shape)):
+            return None
+    return (tuple(subs), out) if len(set(out)) == len(out) and set(out) <= set(sizes) else None
+
+
+class _Einsum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, subs, a, b):
+        ctx.subs = subs
+        ctx.save_for_backward(a, b)
+        return _dot_general(subs, a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        (sa, sb), out = ctx.subs
+        return (None, _einsum_grad(grad, out, b, sb, a, sa) if ctx.needs_input_grad[1] else None,
+                _einsum_grad(grad, out, a, sa, b, sb) if ctx.needs_input_grad[2] else None)
+
+
+def _dot_general(subs, a, b):
+    """A two-operand einsum as one XLA dot (what torch_xla's lowering builds; torch_xla keeps that lowering at the
+    AutogradXLA key, which ours replaces, and the XLA key's einsum is torch's folding composite): subscripts in both
+    operands and the output are its batch dims, in both only its contracted dims; one operand's own are summed
+    first where the output lacks them."""
+    (sa, sb), out = subs
+    a, sa = _summed_out(a, sa, sb + out)
+    b, sb = _summed_out(b, sb, sa + out)
+    batch, contracted = [c for c in sa if c in sb and c in out], [c for c in sa if c in sb and c not in out]
+    dims = (([sa.index(c) for c in contracted], [sb.index(c) for c in contracted]),
+            ([sa.index(c) for c in batch], [sb.index(c) for c in batch]))
+    y = _import("torch_xla")._XLAC._xla_dot_general(a, b, dims)
+    got = "".join(batch) + "".join(c for c in sa if c not in sb) + "".join(c for c in sb if c not in sa)
+    return y.permute([got.index(c) for c in out])
+
+
+def _summed_out(t, subs, others):
+    lonely = [i for i, c in enumerate(subs) if c not in others]
+    return (t.sum(lonely), "".join(c for c in subs if c in others)) if lonely else (t, subs)
+
+
+def _einsum_grad(grad, out, other, other_subs, target, subs):
+    """The gradient of an operand: an einsum of the output's gradient with the other operand (which is _Einsum
+    again), spread along the subscripts that only this operand had (their sum's gradient is the same everywhere)."""
+    kept = "".join(c for c in subs if c in out + other_subs)
+    g = torch.einsum(f"{out},{other_subs}->{kept}", grad, other)
+    return g if kept == subs else g.reshape([m if c in kept else 1 for c, m in zip(subs, target.shape)]).expand_as(
+        target)
+
+
 _XLA_KERNELS = {
     # 7b: GSPMD kept the batch split
-    "matmul": _xla_matmul, "einsum": _xla_einsum, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
+    "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
     "batch_norm": _xla_batch_norm, **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
     **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
     "upsample_linear1d.vec": _resize_kernel(1, "linear", True),
@@ -1397,6 +1409,8 @@ _XLA_KERNELS = {
     "glu": _xla_glu, "channel_shuffle": _xla_channel_shuffle, "grid_sampler": _xla_grid_sampler,
     "im2col": _xla_im2col, "col2im": _xla_col2im, "adaptive_max_pool2d": _xla_adaptive_max_pool2d,
     "kl_div": _xla_kl_div,
+    # 7d: torch_xla's own, whose backward autograd could not differentiate again
+    "einsum": _xla_einsum,
 }
 
 # --- 8. graph cuts and the recompile watchdog -----------------------------------------------------
