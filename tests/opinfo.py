@@ -123,16 +123,18 @@ def run(op, sample, device):
         inputs = [t for t in floats(leaves) if t.requires_grad]
         if op.supports_autograd and inputs:
             diff = [t for t in floats(pytree.tree_leaves(sample.output_process_fn_grad(outputs))) if t.requires_grad]
-            grads = torch.autograd.grad(diff, inputs, [fixed_like(t, i).to(device) for i, t in enumerate(diff)],
-                                        allow_unused=True, create_graph=op.supports_gradgrad)
+            # the cotangents take part in the second gradient, as in gradgradcheck: the gradient of a linear op
+            # (pooling, a convolution's input) is linear in them, and a gradient penalty differentiates through that
+            cots = [fixed_like(t, i).to(device).requires_grad_(op.supports_gradgrad) for i, t in enumerate(diff)]
+            grads = torch.autograd.grad(diff, inputs, cots, allow_unused=True, create_graph=op.supports_gradgrad)
             out["grad"] = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
             if op.supports_gradgrad:  # (grads . fixed vectors) differentiated again; a gradient without a graph
                 # counts as a constant, so a missing graph shows only where the CPU's second derivative is not zero
                 out["has_graph"] = [g is not None and g.requires_grad for g in grads]
                 pairs = [(g, fixed_like(g, 100 + i).to(device)) for i, g in enumerate(grads) if out["has_graph"][i]]
-                again = torch.autograd.grad([g for g, _ in pairs], inputs, [v for _, v in pairs],
-                                            allow_unused=True) if pairs else [None] * len(inputs)
-                out["gradgrad"] = [torch.zeros_like(x) if g is None else g for g, x in zip(again, inputs)]
+                again = torch.autograd.grad([g for g, _ in pairs], inputs + cots, [v for _, v in pairs],
+                                            allow_unused=True) if pairs else [None] * len(inputs + cots)
+                out["gradgrad"] = [torch.zeros_like(x) if g is None else g for g, x in zip(again, inputs + cots)]
     except Exception as e:  # the stage reached so far keeps its result; the first to raise says why
         out[next(s for s in ("forward", "grad", "gradgrad") if s not in out)] = e
     # vmap over a batch of two: the first floating input and a perturbed copy, stacked on dim 0

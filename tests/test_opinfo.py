@@ -34,8 +34,9 @@ def test_every_kernel_and_f_patch_has_opinfo_entries():
 @pytest.mark.parametrize("group", list(opinfo.GROUPS))
 def test_every_sample_plain_torch_xla_gets_right_stays_right_under_the_trainer(group):
     """Per OpInfo sample (at most 10 an entry): the forward within 1e-5 with the CPU's shape and dtype, the gradient
-    within 1e-5, the second gradient within 1e-4 (a first gradient without the graph the CPU's has: "no second
-    derivative"), vmap over a batch of two within 1e-5. The two runs start together (one core each on CI)."""
+    within 1e-5, the second gradient (wrt the inputs and the cotangents) within 1e-4 (a first gradient without the
+    graph the CPU's has: "no second derivative"), vmap over a batch of two within 1e-5. The two runs start together
+    (a core each on CI)."""
     names = opinfo.GROUPS[group]
     env = dict(child.XLA_ON_CPU, PYTHONUNBUFFERED="1", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILES}")
     outs = child.run_together([(["tests/opinfo.py", mode, *names], child.env(drop=child.DEVICE_VARS, **env, **extra))
