@@ -1,0 +1,235 @@
+"""The trainer's XLA kernels against torch's contracts (issue 39), with torch's own OpInfo database: each kernel and
+F patch of seamless_tpu is exercised by the OpInfo entries of OPINFO_NAMES, and each entry's samples run on XLA and on
+the CPU (the reference), comparing the forward (values, shape, dtype), the gradient, the second gradient and vmap.
+
+    python tests/opinfo.py plain NAME...    # real torch_xla, SPMD on, none of seamless_tpu's kernels
+    python tests/opinfo.py trainer NAME...  # the same after seamless_tpu.get_device() registered its kernels
+
+NAME is an OpInfo full name (name.variant, e.g. nn.functional.interpolate.bilinear). Reports one RESULT line
+(child.report): {name: [[sample index, sample summary, status], ...]}, status "ok", "skipped: ..." (the CPU itself
+rejects the sample) or the sample's first failure. GROUPS splits the names a few to a process.
+"""
+
+import os
+import sys
+
+import torch
+from torch.utils import _pytree as pytree
+
+import child
+
+# Which OpInfo entries reach each kernel of seamless_tpu._XLA_KERNELS and each function it patches in F (einsum:
+# torch_xla's own lowering, whose backward has no second derivative). op_db has no fold entry: col2im is
+# unfold's backward on plain torch_xla, so unfold's first and second gradients reach it. No bmm: aten::bmm never
+# reaches the matmul kernel. 1-D adaptive pooling and mode="area" are the 2-D and 3-D kernels underneath.
+OPINFO_NAMES = {
+    "matmul": ["matmul", "nn.functional.linear", "nn.functional.scaled_dot_product_attention"],
+    "layer_norm": ["nn.functional.layer_norm"],
+    "group_norm": ["nn.functional.group_norm"],
+    "batch_norm": ["nn.functional.batch_norm", "nn.functional.instance_norm"],
+    "adaptive_avg_pool2d": ["nn.functional.adaptive_avg_pool1d", "nn.functional.adaptive_avg_pool2d",
+                            "nn.functional.interpolate.area"],
+    "adaptive_avg_pool3d": ["nn.functional.adaptive_avg_pool3d", "nn.functional.interpolate.area"],
+    "upsample_nearest1d.vec": ["nn.functional.interpolate.nearest"],
+    "upsample_nearest2d.vec": ["nn.functional.interpolate.nearest", "nn.functional.upsample_nearest"],
+    "upsample_nearest3d.vec": ["nn.functional.interpolate.nearest"],
+    "upsample_linear1d.vec": ["nn.functional.interpolate.linear"],
+    "upsample_bilinear2d.vec": ["nn.functional.interpolate.bilinear", "nn.functional.upsample_bilinear"],
+    "upsample_trilinear3d.vec": ["nn.functional.interpolate.trilinear"],
+    "upsample_bicubic2d.vec": ["nn.functional.interpolate.bicubic"],
+    "_upsample_nearest_exact1d.vec": ["nn.functional.interpolate.nearest-exact"],
+    "_upsample_nearest_exact2d.vec": ["nn.functional.interpolate.nearest-exact"],
+    "_upsample_nearest_exact3d.vec": ["nn.functional.interpolate.nearest-exact"],
+    "conv1d": ["nn.functional.conv1d"],
+    "conv2d": ["nn.functional.conv2d"],
+    "conv3d": ["nn.functional.conv3d"],
+    "glu": ["nn.functional.glu"],
+    "channel_shuffle": ["nn.functional.channel_shuffle"],
+    "grid_sampler": ["nn.functional.grid_sample"],
+    "im2col": ["nn.functional.unfold"],
+    "col2im": ["nn.functional.unfold"],
+    "adaptive_max_pool2d": ["nn.functional.adaptive_max_pool1d", "nn.functional.adaptive_max_pool2d"],
+    "kl_div": ["nn.functional.kl_div"],
+    "multi_head_attention_forward": ["nn.functional.multi_head_attention_forward"],
+    "embedding_bag": ["nn.functional.embedding_bag"],
+    "einsum": ["einsum"],
+}
+NAMES = sorted({name for names in OPINFO_NAMES.values() for name in names})
+N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
+GROUPS = {f"g{i}": NAMES[i::N_GROUPS] for i in range(N_GROUPS)}
+
+SAMPLES = 10  # per entry, spread evenly over its samples (unfold's first 81 are all one empty batch)
+TOL = {"forward": 1e-5, "grad": 1e-5, "gradgrad": 1e-4, "vmap": 1e-5}  # rtol and atol, fp32
+
+
+def full_name(op):
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def without_dropout(name, sample):
+    """Dropout draws from each device's own generator, so a sample with a dropout probability is taken with p=0 (the
+    rest of the op is still compared): SDPA's dropout_p, MHA's (its only sample has 0.5 in training)."""
+    if "dropout_p" in sample.kwargs:
+        sample.kwargs["dropout_p"] = 0.0
+    if name == "nn.functional.multi_head_attention_forward":
+        sample.args = sample.args[:9] + (0.0,) + sample.args[10:]  # query is the input; dropout_p is argument 10
+    return sample
+
+
+def summary(sample):
+    """Dtypes and shapes, and the other arguments: "float32[2, 3, 4] ((3,),) {mode: area}"."""
+    def show(x):
+        return f"{str(x.dtype)[6:]}{list(x.shape)}" if isinstance(x, torch.Tensor) else x
+    shown = pytree.tree_map(show, (sample.input, sample.args, sample.kwargs))
+    return f"{shown[0]} {shown[1]} {shown[2]}".replace("'", "")[:200]
+
+
+def select(name, op):
+    """At most SAMPLES distinct samples of the entry, spread evenly: [(index, sample)]."""
+    torch.manual_seed(0)  # make_tensor draws from the global generator: both processes see the same values
+    seen, distinct = set(), []
+    for i, sample in enumerate(op.sample_inputs("cpu", torch.float32, requires_grad=True)):
+        sample = without_dropout(name, sample)
+        if summary(sample) not in seen:  # SDPA's p=0.5 twins are alike once their dropout is off
+            seen.add(summary(sample))
+            distinct.append((i, sample))
+    return [distinct[k * len(distinct) // SAMPLES] for k in range(SAMPLES)] if len(distinct) > SAMPLES else distinct
+
+
+def fixed_like(t, seed):
+    """A fixed random tensor shaped like t, drawn on the CPU: the same cotangents on both devices."""
+    return torch.randn(t.shape, generator=torch.Generator().manual_seed(seed), dtype=t.dtype)
+
+
+def floats(tensors):
+    return [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def run(op, sample, device):
+    """The sample on `device`: {stage: tensors or an exception} for forward, grad, gradgrad and vmap; a stage missing
+    is one the op does not support. The tensors stay on `device` (one XLA graph a sample)."""
+    leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+    leaves = [t.detach().to(device).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+              for t in leaves]
+
+    def call(leaves):
+        inp, args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return [t for t in pytree.tree_leaves(op(inp, *args, **kwargs)) if isinstance(t, torch.Tensor)]
+
+    out = {}
+    try:
+        outputs = call(leaves)
+        out["forward"] = outputs
+        inputs = [t for t in floats(leaves) if t.requires_grad]
+        if op.supports_autograd and inputs:
+            diff = [t for t in floats(pytree.tree_leaves(sample.output_process_fn_grad(outputs))) if t.requires_grad]
+            # the cotangents take part in the second gradient, as in gradgradcheck: the gradient of a linear op
+            # (pooling, a convolution's input) is linear in them, and a gradient penalty differentiates through that
+            cots = [fixed_like(t, i).to(device).requires_grad_(op.supports_gradgrad) for i, t in enumerate(diff)]
+            grads = torch.autograd.grad(diff, inputs, cots, allow_unused=True, create_graph=op.supports_gradgrad)
+            out["grad"] = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+            if op.supports_gradgrad:  # (grads . fixed vectors) differentiated again; a gradient without a graph
+                # counts as a constant, so a missing graph shows only where the CPU's second derivative is not zero
+                out["has_graph"] = [g is not None and g.requires_grad for g in grads]
+                pairs = [(g, fixed_like(g, 100 + i).to(device)) for i, g in enumerate(grads) if out["has_graph"][i]]
+                again = torch.autograd.grad([g for g, _ in pairs], inputs + cots, [v for _, v in pairs],
+                                            allow_unused=True) if pairs else [None] * len(inputs + cots)
+                out["gradgrad"] = [torch.zeros_like(x) if g is None else g for g, x in zip(again, inputs + cots)]
+    except Exception as e:  # the stage reached so far keeps its result; the first to raise says why
+        out[next(s for s in ("forward", "grad", "gradgrad") if s not in out)] = e
+    # vmap over a batch of two: the first floating input and a perturbed copy, stacked on dim 0
+    first = next((k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    if first is not None and not isinstance(out.get("forward"), Exception):
+        x = leaves[first].detach()
+        batch = torch.stack([x, x + 0.1 * fixed_like(x, 200).to(device)])
+        try:
+            out["vmap"] = torch.func.vmap(lambda x: call(leaves[:first] + [x] + leaves[first + 1:]))(batch)
+        except Exception as e:
+            out["vmap"] = e
+    return out
+
+
+def why(e):
+    return f"raises: {type(e).__name__}: {str(e).strip()[:200]}"
+
+
+def differ(stage, xs, refs):
+    """The first way tensors xs differ from the CPU's refs, or None."""
+    if len(xs) != len(refs):
+        return f"{stage}: {len(xs)} tensors vs {len(refs)}"
+    for x, ref in zip(xs, refs):
+        x = x.detach().cpu()
+        if x.shape != ref.shape:
+            return f"{stage} shape {tuple(x.shape)} vs {tuple(ref.shape)}"
+        if x.dtype != ref.dtype:
+            return f"{stage} dtype {x.dtype} vs {ref.dtype}"
+        ref = ref.detach()
+        # atol scales with the reference's largest magnitude (at least 1): an element near 0 of a gradient in the
+        # hundreds carries the rounding of the hundreds; "off by" is the largest difference over that scale
+        scale = max(1.0, ref.abs().max().item()) if ref.numel() and ref.is_floating_point() else 1.0
+        if not torch.allclose(x, ref, rtol=TOL[stage], atol=TOL[stage] * scale, equal_nan=True):
+            off = (x.double() - ref.double()).abs().nan_to_num(float("inf")).max().item() / scale
+            return f"{stage} off by {off:.2g}"
+    return None
+
+
+def status(op, sample, device):
+    import torch_xla
+
+    try:
+        ref = run(op, sample, "cpu")
+    except Exception as e:
+        return f"skipped: the CPU {why(e)}"
+    if isinstance(ref["forward"], Exception):
+        return f"skipped: the CPU {why(ref['forward'])}"
+    try:
+        got = run(op, sample, device)
+        torch_xla.sync()
+    except Exception as e:
+        return why(e)
+    for stage in ("forward", "grad", "gradgrad", "vmap"):
+        if stage not in ref or isinstance(ref[stage], Exception):
+            continue  # the op does not support it, or the CPU itself raises: nothing to compare with
+        if stage not in got:
+            return f"{stage} missing"
+        if isinstance(got[stage], Exception):
+            return f"{stage} {why(got[stage])}"
+        try:
+            wrong = differ(stage, got[stage], ref[stage])
+        except Exception as e:  # the graph ran only now, at the transfer
+            return f"{stage} {why(e)}"
+        if wrong and stage == "gradgrad" and sum(got["has_graph"]) < sum(ref["has_graph"]):
+            return "no second derivative"  # torch_xla's einsum backward, a C++ function autograd cannot differentiate
+        if wrong:
+            return wrong
+    return "ok"
+
+
+if __name__ == "__main__":
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    mode, names = sys.argv[1], sys.argv[2:]
+    if mode == "trainer":
+        import seamless_tpu
+
+        assert os.environ.get("SEAMLESS_TPU_DEVICE") == "xla"
+        torchs = torch.nn.functional.multi_head_attention_forward, torch.nn.functional.embedding_bag
+        device = seamless_tpu.get_device()  # registers the kernels and patches, switches SPMD on
+        # the run compares the trainer's kernels, not torch_xla's again: each is registered, each F function patched
+        assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "AutogradXLA")
+                   for op in seamless_tpu._XLA_KERNELS)
+        assert torchs[0] is not torch.nn.functional.multi_head_attention_forward
+        assert torchs[1] is not torch.nn.functional.embedding_bag
+    else:
+        assert mode == "plain", mode
+        xr.use_spmd()
+        device = torch_xla.device()
+    # before any CPU backward: one run first on the CPU broke every later XLA backward in the process
+    torch.zeros(1, device=device).add_(1)
+    torch_xla.sync()
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    ops = {full_name(op): op for op in op_db}
+    child.report({name: [[i, summary(sample), status(ops[name], sample, device)]
+                         for i, sample in select(name, ops[name])] for name in names})
