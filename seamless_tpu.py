@@ -1377,7 +1377,8 @@ def _dot_general(subs, a, b):
             ([sa.index(c) for c in batch], [sb.index(c) for c in batch]))
     y = _import("torch_xla")._XLAC._xla_dot_general(a, b, dims)
     got = "".join(batch) + "".join(c for c in sa if c not in sb) + "".join(c for c in sb if c not in sa)
-    return y.permute([got.index(c) for c in out])
+    # Not a view: a Function's output that is one refuses in-place ops (matmul's squeeze_ of a vector's product)
+    return y if got == out else y.permute([got.index(c) for c in out]).clone()
 
 
 def _summed_out(t, subs, others):
