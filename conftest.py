@@ -10,7 +10,7 @@ Tiers (setup.cfg registers them; every test file names exactly one with `pytestm
     procs      seconds each, starts Python processes: gloo ranks, example and signal runs, no torch_xla runtime
                (tests/test_procs.py)
     xla        real torch_xla SPMD on 4 virtual CPU devices (tests/test_real_xla.py, tests/test_op_sweep.py,
-               tests/test_opinfo.py)
+               tests/test_opinfo.py, tests/test_report_xla.py, tests/test_autograd.py)
     ray        a real local Ray cluster (tests/test_ray.py, tests/test_ray_slice.py)
     workloads  third-party models on real torch_xla (tests/test_workloads.py)
     gpu        on a CUDA host only (skipped without one): the GPU path against the plain loop (tests/test_gpu.py)

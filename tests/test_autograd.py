@@ -1,0 +1,51 @@
+"""Autograd beyond one backward on real torch_xla 2.9 SPMD (4 virtual CPU devices), against eager (issue 39).
+
+The trainer's kernels at torch's AutogradXLA key (seamless_tpu.py rooms 7b and 7c) replace torch's for every XLA
+tensor, so they must keep the whole contract of the ops they replace: second derivatives, torch.func transforms,
+every input form torch documents. Each idiom of tests/autograd_idioms.py runs on XLA under the trainer and eagerly on
+the CPU, each in its own process (SPMD cannot be switched off inside one), two at a time (the CI machine has 2 cores).
+"""
+
+import pytest
+
+import autograd_idioms
+import child
+import scenarios
+
+pytestmark = [pytest.mark.xla, child.requires("torch_xla")]
+
+# Measured where the contracts hold today, on a 2-core machine: torch_xla's own lowerings (the trainer's kernels
+# taken out) for wgan_gp, hvp, per_sample_grads, global_max_pool and unbatched_fold; the trainer's kernels with
+# torch's composite einsum and an input check that skips torch.func's wrapped tensors for einsum_twice and jvp_conv.
+# Values, weights and first derivatives: at most 1.9e-6 from eager (einsum_twice's weight gradient, of size 4; the
+# WGAN's losses 9.5e-7, the rest <= 6.6e-7); second derivatives: at most 2.9e-6 (hvp's curvature, of size 4.8).
+# The bounds hold 5x and 35x that. Re-measure when the fixed kernels land: they compute in their own order.
+FIRST, SECOND = 1e-5, 1e-4
+
+
+@pytest.mark.parametrize("name", list(autograd_idioms.IDIOMS))
+def test_autograd_idiom_matches_eager(name):
+    """On XLA, with the batch split over 4 devices, each idiom's losses, weights and derivatives are eager's:
+    - wgan_gp: a gradient penalty (WGAN-GP; R1 in StyleGAN, input-gradient regularisers) trains the critic by the
+      gradient of its input gradient. Without LayerNorm's second derivative the critic's update silently differed
+      from step 1 on, and the run drifted.
+    - hvp: Hessian-vector products (sharpness-aware minimisation, Newton and Hessian-free steps, influence functions,
+      MAML's second-order term) are third-order passes through every layer.
+    - per_sample_grads: DP-SGD (Opacus, torch.func's own per-sample-gradient recipe) runs torch.func.vmap(grad) over
+      functional_call; an autograd.Function without setup_context cannot be transformed and raised.
+    - jvp_conv: forward-mode AD through a conv net, then backward through it (Jacobian regularisers, jvp-based
+      robustness terms): forward derivatives of convolutions, GroupNorm and adaptive pooling, differentiated again.
+    - global_max_pool: nn.AdaptiveMaxPool2d(1) heads a conv net's classifier; its first step crashed.
+    - einsum_twice: torch.einsum, and the 3-D matmul the trainer lowers to it, under create_graph (gradient
+      penalties and MAML through attention and bilinear layers): torch_xla's einsum backward is not differentiable.
+    - unbatched_fold: F.unfold on (C, H, W) and F.fold on (C*K, L), as torch documents them, have torch's shapes,
+      values and gradients."""
+    xla, eager = (child.result(out) for out in child.run_together([
+        (["tests/autograd_idioms.py", name], child.env(**child.XLA_ENV)),
+        (["tests/autograd_idioms.py", "eager", name], child.env(SEAMLESS_TPU_DEVICE="cpu")),
+    ], timeout=300))
+    assert xla["shapes"] == eager["shapes"], (xla["shapes"], eager["shapes"])
+    for order, tol in (("first", FIRST), ("second", SECOND)):
+        assert xla[order].keys() == eager[order].keys()
+        for key, want in eager[order].items():
+            scenarios.assert_close(xla[order][key], want, tol, f"{name} {key}")
