@@ -1713,6 +1713,8 @@ def _watch_inputs(model, sharding):
     ways, left = sharding.ways, [INPUT_CHECKS]
 
     def check(module, args, kwargs):
+        if _transformed():  # torch.func's wrappers carry no sharding annotation
+            return
         found = []
         _map_tensors([args, kwargs], lambda t: found.append(t) or t, lambda obj: obj)
         for t in found:
@@ -3015,6 +3017,8 @@ def _check_work(model, layout):
     devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
 
     def hold(module, args, output):
+        if _transformed():  # torch.func's wrappers: no sharding to read, and not what the graph computes
+            return
         out = output[0] if isinstance(output, (tuple, list)) else output
         x = args[0] if args and isinstance(args[0], torch.Tensor) and _is_xla(args[0].device) else None
         if isinstance(out, torch.Tensor) and _is_xla(out.device) and out.dim() > 1:  # not their autograd graphs
