@@ -1041,9 +1041,8 @@ def _xla_adaptive_avg_pool(input, output_size):
     """Divisible sizes go to torch_xla's pooling; others average each output's window [floor(i*n/m), ceil((i+1)*n/m))
     as an einsum with a pooling matrix per dimension (a window's mean is separable)."""
     spatial = len(output_size)
-    op = getattr(torch.ops.aten, f"adaptive_avg_pool{spatial}d").default
     if all(n % m == 0 for n, m in zip(input.shape[-spatial:], output_size)):
-        return op.decompose(input, output_size)
+        return _torch_path(f"adaptive_avg_pool{spatial}d")(input, output_size)
     for k, m in enumerate(output_size):
         n = input.shape[input.dim() - spatial + k]
         i, j = (torch.arange(size, device=input.device) for size in (m, n))
@@ -1075,8 +1074,7 @@ def _grouped_conv(spatial):
         stride, padding, dilation = ([v] * spatial if isinstance(v, int) else list(v) * (spatial // len(v))
                                      for v in (stride, padding, dilation))
         if groups == 1:
-            return getattr(torch.ops.aten, f"conv{spatial}d").default.decompose(input, weight, bias, stride, padding,
-                                                                                dilation, groups)
+            return _torch_path(f"conv{spatial}d")(input, weight, bias, stride, padding, dilation, groups)
         unbatched = input.dim() == spatial + 1
         x = _windows(input[None] if unbatched else input, list(weight.shape[2:]), dilation, padding, stride)
         x = x.unflatten(1, (groups, -1))  # (N, G, C/G, K, *out)
@@ -1159,8 +1157,7 @@ def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corne
     """2-D bilinear or nearest sampling, zeros or border padding (torch_xla ran grid_sampler_2d and its backward on
     the CPU): each tap a gather from the flattened image, along the spatial dims only; others take torch's path."""
     if input.dim() != 4 or interpolation_mode > 1 or padding_mode > 1:
-        return torch.ops.aten.grid_sampler.default.decompose(input, grid, interpolation_mode, padding_mode,
-                                                             align_corners)
+        return _torch_path("grid_sampler")(input, grid, interpolation_mode, padding_mode, align_corners)
     n, c, h, w = input.shape
 
     def source(g, size):  # a grid coordinate in [-1, 1] to a pixel position, clipped for border padding
@@ -1184,7 +1181,7 @@ def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corne
 
 
 def _xla_kl_div(input, target, reduction=1, *, log_target=False):
-    return torch.ops.aten.kl_div.default.decompose(input, target, reduction, log_target=log_target)
+    return _torch_path("kl_div")(input, target, reduction, log_target=log_target)
 
 
 def _xla_im2col(input, kernel_size, dilation, padding, stride):
@@ -1275,7 +1272,7 @@ def _keep_batch_dims():
         return  # registered by an earlier process state
     lost = [op for op in _HANDS_BACK if not torch._C._dispatch_has_kernel_for_dispatch_key(
         f"aten::{op}", "CompositeImplicitAutograd")]
-    if lost:  # .decompose() would return NotImplemented, and the kernel fail on the inputs it leaves to torch
+    if lost:  # their decompose() would return NotImplemented: the kernel would fail on what it leaves to torch
         raise RuntimeError(f"torch {torch.__version__} has no composite kernel for aten ops {lost}, to which "
                            f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
                            f"torch {_TESTED_WITH['torch']}: install that version.")

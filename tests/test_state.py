@@ -141,6 +141,29 @@ def test_reset_undoes_every_process_wide_change(fake):
     assert st._STATE is not state and st._STATE.xla_device is None and st.get_xla_mesh() is None
 
 
+def test_every_op_a_kernel_hands_back_to_torch_is_checked_for_a_composite_at_registration(fake, monkeypatch):
+    """A kernel hands the inputs it leaves to torch to the op's composite (_torch_path), and .decompose() of an op
+    without one returns NotImplemented: adaptive_max_pool2d's did, and AdaptiveMaxPool2d(1) crashed a conv net's first
+    step with "Object of type 'NotImplementedType' is not an instance of 'sequence'". So _HANDS_BACK is exactly the
+    ops the kernels hand back (read from the source), each is checked when the kernels are registered, and an op
+    outside it cannot be handed back."""
+    import inspect
+    import re
+
+    source = inspect.getsource(st)
+    assert source.count(".decompose") == 1, "a kernel reaches a composite other than through _torch_path"
+    named = set(re.findall(r'_torch_path\(f?"(\w+)(?:\{\w+\}d)?"\)', source))
+    named = {op for op in st._HANDS_BACK if any(op.startswith(n) for n in named)}  # conv{spatial}d: conv1d ...
+    assert named == st._HANDS_BACK, named ^ st._HANDS_BACK
+    with pytest.raises(RuntimeError, match="is not in _HANDS_BACK"):
+        st._torch_path("adaptive_max_pool2d")
+    monkeypatch.setattr(st, "_HANDS_BACK", st._HANDS_BACK | {"adaptive_max_pool2d", "glu"})
+    with pytest.raises(RuntimeError, match=r"no composite kernel for aten ops \['adaptive_max_pool2d', 'glu'\]|"
+                                           r"no composite kernel for aten ops \['glu', 'adaptive_max_pool2d'\]"):
+        st.get_device()
+    assert kernels_at_autograd_xla() == set(), "nothing is registered when the check fails"
+
+
 def test_activation_patches_torch_once_per_process_state(fake):
     """A second activation in a fresh state (the fake Ray worker group swaps states) wraps nothing twice."""
     st.get_device()
