@@ -543,6 +543,25 @@ def test_watchdog_names_each_op_torch_xla_ran_on_the_cpu_once(fresh, caplog):
     assert warned[1].startswith("seamless_tpu: torch_xla ran aten::median.dim_values on the CPU"), warned[1]
 
 
+def test_watchdog_does_not_name_a_read_to_the_host_as_an_op_run_on_the_cpu(fresh, caplog):
+    """.item(), float(t), bool(t) (aten::_local_scalar_dense, as measured on torch_xla 2.9) read a value to the host:
+    the transfer is counted, nothing lacks a lowering, so a loop that logs loss.item() each step is not warned; an op
+    with no lowering met at the same cut still is."""
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    watchdog, met = st._CompileWatchdog(), CompileCounter()
+    with caplog.at_level(logging.WARNING, logger="seamless_tpu"):
+        watched_steps(watchdog, met, optimizer, {0}, 2)
+        met.on_cpu.append("aten::_local_scalar_dense")
+        watched_steps(watchdog, met, optimizer, set(), 3)
+        assert caplog.records == [], [r.getMessage() for r in caplog.records]
+        met.on_cpu.append("aten::median.dim_values")
+        watched_steps(watchdog, met, optimizer, set(), 2)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith("seamless_tpu: torch_xla ran aten::median.dim_values on the CPU ("
+                                                     ), warned
+    assert "_local_scalar_dense" not in warned[0], warned
+
+
 def test_watchdog_names_lbfgs_history_as_the_recompile_cause(fresh, caplog):
     """LBFGS compiles new graphs each step until its history is full; the warning says so."""
     optimizer = torch.optim.LBFGS(torch.nn.Linear(2, 2).parameters(), history_size=100)

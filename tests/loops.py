@@ -1,11 +1,12 @@
 """Loops that no optimizer.step() ends, in the shapes real scripts have (tests/test_real_xla.py drives them).
 
-    python tests/loops.py NAME [K]   # reports (child.report) {"losses": [...], "compiles": [...], ...}
+    python tests/loops.py NAME [K] [reads]   # reports (child.report) {"losses": [...], "compiles": [...], ...}
 
 Run with SEAMLESS_TPU_DEVICE=cpu it is the eager reference (a separate process, as XLA needs), with
 SEAMLESS_TPU_DEVICE=xla the same loop through the shim. Each loop records its losses on the device and
-reads them once at the end, so any device->host transfer per step is the shim's. "compiles" is the
-compile count after each iteration (always 0 on the CPU); "compile_s" the seconds XLA spent compiling.
+reads them once at the end, so any device->host transfer per step is the shim's ("reads": each loss is also read
+to the host the ways loops log it, .item() to print, which must not warn). "compiles" is the compile count
+after each iteration (always 0 on the CPU); "compile_s" the seconds XLA spent compiling.
 
     accumulate K   # an 8-layer MLP, AdamW, K micro-batches (K backwards) per optimizer.step()
     accumulate_lm K  # the same with a tiny transformers Qwen3 LM and its own loss
@@ -38,6 +39,16 @@ import seamless_tpu as st
 
 STEPS = 6  # warm-up (2 graphs) and 4 iterations that must compile nothing
 EPOCHS, EPOCH_STEPS = 5, 3  # the epoch loops: with 3 steps an epoch, the issue's "step 7" opens epoch 3
+
+
+HOST_READS = False  # the "reads" argument: logged() reads each loss to the host
+
+
+def logged(loss):
+    """`loss` detached, as the loops record it; with HOST_READS, first read to the host each way loops log it."""
+    if HOST_READS:
+        print(loss.item(), float(loss), loss.tolist(), bool(loss > 0), f"{loss:.4f}", loss, file=sys.stderr)
+    return loss.detach()
 
 
 def stats(trainer):
@@ -75,7 +86,7 @@ def accumulate(k, lm=False):
         for x, y in batches:
             loss = (model(input_ids=x, labels=y).loss if lm else F.mse_loss(model(x), y)) / k
             loss.backward()
-            losses.append(loss.detach())
+            losses.append(logged(loss))
         optimizer.step()
         compiles.append(stats(trainer)["compiles"])
         transfers.append(stats(trainer)["device_to_host_transfers"])
@@ -133,7 +144,7 @@ def manual_rnn(sliced=False, bptt=5, lr=0.5):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
         for p in model.parameters():
             p.data.add_(p.grad, alpha=-lr)
-        losses.append(loss.detach())
+        losses.append(logged(loss))
         compiles.append(stats(trainer)["compiles"])
         transfers.append(stats(trainer)["device_to_host_transfers"])
     if sliced:  # its training half already shows the recompiles; an evaluation would only add more
@@ -142,7 +153,7 @@ def manual_rnn(sliced=False, bptt=5, lr=0.5):
         hidden = model.init_hidden(4)
         for x, y in batches():
             output, hidden = model(x, hidden)
-            losses.append(F.nll_loss(output.view(-1, 50), y))
+            losses.append(logged(F.nll_loss(output.view(-1, 50), y)))
             compiles.append(stats(trainer)["compiles"])
             transfers.append(stats(trainer)["device_to_host_transfers"])
     return losses, compiles, transfers
@@ -183,7 +194,7 @@ def lbfgs():
             loss = F.mse_loss(model(x), y)
             loss.backward()
             return loss
-        losses.append(optimizer.step(closure).detach())
+        losses.append(logged(optimizer.step(closure)))
         compiles.append(stats(trainer)["compiles"])
         transfers.append(stats(trainer)["device_to_host_transfers"])
     return losses, compiles, transfers
@@ -198,7 +209,7 @@ def inference():
         for _ in range(STEPS):
             out = model(trainer.to_device(torch.randn(16, 64, generator=g))).sum()
             total = out if total is None else total + out
-            losses.append(total)
+            losses.append(logged(total))
             compiles.append(stats(trainer)["compiles"])
             transfers.append(stats(trainer)["device_to_host_transfers"])
     return losses, compiles, transfers
@@ -213,12 +224,12 @@ class Epochs:
         self.batches = [trainer.to_device(*draw()) for _ in range(EPOCH_STEPS)] if draw else None
 
     def step(self, *losses):
-        self.losses += [loss.detach() for loss in losses]
+        self.losses += [logged(loss) for loss in losses]
         self.compiles.append(stats(self.trainer)["compiles"])
         self.transfers.append(stats(self.trainer)["device_to_host_transfers"])
 
     def epoch(self, *evals):
-        self.losses += list(evals)
+        self.losses += [logged(e) for e in evals]
         self.epochs.append(stats(self.trainer)["compiles"])
         return self.losses, self.compiles, self.transfers
 
@@ -318,7 +329,7 @@ def functional(steps=STEPS):
         loss = F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
         loss.backward()
         optimizer.step()
-        losses.append(loss.detach())
+        losses.append(logged(loss))
         compiles.append(stats(trainer)["compiles"])
         transfers.append(stats(trainer)["device_to_host_transfers"])
     return losses, compiles, transfers
@@ -368,6 +379,8 @@ class Caught(logging.Handler):
 
 
 def main(name, *args):
+    global HOST_READS
+    HOST_READS, args = args[-1:] == ("reads",), args[:-1] if args[-1:] == ("reads",) else args
     st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
     run = {"accumulate": lambda: accumulate(int(args[0])), "accumulate_lm": lambda: accumulate(int(args[0]), lm=True),
            "manual_rnn": manual_rnn, "lbfgs": lbfgs,

@@ -4,12 +4,14 @@
     python tests/meta_init.py meta DIR    # build on meta (seed 0), trainer, one forward; digests and memory
     python tests/meta_init.py load DIR    # build on meta, trainer, load DIR's checkpoint (no compile); never
                                           # initialised
+    python tests/meta_init.py forward DIR STRATEGY  # build on meta, trainer(strategy=STRATEGY), one no_grad forward
+                                          # of the whole model (every kernel it reaches); digests and memory
 
 The model: an embedding, 6 pre-norm blocks (LayerNorm, MultiheadAttention, a 4x MLP) at width 1024 and
 a head: 309 MB of float32, 50 MB in each block. Run 'cpu' with SEAMLESS_TPU_DEVICE=cpu and the others on
 4 XLA devices. It reports (child.report) digests (sha1 of each tensor's bytes), the process's resident memory before
 the first forward or the load (the trainer made, the XLA runtime up), at its peak and after them (VmHWM,
-reset just before). On XLA:CPU the devices' memory is the process's too: the model's shards count.
+reset just before). On XLA:CPU the devices' memory is the process's too: the model's shards (ddp: its 4 replicas) count.
 """
 
 import hashlib
@@ -46,7 +48,7 @@ def digests(model):
     return {k: hashlib.sha1(v.detach().cpu().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}
 
 
-def main(phase, directory):
+def main(phase, directory, strategy="fsdp"):
     report = {}
     if phase == "cpu":
         model = build()
@@ -60,12 +62,16 @@ def main(phase, directory):
             cls.reset_parameters = (lambda f: lambda self: (resets.append(type(self).__name__), f(self))[1])(
                 cls.reset_parameters
             )
-        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")  # on XLA: lays the model out, computes nothing
+        trainer = st.SeamlessTPUTrainer(model, strategy=strategy)  # on XLA: lays the model out, computes nothing
         report["rss_before"] = child.kib("VmRSS")  # the XLA runtime is up
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        out = None  # the whole model's forward output, kept so that the sync below runs its graph
         if phase == "meta":  # the head alone first: any module's first forward initialises the whole model
             model[-1](trainer.to_device(torch.zeros(4, WIDTH)))
+        elif phase == "forward":
+            with torch.no_grad():
+                out = model(trainer.to_device(torch.zeros(4, 8, dtype=torch.long)))
         else:
             import torch_xla.debug.metrics as met
 
@@ -78,18 +84,20 @@ def main(phase, directory):
             model(trainer.to_device(torch.zeros(4, 8, dtype=torch.long)))
         st._sync_if_xla()
         report.update(rss_peak=child.kib("VmHWM"), rss_after=child.kib("VmRSS"), resets=len(resets))
+        report["output"] = None if out is None else list(out.shape)
         import torch_xla
 
         report["sharded"] = all(
             torch_xla._XLAC._get_xla_sharding_spec(p).startswith("{devices=[") for p in model.parameters()
         )
+        report["replicas"] = 4 if strategy == "ddp" else 1  # copies of the model the devices hold, in this process
     report["bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    report["largest_module"] = max(
-        sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in model.modules()
-    )
+    sizes = sorted((sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in model.modules()),
+                   reverse=True)
+    report["largest_module"], report["largest_4_modules"] = sizes[0], sum(sizes[:4])
     report["digests"] = digests(model)
     child.report(report)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
