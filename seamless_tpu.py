@@ -977,12 +977,16 @@ def _xla_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_e
 
 
 def _xla_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
-    if not (training or running_mean is None) or input.numel() == 0:
+    stats, channels = running_mean is not None and running_var is not None, input.shape[1:2]
+    if input.numel() == 0 or input.dim() < 2 or stats and not running_mean.shape == running_var.shape == channels:
         return _torch_path("batch_norm")(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                                         cudnn_enabled)
-    torch.nn.functional._verify_batch_size(input.size())
+                                         cudnn_enabled)  # torch's answer, or its error
     dims, shape = [0, *range(2, input.dim())], (-1,) + (1,) * (input.dim() - 2)
     x = input.to(_computation_dtype(input))
+    if stats and not training:  # torch_xla's eval batch_norm raised in its backward ("The size of mean should be ...")
+        y = (x - running_mean.view(shape).to(x.dtype)) * torch.rsqrt(running_var.view(shape).to(x.dtype) + eps)
+        return _affine(y, weight, bias, shape, input.dtype)
+    torch.nn.functional._verify_batch_size(input.size())
     mean = x.mean(dims)
     centred = x - mean.view(shape)
     var = centred.square().mean(dims)

@@ -198,6 +198,32 @@ def global_max_pool(steps=3, lr=0.1):
     return {"first": {"losses": flat(losses), "weights": flat(net.parameters())}, "second": {}}
 
 
+def frozen_bn(steps=3, lr=0.1):
+    """Fine-tuning with BatchNorm frozen (model.eval(): the running statistics, as detection and transfer learning
+    do), and the input's gradient taken too (saliency, adversarial examples): torch_xla 2.9's eval batch_norm raised
+    in its backward ("The size of mean should be compatible with feature count")."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    trainer = st.SeamlessTPUTrainer(net)
+    data = [trainer.to_device(x, (y.abs() * 2).long().clamp(max=3)) for x, y in batches(steps + 1, (B, 3, 6, 6), (B,))]
+    with torch.no_grad():  # running statistics from one batch, then frozen
+        net(data[0][0])
+    net.eval()
+    losses, input_grads = [], []
+    for x, y in data[1:]:
+        optimizer.zero_grad()
+        x = x.clone().requires_grad_()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        input_grads.append(x.grad)
+    return {"first": {"losses": flat(losses), "input_grads": flat(input_grads), "weights": flat(net.parameters()),
+                      "running_var": flat([net[1].running_var])}, "second": {}}
+
+
 # (equation, the shapes of its operands that come with the batch, the shape of its weight or None); "@" is matmul
 CONTRACTIONS = [("bij,jk->bik", [(B, 4, 5)], (5, 3)), ("bhtd,bhsd->bhts", [(B, 2, 3, 4), (B, 2, 6, 4)], None),
                 ("ij,j->i", [(B, 5)], (5,)), ("@", [(B, 4, 5)], (5, 3))]
@@ -278,7 +304,7 @@ def unbatched_fold(steps=3, lr=0.1):
             "second": {}, "shapes": shapes}
 
 
-IDIOMS = {f.__name__: f for f in (wgan_gp, hvp, per_sample_grads, jvp_conv, global_max_pool, einsum_twice,
+IDIOMS = {f.__name__: f for f in (wgan_gp, hvp, per_sample_grads, jvp_conv, global_max_pool, frozen_bn, einsum_twice,
                                   unbatched_fold)}
 
 

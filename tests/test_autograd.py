@@ -34,6 +34,8 @@ def test_autograd_idiom_matches_eager(name):
     - jvp_conv: forward-mode AD through a conv net, then backward through it (Jacobian regularisers, jvp-based
       robustness terms): forward derivatives of convolutions, GroupNorm and adaptive pooling, differentiated again.
     - global_max_pool: nn.AdaptiveMaxPool2d(1) heads a conv net's classifier; its first step crashed.
+    - frozen_bn: fine-tuning with BatchNorm in eval mode, the input's gradient too: torch_xla's eval batch_norm
+      raised in its backward, the trainer's kernel computes it from the running statistics.
     - einsum_twice: torch.einsum, and the 3-D matmul the trainer lowers to it, under create_graph (gradient
       penalties and MAML through attention and bilinear layers): torch_xla's einsum backward is not differentiable.
     - unbatched_fold: F.unfold on (C, H, W) and F.fold on (C*K, L), as torch documents them, have torch's shapes,
