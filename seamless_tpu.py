@@ -1310,9 +1310,10 @@ _HANDS_BACK = {"matmul", "einsum", "layer_norm", "batch_norm", "adaptive_avg_poo
 
 
 def _transformed(*tensors):
-    """torch.func or forward-mode AD is at work: an autograd.Function called from a dispatcher kernel has no
-    functorch rule there (custom_function_call has no AutogradXLA kernel), so the kernels use plain ops instead."""
-    return torch._C._are_functorch_transforms_active() or any(
+    """torch.func, forward-mode AD or a tracing mode (scan_layers' AOT trace: no real XLA tensors) is at work: an
+    autograd.Function called from a dispatcher kernel has no functorch rule there (custom_function_call has no
+    AutogradXLA kernel), so the kernels use plain ops instead."""
+    return torch._C._are_functorch_transforms_active() or is_in_torch_dispatch_mode() or any(
         t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
