@@ -76,8 +76,7 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 # - torch_xla._XLAC: _get_xla_sharding_spec, _get_xla_op_sharding, _xla_mark_sharding, _get_local_shards,
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
-# - torch_xla._XLAC._xla_dot_general, torch._C._are_functorch_transforms_active (the einsum kernel).
-#   TODO(remove when torch_xla's einsum backward is differentiable)
+# - _XLAC._xla_dot_general, torch._C._are_functorch_transforms_active. TODO(remove when XLA einsum is twice diff.)
 # - torch_xla.experimental.distributed_checkpoint._helpers: _cpu_shards_from_tensors, _CpuShards.
 #   TODO(remove when torch_xla's SPMDSavePlanner saves partially replicated tensors)
 # - torch_xla.experimental.scan._backward_shard_alike, replaced where jax is missing (torch_xla[pallas] brings it).
