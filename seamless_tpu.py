@@ -2049,6 +2049,11 @@ def _place(model, layout):
                 _mark_sharding(param, layout.mesh, layout.planned[param])
             elif fsdp and param.dim() and not _is_split(param):
                 _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
+        # The rest whole, said so: unmarked, step 1 read them unsharded and step 2 as its "{replicated}" outputs, a
+        # second compile of the whole step.
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if not _import("torch_xla")._XLAC._get_xla_sharding_spec(t):
+                _mark_sharding(t, layout.mesh, (None,) * t.dim())
         if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
             _watch_inputs(model, layout.batch)
             _shard_activations(model, layout.batch, fsdp and not layout.planned)
@@ -2187,10 +2192,11 @@ def _initialize_pending(model, device=None, refuse=False):
                     t.to_local().copy_(_placed_like(value, t).to_local())
                 release(value)
                 continue
-            if _is_xla(t.device) and not _is_split(t):  # sent now: .to() defers the copy to the first graph, and the
+            laid_out = _is_xla(t.device) and _import("torch_xla")._XLAC._get_xla_sharding_spec(t)
+            if _is_xla(t.device) and not laid_out:  # sent now: .to() defers the copy to the first graph, and the
                 value = _import("torch_xla.core.xla_model").send_cpu_data_to_device([value], t.device)[0]  # host held
             value = value.to(t.device)  # every tensor left whole till then (ddp: 5.7x the model at its first forward)
-            if _is_xla(t.device) and _is_split(t):  # a mark sends the shards now
+            if laid_out:  # a mark sends it now, split or whole ("{replicated}", as _place marked it)
                 _mark_sharding(value, _import("torch_xla")._XLAC._get_xla_op_sharding(t))
             _set_own_tensor(module, name, release(value))
     if refuse and _STATE.meta_init.unset:
