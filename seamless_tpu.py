@@ -76,6 +76,9 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 # - torch_xla._XLAC: _get_xla_sharding_spec, _get_xla_op_sharding, _xla_mark_sharding, _get_local_shards,
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
+# - torch_xla._XLAC._xla_sync_multi (runs the graph of some tensors only: the first step's optimizer state), and
+#   torch.optim.Optimizer's step.__wrapped__ (the step without the global hooks torch wraps it in).
+#   TODO(remove when optimizers make their state before the first step, as optax's init does)
 # - torch_xla._XLAC._xla_dot_general, torch._C._are_functorch_transforms_active (the einsum kernel).
 #   TODO(remove when torch_xla's einsum backward is differentiable)
 # - torch_xla.experimental.distributed_checkpoint._helpers: _cpu_shards_from_tensors, _CpuShards.
@@ -1425,6 +1428,7 @@ class _GraphCuts:
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     after_cut: list = dataclasses.field(default_factory=list)  # run once after the next cut: the work check
     held: list = dataclasses.field(default_factory=list)  # (name, module, output) the work check reads then
+    ready: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> param count, state made
 
 
 class _CompileWatchdog:
@@ -1502,6 +1506,10 @@ def _before_xla_step(optimizer, args, kwargs):
         if _STATE.cuts.accumulating:
             _cut_graph()  # the last micro-batch reuses the others' graph, the step its own: k=16 compiles what k=1 does
         _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        if _STATE.cuts.ready.get(optimizer) != count:  # its first step, or a new param group: one count a step
+            _state_first(optimizer)
+            _STATE.cuts.ready[optimizer] = count
         # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
         if callable(kwargs.get("closure")):
             kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
@@ -1571,6 +1579,62 @@ def _before_forward(module, args, kwargs):
     if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
         cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
                                          for t in (*args, *kwargs.values()))
+
+# --- 8b. the first step: optimizer state before the step graph ------------------------------------
+
+
+def _state_first(optimizer):
+    """Before an optimizer's first step graph is cut, the state that step would create (and the work check's outputs)
+    become data on the devices, by a graph of their own that runs none of the pending forward and backward: step 1
+    is then the graph every later step runs, compiled once (made inside it, step 2 read the state as input: a second
+    compile of the whole step). Costs, once: a small graph, compiled and run (zeros; with the work check, the forward
+    up to the last module it holds). State that zeros cannot stand for exactly (_zero_state_exact) is left to the
+    step, the work check's outputs with it: two compiles of the step, as before, the same numbers."""
+    _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
+    exact = _zero_state_exact(optimizer)
+    if params and exact:
+        for p, state in _zero_state(optimizer, params).items():
+            optimizer.state[p] = {k: _placed_like(v, p, k) for k, v in state.items()}
+    ready = [v for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+             for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and _is_xla(v.device)]
+    # Where step 1 is the steady step's graph, the work check's outputs would make it one of its own: read them now.
+    held = [t for held in _STATE.cuts.held for t in held[2:] if t is not None] if exact or not params else []
+    ready = [t for t in ready + (held if _STATE.cuts.after_cut else []) if not _is_device_data(t)]
+    if ready:
+        _import("torch_xla")._XLAC._xla_sync_multi(ready, devices=[], wait=False)  # compiles a graph, async
+    while held and _STATE.cuts.after_cut:
+        _STATE.cuts.after_cut.pop()()
+
+
+def _zero_state_exact(optimizer):
+    """Whether zeros stand exactly for the state `optimizer`'s first step makes (torch 2.9's code read): Adam, AdamW
+    and RMSprop make zeros and update them as every later step does; SGD's first step copies the gradient into its
+    momentum buffer, which a zero buffer gives (0 * momentum + grad) unless dampening scales the gradient (only from
+    the second step). Not capturable, fused or differentiable (no such step on XLA), nor a subclass, whose step may
+    differ, nor Adafactor: its step reads values to the host, cutting graphs, and its first step's weight 1.0 is a
+    constant in torch_xla's graph where later steps pass data, so its first graphs are new with any state."""
+    kind = type(optimizer)
+    return kind in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop) and all(
+        not (group.get("capturable") or group.get("fused") or group.get("differentiable"))
+        and (kind is not torch.optim.SGD or not group["momentum"] or not group["dampening"])
+        for group in optimizer.param_groups)
+
+
+def _zero_state(optimizer, params):
+    """{param: the state its first step would make, as zeros on its device (a CPU step count on the CPU)}. The keys,
+    shapes and dtypes are torch's own: the optimizer's step runs on meta stand-ins, with no compute and without the
+    global hooks (type(optimizer).step.__wrapped__ is the step before torch wrapped it with them, this one included)."""
+    stand_ins = {p: torch.empty_like(p, device="meta") for p in params}
+    for s in stand_ins.values():
+        s.grad = torch.empty_like(s)
+    groups = [{**group, "foreach": False, "params": [stand_ins[p] for p in group["params"] if p in stand_ins]}
+              for group in optimizer.param_groups]
+    shadow = type(optimizer)([group for group in groups if group["params"]])
+    type(optimizer).step.__wrapped__(shadow)
+    return {p: {k: torch.zeros_like(v, device=p.device if v.is_meta else v.device) for k, v in shadow.state[s].items()}
+            for p, s in stand_ins.items() if shadow.state.get(s)}
 
 # --- 9a. layouts: the _Layout value, meshes, XLA placement, batch and activation sharding ---------
 
@@ -2023,11 +2087,11 @@ def _placed_like(value, param, key=None):
             return value
         dtensor = importlib.import_module("torch.distributed.tensor")
         return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
-    value = value.to(param.device)
-    if value.shape == param.shape and _is_xla(value.device) and not _is_split(value):
+    value, xla = value.to(param.device), _import("torch_xla")._XLAC if _is_xla(param.device) else None
+    if value.shape == param.shape and xla and xla._get_xla_sharding_spec(value) != xla._get_xla_sharding_spec(param):
         # left replicated it would be a whole copy per device: 4x an fsdp shard on 4 devices
-        sharding = _import("torch_xla")._XLAC._get_xla_op_sharding(param)
-        if sharding is not None:
+        sharding = xla._get_xla_op_sharding(param)
+        if sharding is not None and not _is_split(value):
             _mark_sharding(value, sharding)
     return value
 
