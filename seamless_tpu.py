@@ -77,6 +77,7 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
 # - _XLAC._xla_dot_general, torch._C._are_functorch_transforms_active. TODO(remove when XLA einsum is twice diff.)
+# - _XLAC._xla_sync_multi, Optimizer.step.__wrapped__ (state first). TODO(remove when optimizers have an init)
 # - torch_xla.experimental.distributed_checkpoint._helpers: _cpu_shards_from_tensors, _CpuShards.
 #   TODO(remove when torch_xla's SPMDSavePlanner saves partially replicated tensors)
 # - torch_xla.experimental.scan._backward_shard_alike, replaced where jax is missing (torch_xla[pallas] brings it).
@@ -114,7 +115,7 @@ ATTEMPT_MARKER = ".seamless_tpu_attempt"  # in every attempt a save creates: the
 PLAIN_VALUES = "values.pt"  # the plain values (epoch, step, ...) of a checkpoint, pickled
 OBJECT_STATES = "objects.pt"  # state_dicts of the other stateful objects (schedulers, scalers, ...) and RNG states
 RELEASE_EVERY = 4 << 20  # bytes a checkpoint load handles between handing freed host memory back to the OS
-WARMUP_STEPS = 2  # runs of a graph (cut to cut) that may compile: the first, the one with optimizer state
+WARMUP_STEPS = 2  # runs of a graph (cut to cut) that may compile: the first, the one with state a step made
 INPUT_CHECKS = 3  # forwards whose inputs the replicated-batch guard reads, then it removes itself
 SIGTERM_GRACE_S = 15.0  # SIGTERM's exit waits this long for a save (a spot VM's or pod's SIGKILL comes at 30 s)
 AGREE_EVERY_S, AGREE_MAX_STEPS = 0.25, 16  # processes agree on SIGTERM this often, and every 16 steps at least (the
@@ -1429,6 +1430,7 @@ class _GraphCuts:
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     after_cut: list = dataclasses.field(default_factory=list)  # run once after the next cut: the work check
     held: list = dataclasses.field(default_factory=list)  # (name, module, output) the work check reads then
+    ready: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> param count, state made
 
 
 class _CompileWatchdog:
@@ -1506,6 +1508,10 @@ def _before_xla_step(optimizer, args, kwargs):
         if _STATE.cuts.accumulating:
             _cut_graph()  # the last micro-batch reuses the others' graph, the step its own: k=16 compiles what k=1 does
         _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        if _STATE.cuts.ready.get(optimizer) != count:  # its first step, or a new param group: one count a step
+            _state_first(optimizer)
+            _STATE.cuts.ready[optimizer] = count
         # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
         if callable(kwargs.get("closure")):
             kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
@@ -1575,6 +1581,62 @@ def _before_forward(module, args, kwargs):
     if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
         cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
                                          for t in (*args, *kwargs.values()))
+
+# --- 8b. the first step: optimizer state before the step graph ------------------------------------
+
+
+def _state_first(optimizer):
+    """Before an optimizer's first step graph is cut, the state that step would create (and the work check's outputs)
+    become data on the devices, by a graph of their own that runs none of the pending forward and backward: step 1
+    is then the graph every later step runs, compiled once (made inside it, step 2 read the state as input: a second
+    compile of the whole step). Costs, once: a small graph, compiled and run (zeros; with the work check, the forward
+    up to the last module it holds). State that zeros cannot stand for exactly (_zero_state_exact) is left to the
+    step, the work check's outputs with it: two compiles of the step, as before, the same numbers."""
+    _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
+    exact = _zero_state_exact(optimizer)
+    if params and exact:
+        for p, state in _zero_state(optimizer, params).items():
+            optimizer.state[p] = {k: _placed_like(v, p, k) for k, v in state.items()}
+    ready = [v for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+             for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and _is_xla(v.device)]
+    # Where step 1 is the steady step's graph, the work check's outputs would make it one of its own: read them now.
+    held = [t for held in _STATE.cuts.held for t in held[2:] if t is not None] if exact or not params else []
+    ready = [t for t in ready + (held if _STATE.cuts.after_cut else []) if not _is_device_data(t)]
+    if ready:
+        _import("torch_xla")._XLAC._xla_sync_multi(ready, devices=[], wait=False)  # compiles a graph, async
+    while held and _STATE.cuts.after_cut:
+        _STATE.cuts.after_cut.pop()()
+
+
+def _zero_state_exact(optimizer):
+    """Whether zeros stand exactly for the state `optimizer`'s first step makes (torch 2.9's code read): Adam, AdamW
+    and RMSprop make zeros and update them as every later step does; SGD's first step copies the gradient into its
+    momentum buffer, which a zero buffer gives (0 * momentum + grad) unless dampening scales the gradient (only from
+    the second step). Not capturable, fused or differentiable (no such step on XLA), nor a subclass, whose step may
+    differ, nor Adafactor: its step reads values to the host, cutting graphs, and its first step's weight 1.0 is a
+    constant in torch_xla's graph where later steps pass data, so its first graphs are new with any state."""
+    kind = type(optimizer)
+    return kind in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop) and all(
+        not (group.get("capturable") or group.get("fused") or group.get("differentiable"))
+        and (kind is not torch.optim.SGD or not group["momentum"] or not group["dampening"])
+        for group in optimizer.param_groups)
+
+
+def _zero_state(optimizer, params):
+    """{param: the state its first step would make, as zeros on its device (a CPU step count on the CPU)}. The keys,
+    shapes and dtypes are torch's own: the optimizer's step runs on meta stand-ins, with no compute and without the
+    global hooks (type(optimizer).step.__wrapped__ is the step before torch wrapped it with them, this one included)."""
+    stand_ins = {p: torch.empty_like(p, device="meta") for p in params}
+    for s in stand_ins.values():
+        s.grad = torch.empty_like(s)
+    groups = [{**group, "foreach": False, "params": [stand_ins[p] for p in group["params"] if p in stand_ins]}
+              for group in optimizer.param_groups]
+    shadow = type(optimizer)([group for group in groups if group["params"]])
+    type(optimizer).step.__wrapped__(shadow)
+    return {p: {k: torch.zeros_like(v, device=p.device if v.is_meta else v.device) for k, v in shadow.state[s].items()}
+            for p, s in stand_ins.items() if shadow.state.get(s)}
 
 # --- 9a. layouts: the _Layout value, meshes, XLA placement, batch and activation sharding ---------
 
@@ -2027,11 +2089,11 @@ def _placed_like(value, param, key=None):
             return value
         dtensor = importlib.import_module("torch.distributed.tensor")
         return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
-    value = value.to(param.device)
-    if value.shape == param.shape and _is_xla(value.device) and not _is_split(value):
+    value, xla = value.to(param.device), _import("torch_xla")._XLAC if _is_xla(param.device) else None
+    if value.shape == param.shape and xla and xla._get_xla_sharding_spec(value) != xla._get_xla_sharding_spec(param):
         # left replicated it would be a whole copy per device: 4x an fsdp shard on 4 devices
-        sharding = _import("torch_xla")._XLAC._get_xla_op_sharding(param)
-        if sharding is not None:
+        sharding = xla._get_xla_op_sharding(param)
+        if sharding is not None and not _is_split(value):
             _mark_sharding(value, sharding)
     return value
 
@@ -2053,6 +2115,11 @@ def _place(model, layout):
                 _mark_sharding(param, layout.mesh, layout.planned[param])
             elif fsdp and param.dim() and not _is_split(param):
                 _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
+        # The rest whole, said so: unmarked, step 1 read them unsharded and step 2 as its "{replicated}" outputs, a
+        # second compile of the whole step.
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if not _import("torch_xla")._XLAC._get_xla_sharding_spec(t):
+                _mark_sharding(t, layout.mesh, (None,) * t.dim())
         if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
             _watch_inputs(model, layout.batch)
             _shard_activations(model, layout.batch, fsdp and not layout.planned)
@@ -2191,10 +2258,11 @@ def _initialize_pending(model, device=None, refuse=False):
                     t.to_local().copy_(_placed_like(value, t).to_local())
                 release(value)
                 continue
-            if _is_xla(t.device) and not _is_split(t):  # sent now: .to() defers the copy to the first graph, and the
+            laid_out = _is_xla(t.device) and _import("torch_xla")._XLAC._get_xla_sharding_spec(t)
+            if _is_xla(t.device) and not laid_out:  # sent now: .to() defers the copy to the first graph, and the
                 value = _import("torch_xla.core.xla_model").send_cpu_data_to_device([value], t.device)[0]  # host held
             value = value.to(t.device)  # every tensor left whole till then (ddp: 5.7x the model at its first forward)
-            if _is_xla(t.device) and _is_split(t):  # a mark sends the shards now
+            if laid_out:  # a mark sends it now, split or whole ("{replicated}", as _place marked it)
                 _mark_sharding(value, _import("torch_xla")._XLAC._get_xla_op_sharding(t))
             _set_own_tensor(module, name, release(value))
     if refuse and _STATE.meta_init.unset:

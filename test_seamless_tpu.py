@@ -877,8 +877,9 @@ def test_model_parallel_size_builds_the_2d_mesh_in_one_line(fake, strategy, name
     assert trainer.layout.batch.axes == names[:1], (
         "tensor-parallel groups get the same batch: it splits over the other axis"
     )
-    split = {n for n, p in trainer.model.named_parameters() if fake.shardings.get(p)}
-    # the plan's weights over 'model'; with fsdp the rest too (the 1-feature output bias: XLA pads)
+    split = {n for n, p in trainer.model.named_parameters() if fake.shardings.get(p) != "{replicated}"}
+    # the plan's weights over 'model'; with fsdp the rest too (the 1-feature output bias: XLA pads); the rest marked
+    # whole, so that step 1 reads them as step 2 will
     assert split == {"0.weight", "0.bias", "2.weight"} | ({"2.bias"} if strategy == "fsdp" else set()), split
 
 
@@ -1156,7 +1157,7 @@ def test_a_peft_model_brings_the_plan_of_the_model_it_wraps(peft, fake):
             fake.shardings.get(lora.base_layer.weight) == spec
             and fake.shardings.get(lora.lora_B["default"].weight) == spec
         )
-        assert not fake.shardings.get(lora.lora_A["default"].weight), (
+        assert fake.shardings.get(lora.lora_A["default"].weight) == "{replicated}", (
             "A of a colwise layer reads the whole input: replicated"
         )
     assert fake.shardings.get(attn.k_proj.weight) == out and fake.shardings.get(attn.o_proj.weight) == inward
@@ -1173,7 +1174,7 @@ def test_a_rowwise_lora_layer_splits_its_a_as_the_base(peft, fake):
         fake.shardings.get(o_proj.base_layer.weight) == inward
         and fake.shardings.get(o_proj.lora_A["default"].weight) == inward
     )
-    assert not fake.shardings.get(o_proj.lora_B["default"].weight)
+    assert fake.shardings.get(o_proj.lora_B["default"].weight) == "{replicated}"
 
 
 class Linear(torch.nn.Module):

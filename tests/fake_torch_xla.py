@@ -16,7 +16,6 @@ from collections import OrderedDict
 import numpy as np
 import torch
 import torch.utils.checkpoint
-from torch.utils.weak import WeakIdKeyDictionary
 
 FAKE_API = {
     "torch_xla": ("device", "devices", "device_count", "sync"),
@@ -49,8 +48,7 @@ class FakeXLA:
         self.cache_env = None  # XLA_PERSISTENT_CACHE_* as torch_xla reads them: at the first compile
         self.pending_shapes = []
         self.graphs = set()
-        # tensor -> sharding text, by identity and weakly: a freed tensor's id, reused, must not look sharded
-        self.shardings = WeakIdKeyDictionary()
+        self.shardings = _Shardings()
         # ids of tensors an asynchronous step is still computing: not reshardable until wait_device_ops()
         # (ids, not weak references: torch cannot swap a parameter that has one)
         self.running = set()
@@ -285,6 +283,23 @@ class FakeXLA:
         for name, module in self.modules.items():
             monkeypatch.setitem(__import__("sys").modules, name, module)
         return self
+
+
+class _Shardings:
+    """tensor -> sharding text, kept on the tensor as torch_xla keeps it in the tensor: a freed tensor's reused id
+    never looks sharded, and no weak reference stops torch.utils.swap_tensors (the trainer marks every parameter,
+    whole ones "{replicated}", and a second trainer's .to() swaps them), which moves it with the tensor's __dict__."""
+
+    KEY = "_fake_xla_sharding"
+
+    def get(self, t, default=None):
+        return t.__dict__.get(self.KEY, default)
+
+    def __getitem__(self, t):
+        return t.__dict__[self.KEY]
+
+    def __setitem__(self, t, text):
+        t.__dict__[self.KEY] = text
 
 
 def _map_tensors(obj, fn):

@@ -1,0 +1,94 @@
+"""Issue 40, ask 1: the optimizers users run, each plain, with an LR scheduler and with gradient clipping, on a tiny
+MLP through the trainer (XLA) or as written (eager, SEAMLESS_TPU_DEVICE=cpu).
+
+    python tests/first_step.py GROUP...  # a key of GROUPS, a case (adam/clip) or "all"; reports (child.report)
+    {case: {"losses": [...], "weights": [...], "state": [...], "compiles": [after step 1, 2, 3], "split_like": bool}}
+
+"compiles" counts torch_xla's UncachedCompile from the case's start. Each case's MLP has a width of its own, so no
+case meets a graph another compiled in the same process. "state" is the optimizer's state after the last step,
+every tensor in parameter then key order (Adam's step counts included). "split_like": every state tensor of a
+parameter's shape is laid out like its parameter (fsdp: split, the same bytes per device as the parameter).
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import child
+import seamless_tpu as st
+
+STEPS = 4
+OPTIMIZERS = {  # name -> (the optimizer, the trainer's strategy)
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, maximize=True),
+    "sgd_dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05),
+    "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
+    "adamw_fsdp": lambda p: torch.optim.AdamW(p, lr=0.01),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, eps=1e-4),
+    "rmsprop_centered": lambda p: torch.optim.RMSprop(p, lr=0.001, eps=1e-3, momentum=0.9, centered=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
+}
+VARIANTS = ("plain", "scheduler", "clip")
+GROUPS = {"sgd": ("sgd", "sgd_momentum", "sgd_nesterov", "sgd_dampening"),
+          "adam": ("adam", "adamw", "adamw_amsgrad", "adamw_fsdp"),
+          "others": ("rmsprop", "rmsprop_centered", "adagrad", "adafactor")}
+CASES = [f"{name}/{variant}" for group in GROUPS.values() for name in group for variant in VARIANTS]
+
+
+def mlp(width):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+
+
+def run(case, width):
+    """The plain loop, the optimizer made before the model moves, as users write it."""
+    name, variant = case.split("/")
+    model = mlp(width)
+    optimizer = OPTIMIZERS[name](model.parameters())
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.8) if variant == "scheduler" else None
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 12, generator=g), torch.randn(32, 4, generator=g)
+    xla = st.is_xla_backend()
+    if xla:
+        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp" if name.endswith("_fsdp") else "ddp")
+        x, y = trainer.to_device(x, y)
+    met = sys.modules.get("torch_xla.debug.metrics") if xla else None
+    counter = (lambda: met.counter_value("UncachedCompile") or 0) if xla else (lambda: 0)
+    start, losses, compiles = counter(), [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if variant == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.detach())
+        compiles.append(counter() - start)
+    split_like = True
+    if xla:
+        spec = __import__("torch_xla")._XLAC._get_xla_sharding_spec
+        split_like = all(spec(v) == spec(p) for p in model.parameters() for v in optimizer.state[p].values()
+                         if v.shape == p.shape)
+    state = [v.detach().cpu().float().flatten() for p in model.parameters() for _, v in
+             sorted(optimizer.state[p].items()) if isinstance(v, torch.Tensor)]
+    return {"losses": torch.stack(losses).cpu().tolist(),
+            "weights": torch.cat([p.detach().cpu().flatten() for p in model.parameters()]).tolist(),
+            "state": torch.cat(state).tolist() if state else [], "compiles": compiles[:3], "split_like": split_like}
+
+
+def main(*names):
+    st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
+    picked = {n for name in names for n in GROUPS.get(name, (name,))}
+    cases = [c for c in CASES if {"all", c, c.split("/")[0]} & picked]
+    child.report({case: run(case, 16 + 4 * CASES.index(case)) for case in cases})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
