@@ -16,8 +16,9 @@ Tiers (setup.cfg registers them; every test file names exactly one with `pytestm
     gpu        on a CUDA host only (skipped without one): the GPU path against the plain loop (tests/test_gpu.py)
 Every tier but gpu means the CPU: on a GPU host, cuda_hidden makes torch.cuda.is_available() False for its tests and
 tests/child.py gives their child processes CUDA_VISIBLE_DEVICES='', so they run as on CI.
-`./dev.sh test -m fast` runs one tier; plain `./dev.sh test` runs them all. tests/DURATIONS.md has what each
-test of `-m "fast or procs"` took on a 2-core machine: measure again before moving a test between tiers.
+`./dev.sh test -m fast` runs one tier; plain `./dev.sh test` runs them all, on 2 pytest-xdist workers (most tests wait
+on child processes; the Ray tier on one worker). tests/DURATIONS.md has what each test of `-m "fast or procs"` took
+on a 2-core machine: measure again before moving a test between tiers.
 """
 
 import dataclasses
@@ -48,6 +49,9 @@ def pytest_collection_modifyitems(config, items):
             wrong[item.nodeid] = tiers
     if wrong:
         raise pytest.UsageError(f"each test needs exactly one tier marker of {TIERS} (pytestmark in its file): {wrong}")
+    for item in items:  # ./dev.sh test's workers (pytest-xdist, --dist loadgroup): one runs every Ray cluster, in turn
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 def _state_left():

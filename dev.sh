@@ -25,7 +25,8 @@ fi
 export PATH="$VENV/bin:$PATH"
 cmd=${1:-test}; shift || true
 case "$cmd" in
-  test)    ruff check && exec python -m pytest "$@" ;;
+  # 2 workers (SEAMLESS_TPU_TEST_WORKERS=0: one process); a Ray cluster's tests share one (conftest.py)
+  test)    ruff check && exec python -m pytest -n "${SEAMLESS_TPU_TEST_WORKERS:-2}" --dist loadgroup "$@" ;;
   example) exec python example_train.py "$@" ;;
   bench)   exec python bench/bench.py "$@" ;;
   env)     echo "$VENV" ;;
