@@ -1162,7 +1162,7 @@ def render_accumulate(result, s):
 
 
 # bench/compile_depth.py's loops per workload. Not hand_scan: torch_xla 2.9's scan backward under SPMD imports jax
-# (shard_as), which torch_xla[pallas] brings and this environment has not: ModuleNotFoundError, where the trainer runs it
+# (shard_as), which torch_xla[pallas] brings and this environment has not: ModuleNotFoundError; the trainer runs it
 COMPILE_MODES = {"gpt": ("hand", "shim", "shim_scan"), "kd": ("seed", "hand", "shim")}
 COMPILE_DEPTHS = {"gpt": (2, 8, 24), "kd": (4, 8)}
 
