@@ -27,6 +27,7 @@ import sys
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (imported up front: from torch 2.10 its import writes TORCHINDUCTOR_CACHE_DIR)
 
 import seamless_tpu as st
 from fake_torch_xla import FakeXLA
