@@ -1220,7 +1220,9 @@ def gpu_saves_child(rounds, steps=10):
     trainer against the same model in a plain loop (blocks in a random order each round, plain twice for the A/A
     floor); the pinned-copy time of the state (its floor); save_checkpoint(blocking=False)'s return time per save;
     and the step time while that save is in flight (the block right after the call) against the trainer's quiet
-    block of the same round. Reports {"times", "pinned_copy_s", "returns_s", "quiet", "during", "in_flight"}."""
+    block of the same round, as shipped and with the GPU's room for a copy of the state hidden (the steps then wait
+    for the host copies). Reports {"times", "pinned_copy_s", "returns_s", "quiet", "during", "waiting",
+    "in_flight"}."""
     import shutil
 
     import torch
@@ -1242,15 +1244,15 @@ def gpu_saves_child(rounds, steps=10):
     models = {"trainer": model, "plain": plain, "plain" + AA: plain}
     x = torch.randn(64, 4096, device=trainer.device)
 
-    def block(name):
-        m, opt = models[name], optimizers[name]
-        torch.cuda.synchronize()
+    def block(name):  # the training stream's time: a device-wide synchronize would wait for the save's copies too
+        m, opt, stream = models[name], optimizers[name], torch.cuda.current_stream()
+        stream.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
             opt.zero_grad()
             m(x).square().mean().backward()
             opt.step()
-        torch.cuda.synchronize()
+        stream.synchronize()
         return (time.perf_counter() - start) / steps
 
     for name in models:
@@ -1266,22 +1268,28 @@ def gpu_saves_child(rounds, steps=10):
         torch.cuda.synchronize()
         copies.append(time.perf_counter() - start)
     del pinned
-    times, returns, quiet, during, in_flight = {name: [] for name in models}, [], [], [], 0
+    times, returns, quiet, during, in_flight = {name: [] for name in models}, [], [], {}, 0
+    no_room = {"mem_get_info": lambda device=None: (0, 1), "memory_reserved": lambda device=None: 0}
     for r in range(rounds):
         for name in random.Random(r).sample(sorted(times), len(times)):
             times[name].append(block(name))
         quiet.append(times["trainer"][-1])
-        directory = tempfile.mkdtemp()
-        start = time.perf_counter()
-        future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizers["trainer"])
-        returns.append(time.perf_counter() - start)
-        during.append(block("trainer"))
-        in_flight += not future.done()
-        future.result()
-        shutil.rmtree(directory)
+        for room in random.Random(r).sample([True, False], 2):  # without room the steps wait for the host copies
+            real = {k: getattr(torch.cuda, k) for k in no_room}
+            vars(torch.cuda).update({} if room else no_room)
+            directory = tempfile.mkdtemp()
+            start = time.perf_counter()
+            future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizers["trainer"])
+            vars(torch.cuda).update(real)
+            if room:
+                returns.append(time.perf_counter() - start)
+            during.setdefault(room, []).append(block("trainer"))
+            in_flight += room and not future.done()
+            future.result()
+            shutil.rmtree(directory)
     report({"times": times, "pinned_copy_s": min(copies), "state_bytes": sum(t.nbytes for t in state),
-            "returns_s": returns, "quiet": quiet, "during": during, "in_flight": in_flight,
-            "device": torch.cuda.get_device_name()})
+            "returns_s": returns, "quiet": quiet, "during": during[True], "waiting": during[False],
+            "in_flight": in_flight, "device": torch.cuda.get_device_name()})
 
 
 def save_while_training_child(rounds, steps=8):
@@ -1407,11 +1415,13 @@ def render_checkpoints(result, s):
         ratio = statistics.median(a / b for a, b in zip(g["times"]["trainer"], plain))
         floor = statistics.median(a / b for a, b in zip(g["times"]["plain" + AA], plain))
         returns = ", ".join(f"{r * 1e3:.0f} ms" for r in g["returns_s"])
-        during = statistics.median(a / b for a, b in zip(g["during"], g["quiet"]))
+        during, waiting = (statistics.median(a / b for a, b in zip(g[k], g["quiet"])) for k in ("during", "waiting"))
         lines.append(f"GPU ({g['device']}): trainer / plain step {ratio:.3f} (A/A {floor:.3f}); "
                      f"save_checkpoint(blocking=False) of {g['state_bytes'] / 1e9:.2f} GB returned in {returns} "
-                     f"(pinned copy {g['pinned_copy_s'] * 1e3:.0f} ms); the {len(g['during'])} blocks after the "
-                     f"call {during:.3f}x a quiet block ({g['in_flight']} ended with the save still writing)")
+                     f"(pinned copy {g['pinned_copy_s'] * 1e3:.0f} ms); the {len(g['during'])} blocks of "
+                     f"{statistics.median(g['quiet']) * 1e3:.1f} ms/step after the call {during:.3f}x a quiet block "
+                     f"({g['in_flight']} ended with the save still writing); {waiting:.3f}x where the GPU has no "
+                     "room for its copy of the state and the steps wait for the host copies")
         md.append(f"- {lines[-1]}")
     return md, lines
 

@@ -101,9 +101,15 @@ def test_stats_count_the_first_steps_matmuls_and_mfu_against_the_device_peak(fre
         assert stats["mfu"] == pytest.approx(by_hand / stats["step_time_s"] / peak), stats
 
 
-def test_async_save_is_the_state_at_the_call_through_one_reused_set_of_pinned_buffers(tmp_path, fresh):
+@pytest.mark.parametrize("room", [True, False], ids=["gpu-copy-first", "no-room-for-it"])
+def test_async_save_is_the_state_at_the_call_through_one_reused_set_of_pinned_buffers(tmp_path, fresh, monkeypatch,
+                                                                                      room):
     """Three asynchronous saves, each followed at once by steps that write the parameters and AdamW's state in
-    place: each checkpoint holds the state at its call, bitwise, and all three copied into the same pinned buffers."""
+    place: each checkpoint holds the state at its call, bitwise, and all three copied into the same pinned buffers;
+    through a copy on the GPU first, and where the GPU has no room for one (the steps wait for the host copies)."""
+    if not room:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 40))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     model = mlp()
     trainer = st.SeamlessTPUTrainer(model, device="gpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -123,7 +129,7 @@ def test_async_save_is_the_state_at_the_call_through_one_reused_set_of_pinned_bu
         future = trainer.save_checkpoint(tmp_path / f"ckpt{i}", blocking=False, model=model, optimizer=optimizer)
         steps()  # queued right behind the copies: they must not overtake them
         buffers = st._STATE.saves.staging.buffers
-        assert buffers and all(b.is_pinned() for b in buffers)
+        assert buffers and all(b.is_pinned() for b in buffers) and st._STATE.saves.staging.on_gpu == room
         pointers.append([b.data_ptr() for b in buffers])
         assert future.result(timeout=120) == str(tmp_path / f"ckpt{i}")
         loaded = mlp(seed=5).cuda()
