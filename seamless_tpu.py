@@ -3088,16 +3088,20 @@ def _fmt_bytes(n):
 
 def _check_work(model, layout):
     """The guard for models nobody tried: on the first forward, hold the input and output of the first module of
-    each name pattern (layers.#.mlp.up_proj) that does matmuls; once an optimizer step's cut has run that graph, read
+    each name pattern (layers.#.mlp.up_proj) that does matmuls, until the forward reaches a pattern's second module
+    (the first block's end: the graph that computes them is the forward up to there, not all of it, which cost a
+    quarter of the first run's compile on the seeds' 4-layer LoRA student; work lost only after the first block, at
+    a head, goes unnamed); once an optimizer step's cut has run that graph, read
     how XLA split each (their sharding annotations: no transfer, compile or execution; that graph, new anyway, has
     them as outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them.
     An input that arrives whole counts: a block's mark can re-split the output of work computed whole (a GroupNorm
     net's convolutions), but not the input, which the backward's matmuls then compute whole too. Any other cut drops
     them first (_cut_graph), so a loop whose first graph repeats is not checked."""
     devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
+    past_first_block = []
 
     def hold(module, args, output):
-        if _transformed():  # torch.func's wrappers: no sharding to read, and not what the graph computes
+        if _transformed() or past_first_block:  # torch.func's wrappers: no sharding to read, nor the graph's work
             return
         out = output[0] if isinstance(output, (tuple, list)) else output
         x = args[0] if args and isinstance(args[0], torch.Tensor) and _is_xla(args[0].device) else None
@@ -3126,6 +3130,9 @@ def _check_work(model, layout):
                 "its input with torch_xla.distributed.spmd.mark_sharding", 100 * share, devices, devices // ways, name,
                 type(module).__name__, ways, layout.batch.dim)
 
+    def first_block_done(module, args):
+        past_first_block.append(True)
+
     def first_forward_done(module, args, output):
         for handle in handles:
             handle.remove()
@@ -3138,6 +3145,8 @@ def _check_work(model, layout):
                 counts[_name_pattern(name)] += 1
                 if counts[_name_pattern(name)] == 1:
                     handles.append(module.register_forward_hook(_owned(module, hold)))
+                elif counts[_name_pattern(name)] == 2:
+                    handles.append(module.register_forward_pre_hook(_owned(module, first_block_done)))
         handles.append(model.register_forward_hook(_owned(model, first_forward_done)))
 
 

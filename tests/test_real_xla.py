@@ -266,7 +266,8 @@ def _loops(*runs):
 
 
 # Compiles over the first 3 steps (tests/first_step.py). The first graph holds the state the first step would make
-# (zeros) and the forward up to the last module the work check reads; the second is the step, compiled once.
+# (zeros) and the forward up to the first block's end, which the work check reads; the second is the step, compiled
+# once.
 ONE_STEP_GRAPH = [2, 2, 2]
 # Where zeros cannot stand for the first step's state, the step makes it: step 1 and step 2 are two graphs, as before
 # issue 40 (the work check's outputs ride on step 1). Adafactor reads values to the host inside its step, each read a
@@ -531,6 +532,25 @@ def test_async_saves_on_xla_readers_wait_failures_leave_nothing_and_the_exit_rep
 @pytest.fixture(scope="module")
 def eager_work_losses():
     return child.result(python(["tests/work_split.py", "eager"], {"SEAMLESS_TPU_DEVICE": "cpu"}))
+
+
+def test_the_work_check_reads_the_first_block_and_its_graph_computes_no_more():
+    """An 8-block GPT's first forward through the trainer: the work check holds the first module of each name pattern
+    up to the first block's end (its Linears, none of the 7 blocks after it, nor the head), and the graph that reads
+    their layouts holds the first block's dots alone: 1/8 of the forward's blocks, not the whole forward."""
+    code = textwrap.dedent("""
+        import torch, torch_xla
+        import child, seamless_tpu as st, work_split
+        model = work_split.GPT(depth=8)
+        trainer = st.SeamlessTPUTrainer(model)
+        model(trainer.to_device(torch.randint(work_split.V, (8, work_split.T))))
+        held = [t for h in st._STATE.cuts.held for t in h[2:] if t is not None]
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo(held)
+        child.report({"names": [h[0] for h in st._STATE.cuts.held], "dots": hlo.count(" dot(")})
+    """)
+    out = child.result(python(["-c", code], XLA_ENV))
+    assert out["names"] == ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc", "blocks.0.out"], out
+    assert out["dots"] == 4 + 2, out  # the 4 Linears, and SDPA's two products
 
 
 @pytest.mark.parametrize("name", work_split.MODELS + ["folded"])
