@@ -14,9 +14,9 @@ MODE: hand       the hand-written torch_xla SPMD loop: the model moved, its batc
                  2.9 raises ModuleNotFoundError (jax) in its SPMD backward unless torch_xla[pallas] is installed
       shim_scan  gpt only: shim, the same (the trainer runs it without jax)
 Prints one line RESULT {"compile_s": XLA's CompileTime over the first 3 steps (all graphs), "graphs": graphs
-compiled then, "first3_s": seconds from the first step's start to the third's end (tracing, compiles, runs),
-"step_s": median seconds of a steady step, "loss"}. A process per run: SPMD is one-way, and XLA's in-memory cache
-would hit. The same weights and batch in every mode of one workload and depth.
+compiled then, "each_s": each one's compile seconds in order, "first3_s": seconds from the first step's start to the
+third's end (tracing, compiles, runs), "step_s": median seconds of a steady step, "loss"}. A process per run: SPMD
+is one-way, and XLA's in-memory cache would hit. The same weights and batch in every mode of one workload and depth.
 """
 
 import json
@@ -134,7 +134,7 @@ def main(mode, depth, steps=10, workload="gpt"):
         loss = step()
     xm.wait_device_ops()
     first3 = time.perf_counter() - start
-    compile_ns = (met.metric_data("CompileTime") or (0, 0))[1]
+    _, compile_ns, each = met.metric_data("CompileTime") or (0, 0, [])
     graphs = met.counter_value("UncachedCompile") or 0
     times = []
     for _ in range(int(steps)):
@@ -143,6 +143,7 @@ def main(mode, depth, steps=10, workload="gpt"):
         xm.wait_device_ops()
         times.append(time.perf_counter() - start)
     print("RESULT " + json.dumps({"compile_s": compile_ns / 1e9, "graphs": graphs, "first3_s": first3,
+                                  "each_s": [round(ns / 1e9, 2) for _, ns in each],
                                   "step_s": statistics.median(times), "loss": float(loss.detach().cpu())}), flush=True)
 
 
