@@ -47,6 +47,9 @@ sys.path.insert(0, ROOT)  # seamless_tpu; bench/ itself (hlo.py) is on the path 
 TESTS_PATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # PYTHONPATH of the tests/ scripts run as workloads
 
 import hlo  # noqa: E402  (bench/hlo.py: what XLA compiled; the tests read dot FLOPs with it too)
+
+sys.path.insert(1, os.path.join(ROOT, "tests"))
+from child import FAST_COMPILES  # noqa: E402  (the tests' XLA flag, for the smoke run, which times nothing)
 THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
@@ -1785,7 +1788,7 @@ def main(argv=None):
         return CHILDREN[args.child[0]](*args.child[1:])
     s = Settings(args.smoke)
     if s.smoke:  # it times nothing: XLA compiles ~3x faster with LLVM's optimisations off (tests/child.py), same values
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILES}".strip()
     quiet = s.smoke or args.only  # a smoke run or sections alone must not overwrite the full results
     out = args.out or (None if quiet else os.path.join(ROOT, "bench", "RESULTS.md"))
     png = args.png or (None if quiet else os.path.join(ROOT, "bench", "step_times.png"))
