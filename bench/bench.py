@@ -1,7 +1,8 @@
 """What seamless_tpu costs, measured side by side in one run, with how much the run can resolve.
 
     ./dev.sh bench                      # every section: writes bench/RESULTS.md and bench/step_times.png
-    ./dev.sh bench --smoke              # a few steps of every section (CI); writes nothing unless --out is given
+    ./dev.sh bench --smoke [--jobs 2]   # a few steps of every section (CI: 2 sections at once); writes nothing
+                                        # unless --out is given
     ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd,
                                         # logging, eager_cpu, compiles, overhead, imports, ray, fsdp, compile,
                                         # accumulate, checkpoints, preemption, ddp, tp, work); writes nothing
@@ -24,6 +25,7 @@ comparison runs twice (run 1, run 2), in fresh processes.
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import glob
@@ -1778,6 +1780,7 @@ def main(argv=None):
         metavar="NAME",
         help=f"run these sections alone, of: {', '.join(SECTIONS)}; with --out, replace just them in that file",
     )
+    p.add_argument("--jobs", type=int, default=1, help="sections at once (--smoke only: they would time each other)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--workload", default="mlp", help=argparse.SUPPRESS)
@@ -1786,6 +1789,9 @@ def main(argv=None):
         return worker_main(args.worker, args.workload)
     if args.child:
         return CHILDREN[args.child[0]](*args.child[1:])
+    if args.jobs < 1 or (args.jobs > 1 and not args.smoke):
+        p.error(f"--jobs {args.jobs}: give 1, or more with --smoke alone (sections that run at once load each other's "
+                "timings); a smoke run times nothing")
     s = Settings(args.smoke)
     if s.smoke:  # it times nothing: XLA compiles ~3x faster with LLVM's optimisations off (tests/child.py), same values
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILES}".strip()
@@ -1796,11 +1802,20 @@ def main(argv=None):
     at = commit()
     started, load_before = time.time(), os.getloadavg()[0]
     results, blocks, headline, took = {}, {}, [], {}
+
+    def run(name):  # a section's work runs in child processes: threads are enough to run several at once
+        section_started, section_load = time.time(), os.getloadavg()[0]
+        return SECTIONS[name].run(s), time.time() - section_started, (section_load, os.getloadavg()[0])
+
+    pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
+    futures = {name: pool.submit(run, name) for name in names}
+    try:
+        ran = {name: futures[name].result() for name in names}  # the first failure, in order, ends the run
+    finally:
+        pool.shutdown(cancel_futures=True)
     for name in names:
-        section, section_started, section_load = SECTIONS[name], time.time(), os.getloadavg()[0]
-        results[name] = section.run(s)
-        took[name] = time.time() - section_started
-        line = provenance(name, at, s.smoke, bool(args.only), took[name], (section_load, os.getloadavg()[0]))
+        section, (results[name], took[name], section_load) = SECTIONS[name], ran[name]
+        line = provenance(name, at, s.smoke, bool(args.only), took[name], section_load)
         md, lines = section.render(results[name], s)
         blocks[name] = block(name, [f"## {section.heading}", "", line, "", *md])
         headline += lines
