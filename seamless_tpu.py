@@ -3088,10 +3088,9 @@ def _fmt_bytes(n):
 
 def _check_work(model, layout):
     """The guard for models nobody tried: on the first forward, hold the input and output of the first module of
-    each name pattern (layers.#.mlp.up_proj) that does matmuls, until the forward reaches a pattern's second module
-    (the first block's end: the graph that computes them is the forward up to there, not all of it, which cost a
-    quarter of the first run's compile on the seeds' 4-layer LoRA student; work lost only after the first block, at
-    a head, goes unnamed); once an optimizer step's cut has run that graph, read
+    each name pattern (layers.#.mlp.up_proj) that does matmuls, up to the first block's end (a pattern's second
+    module: the graph computing them is the forward up to there; the head's input took all of it, a quarter of a
+    4-layer LoRA student's first-run compile; work lost after the first block goes unnamed); once a step's cut ran, read
     how XLA split each (their sharding annotations: no transfer, compile or execution; that graph, new anyway, has
     them as outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them.
     An input that arrives whole counts: a block's mark can re-split the output of work computed whole (a GroupNorm
