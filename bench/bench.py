@@ -1280,12 +1280,14 @@ def gpu_saves_child(rounds, steps=10):
             times[name].append(block(name))
         quiet.append(times["trainer"][-1])
         for room in random.Random(r).sample([True, False], 2):  # without room the steps wait for the host copies
-            real = {k: getattr(torch.cuda, k) for k in no_room}
+            real, directory = {k: getattr(torch.cuda, k) for k in no_room}, tempfile.mkdtemp()
             vars(torch.cuda).update({} if room else no_room)
-            directory = tempfile.mkdtemp()
-            start = time.perf_counter()
-            future = trainer.save_checkpoint(directory, blocking=False, model=model, optimizer=optimizers["trainer"])
-            vars(torch.cuda).update(real)
+            try:
+                start = time.perf_counter()
+                future = trainer.save_checkpoint(directory, blocking=False, model=model,
+                                                 optimizer=optimizers["trainer"])
+            finally:
+                vars(torch.cuda).update(real)
             if room:
                 returns.append(time.perf_counter() - start)
             during.setdefault(room, []).append(block("trainer"))
@@ -1387,32 +1389,31 @@ def run_checkpoints(s):
 
 def render_checkpoints(result, s):
     seconds = statistics.median(p[0] for p in result["preempt"])
-    md = ["- SIGTERM to exit 0 with the checkpoint committed (tests/preempt.py, CPU, includes the next step and the "
-          f"save): {', '.join(f'{p[0]:.2f} s' for p in result['preempt'])}; committed: "
-          f"{all(p[1] for p in result['preempt'])}"]
     line = f"checkpoints: SIGTERM to exit with a committed checkpoint {seconds:.2f} s"
-    if "load" not in result:
-        md.insert(0, "- The XLA rows need torch_xla, which this host does not have.")
-    else:
-        md[:0] = ["| load (255 MB fsdp checkpoint, 4 XLA devices) | bytes read / checkpoint | peak growth / checkpoint "
-                  "| written |", "|---|---|---|---|"]
+    md = ["- The XLA rows need torch_xla, which this host does not have."]
+    if "load" in result:
+        md = ["| load (255 MB fsdp checkpoint, 4 XLA devices) | bytes read / checkpoint | peak growth / checkpoint "
+              "| written |", "|---|---|---|---|"]
         for phase, what in (("warm", "into a trained trainer"),
                             ("fresh", "into a new model and optimizer (beyond the state it makes)")):
             r = result["load"][phase]
             grown = r["rss_peak"] - (r["rss_before"] if phase == "warm" else max(r["rss_before"], r["rss_after"]))
-            md.insert(-1, f"| {what} | {r['read'] / r['checkpoint']:.3f} | {grown / r['checkpoint']:.3f} | "
-                          f"{r['written']} B |")
-        times, saving = result["saving"]["times"], result["saving"]
+            md.append(f"| {what} | {r['read'] / r['checkpoint']:.3f} | {grown / r['checkpoint']:.3f} | "
+                      f"{r['written']} B |")
+        saving = result["saving"]
+        times = saving["times"]
         base = statistics.median(times["plain"])
         ratio, floor = statistics.median(times["save in flight"]) / base, statistics.median(times[f"plain{AA}"]) / base
-        md[-1:-1] = ["", "| step time (85 MB MLP, AdamW, fsdp, 8-step blocks) | median s/step | ratio to plain |",
-                     "|---|---|---|", *(f"| {name} | {statistics.median(ts):.4f} | {statistics.median(ts) / base:.3f} |"
-                                        for name, ts in times.items()), ""]
+        md += ["", "| step time (85 MB MLP, AdamW, fsdp, 8-step blocks) | median s/step | ratio to plain |",
+               "|---|---|---|", *(f"| {name} | {statistics.median(ts):.4f} | {statistics.median(ts) / base:.3f} |"
+                                  for name, ts in times.items()), ""]
         line = (f"checkpoints: load reads {result['load']['warm']['read'] / result['load']['warm']['checkpoint']:.2f}x "
                 f"the checkpoint; step time with an async save in flight {ratio:.2f}x plain (A/A {floor:.2f}x; a "
                 f"blocking save takes {saving['blocking_save_s']:.2f} s; {saving['in_flight_blocks']} blocks ended "
                 f"with the save still writing); SIGTERM to exit with a committed checkpoint {seconds:.2f} s")
-    md.append(f"- {line}")
+    md += ["- SIGTERM to exit 0 with the checkpoint committed (tests/preempt.py, CPU, includes the next step and the "
+           f"save): {', '.join(f'{p[0]:.2f} s' for p in result['preempt'])}; committed: "
+           f"{all(p[1] for p in result['preempt'])}", f"- {line}"]
     lines = [line]
     if "gpu" in result:  # CUDA hosts only
         g = result["gpu"]
