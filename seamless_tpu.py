@@ -3141,10 +3141,11 @@ def _check_work(model, layout):
     if devices > 1:
         for module, name in names.items():
             if isinstance(module, _MATMULS):
-                counts[_name_pattern(name)] += 1
-                if counts[_name_pattern(name)] == 1:
+                pattern = _name_pattern(name)
+                counts[pattern] += 1
+                if counts[pattern] == 1:
                     handles.append(module.register_forward_hook(_owned(module, hold)))
-                elif counts[_name_pattern(name)] == 2:
+                elif counts[pattern] == 2:
                     handles.append(module.register_forward_pre_hook(_owned(module, first_block_done)))
         handles.append(model.register_forward_hook(_owned(model, first_forward_done)))
 
