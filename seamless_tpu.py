@@ -1751,9 +1751,11 @@ def _to_xla(tensor, device, sharding):
 
 def _mark_sharding(tensor, mesh, spec=None):
     """The one place a tensor gets an XLA sharding: `mesh` with a partition `spec`, or an OpSharding alone. A tensor
-    an async step still computes raises "Data does not present on any device": only then, wait once and retry."""
-    annotate = (functools.partial(_import("torch_xla")._XLAC._xla_mark_sharding, tensor, mesh) if spec is None
-                else functools.partial(_import("torch_xla.distributed.spmd").mark_sharding, tensor, mesh, spec))
+    an async step still computes raises "Data does not present on any device": only then, wait once and retry.
+    Not through xs.mark_sharding: it tries to import torchax and jax on every call (2.4 ms each, where neither is
+    installed), which block marks pay on every forward; the mesh caches its OpSharding per spec."""
+    sharding = mesh if spec is None else mesh.get_op_sharding(tuple(spec))
+    annotate = functools.partial(_import("torch_xla")._XLAC._xla_mark_sharding, tensor, sharding)
     try:
         annotate()
     except RuntimeError as e:

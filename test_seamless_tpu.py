@@ -712,9 +712,8 @@ def test_resharding_waits_for_data_a_running_step_still_computes(fake, monkeypat
                 == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
             )
         assert fake.events.count(("wait_device_ops",)) == 1, (how, fake.events)
-    xs = fake.modules["torch_xla.distributed.spmd"]
     broken = RuntimeError("Check failed: mesh mismatch")
-    monkeypatch.setattr(xs, "mark_sharding", lambda *a: (_ for _ in ()).throw(broken))
+    monkeypatch.setattr(fake.modules["torch_xla"]._XLAC, "_xla_mark_sharding", lambda *a: (_ for _ in ()).throw(broken))
     with pytest.raises(RuntimeError) as raised:
         st.SeamlessTPUTrainer(torch.nn.Linear(4, 4), strategy="fsdp")
     assert raised.value is broken

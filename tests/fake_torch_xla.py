@@ -196,6 +196,9 @@ class FakeXLA:
             def shape(self):
                 return OrderedDict(zip(self.axis_names or range(len(self.mesh_shape)), self.mesh_shape))
 
+            def get_op_sharding(self, partition_spec):  # an OpSharding in torch_xla; its text stands in for it here
+                return fx._sharding_text(self, partition_spec)
+
         class ShardingSpec:
             def __init__(self, mesh, partition_spec, minibatch=False):
                 self.mesh, self.partition_spec, self.minibatch = mesh, tuple(partition_spec), minibatch
