@@ -896,12 +896,25 @@ def _xla_matmul(input, other):
     (B, H, T, d) attention product became (B*H, T, d), of which GSPMD kept one of two splits (Qwen3 on a 2 x 2 mesh:
     1/2 of attention's products per device); linear, which torch lowers to matmul on XLA, folded (T, B, E) batches
     into T*B rows. Kept batch-first too, where the fold keeps the split: one lowering for every layout, its compile
-    cost within the noise of bench 'compile'."""
-    if input.dim() >= 3 and other.dim() == 2:
-        return torch.einsum("...n,nm->...m", input, other)
-    if input.dim() >= 3 and input.shape[:-2] == other.shape[:-2]:
-        return torch.einsum("...ij,...jk->...ik", input, other)
-    return _torch_path("matmul")(input, other)
+    cost within the noise of bench 'compile'. Called as our einsum kernel directly: through torch.einsum and the
+    dispatcher, each product traced in 2x the time."""
+    if input.dim() >= 3 and other.dim() >= 2 and input.shape[-1] == other.shape[-2] and input.dtype == other.dtype:
+        if other.dim() == 2:
+            return _xla_einsum("...n,nm->...m", (input, other))
+        if input.shape[:-2] == other.shape[:-2]:
+            return _xla_einsum("...ij,...jk->...ik", (input, other))
+    return _torch_path("matmul")(input, other)  # and torch's error, not einsum's
+
+
+def _xla_linear(input, weight, bias=None):
+    """linear on > 2-D inputs as one dot that contracts the weight's dim 1, then the bias: torch's composite
+    transposes the weight and calls matmul, which comes here anyway (half the tracing time per call, which a LoRA
+    model's many small Linears pay on every step). 2-D inputs stay torch_xla's addmm, which keeps the split."""
+    if (input.dim() < 3 or weight.dim() != 2 or input.shape[-1] != weight.shape[1] or weight.dtype != input.dtype
+            or bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != input.dtype)):  # torch's error
+        return _torch_path("linear")(input, weight, bias)
+    y = _xla_einsum("...n,mn->...m", (input, weight))
+    return y if bias is None else y + bias
 
 
 def _computation_dtype(x):
@@ -912,8 +925,8 @@ def _computation_dtype(x):
 def _statistics(x, dims, eps):
     """(x in the computation dtype, its mean over `dims`, 1 / sqrt(var + eps)), as torch's kernels compute them."""
     x = x.to(_computation_dtype(x))
-    mean = x.mean(dims, keepdim=True)
-    return x, mean, torch.rsqrt((x - mean).square().mean(dims, keepdim=True) + eps)
+    var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)  # one op on XLA (as mean, square, mean: 4)
+    return x, mean, torch.rsqrt(var + eps)
 
 
 def _normalized(x, dims, eps):
@@ -922,8 +935,9 @@ def _normalized(x, dims, eps):
 
 
 def _affine(y, weight, bias, shape, dtype):
-    y = y if weight is None else y * weight.view(shape)
-    return (y if bias is None else y + bias.view(shape)).to(dtype)
+    # A view only where the shapes differ: each op traced costs ~20-50 us a call on every step
+    y = y if weight is None else y * (weight if weight.shape == shape else weight.view(shape))
+    return (y if bias is None else y + (bias if bias.shape == shape else bias.view(shape))).to(dtype)
 
 
 def _xla_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
@@ -1305,7 +1319,7 @@ def _torch_path(op):
     return getattr(torch.ops.aten, op).default.decompose
 
 
-_HANDS_BACK = {"matmul", "einsum", "layer_norm", "batch_norm", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+_HANDS_BACK = {"matmul", "linear", "einsum", "layer_norm", "batch_norm", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
                "conv1d", "conv2d", "conv3d", "grid_sampler", "kl_div"}
 
 
@@ -1322,21 +1336,24 @@ def _xla_einsum(equation, tensors, *, path=None):
     differentiates again (torch_xla's backward is a C++ function: a second derivative through it was silently 0).
     Three or more, a subscript twice in an operand, broadcasting, torch.func: torch's composite (its bmm folds the
     batch dims)."""
-    subs = len(tensors) == 2 and not _transformed(*tensors) and _einsum_subscripts(equation, *tensors)
+    subs = (len(tensors) == 2 and tensors[0].dtype == tensors[1].dtype and not _transformed(*tensors)
+            and _einsum_subscripts(equation, tensors[0].shape, tensors[1].shape))
     if not subs:
         return _torch_path("einsum")(equation, tensors, path=path)
     return _Einsum.apply(subs, *tensors)
 
 
+@functools.lru_cache(maxsize=4096)  # per equation and shapes: parsing took a fifth of an einsum's tracing time
 def _einsum_subscripts(equation, a, b):
-    """((subscripts of a, of b), of the output), ellipses spelled out, if each operand's subscripts match its dims,
-    none repeats within one, and a shared one has one size; else None, and torch's path decides (or raises)."""
+    """((subscripts of an operand of shape a, of b), of the output), ellipses spelled out, if each operand's
+    subscripts match its dims, none repeats within one, and a shared one has one size; else None, and torch's path
+    decides (or raises)."""
     inputs, arrow, out = equation.replace(" ", "").partition("->")
     subs = inputs.split(",")
     spare = [c for c in string.ascii_letters if c not in equation]
-    if len(subs) != 2 or a.dtype != b.dtype or "..." in out and "..." not in inputs:
+    if len(subs) != 2 or "..." in out and "..." not in inputs:
         return None
-    widths = [t.dim() - len(s.replace("...", "")) for s, t in zip(subs, (a, b))]
+    widths = [len(t) - len(s.replace("...", "")) for s, t in zip(subs, (a, b))]
     n = max(widths)
     subs = [s.replace("...", "".join(spare[n - w:n])) for s, w in zip(subs, widths)]
     if not arrow:  # implicit: the ellipsis, then the subscripts used once, sorted
@@ -1346,7 +1363,7 @@ def _einsum_subscripts(equation, a, b):
         return None
     sizes = {}
     for s, t in zip(subs, (a, b)):
-        if len(s) != t.dim() or len(set(s)) < len(s) or any(sizes.setdefault(c, m) != m for c, m in zip(s, t.shape)):
+        if len(s) != len(t) or len(set(s)) < len(s) or any(sizes.setdefault(c, m) != m for c, m in zip(s, t)):
             return None
     return (tuple(subs), out) if len(set(out)) == len(out) and set(out) <= set(sizes) else None
 
@@ -1371,35 +1388,44 @@ def _dot_general(subs, a, b):
     AutogradXLA key, which ours replaces, and the XLA key's einsum is torch's folding composite): subscripts in both
     operands and the output are its batch dims, in both only its contracted dims; one operand's own are summed
     first where the output lacks them."""
+    sum_a, sum_b, dims, order = _dot_plan(subs)
+    y = _import("torch_xla")._XLAC._xla_dot_general(a.sum(sum_a) if sum_a else a, b.sum(sum_b) if sum_b else b, dims)
+    # Not a view: a Function's output that is one refuses in-place ops (matmul's squeeze_ of a vector's product)
+    return y if order is None else y.permute(order).clone()
+
+
+@functools.lru_cache(maxsize=4096)
+def _dot_plan(subs):
+    """For _dot_general: each operand's dims summed first, the dot's dims, the permutation to the output's order."""
     (sa, sb), out = subs
-    a, sa = _summed_out(a, sa, sb + out)
-    b, sb = _summed_out(b, sb, sa + out)
+    sum_a, sa = _summed_out(sa, sb + out)
+    sum_b, sb = _summed_out(sb, sa + out)
     batch, contracted = [c for c in sa if c in sb and c in out], [c for c in sa if c in sb and c not in out]
     dims = (([sa.index(c) for c in contracted], [sb.index(c) for c in contracted]),
             ([sa.index(c) for c in batch], [sb.index(c) for c in batch]))
-    y = _import("torch_xla")._XLAC._xla_dot_general(a, b, dims)
     got = "".join(batch) + "".join(c for c in sa if c not in sb) + "".join(c for c in sb if c not in sa)
-    # Not a view: a Function's output that is one refuses in-place ops (matmul's squeeze_ of a vector's product)
-    return y if got == out else y.permute([got.index(c) for c in out]).clone()
+    return sum_a, sum_b, dims, None if got == out else [got.index(c) for c in out]
 
 
-def _summed_out(t, subs, others):
-    lonely = [i for i, c in enumerate(subs) if c not in others]
-    return (t.sum(lonely), "".join(c for c in subs if c in others)) if lonely else (t, subs)
+def _summed_out(subs, others):
+    return [i for i, c in enumerate(subs) if c not in others], "".join(c for c in subs if c in others)
 
 
 def _einsum_grad(grad, out, other, other_subs, target, subs):
     """The gradient of an operand: an einsum of the output's gradient with the other operand (which is _Einsum
     again), spread along the subscripts that only this operand had (their sum's gradient is the same everywhere)."""
     kept = "".join(c for c in subs if c in out + other_subs)
-    g = torch.einsum(f"{out},{other_subs}->{kept}", grad, other)
+    if torch.is_grad_enabled() or _transformed(grad, other):  # create_graph, vmap: an einsum that differentiates
+        g = torch.einsum(f"{out},{other_subs}->{kept}", grad, other)
+    else:  # the dot alone: no graph to build (a third of the tracing time)
+        g = _dot_general(((out, other_subs), kept), grad, other)
     return g if kept == subs else g.reshape([m if c in kept else 1 for c, m in zip(subs, target.shape)]).expand_as(
         target)
 
 
 _XLA_KERNELS = {
     # 7b: GSPMD kept the batch split
-    "matmul": _xla_matmul, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
+    "matmul": _xla_matmul, "linear": _xla_linear, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
     "batch_norm": _xla_batch_norm, **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
     **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
     "upsample_linear1d.vec": _resize_kernel(1, "linear", True),

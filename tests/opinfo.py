@@ -24,6 +24,7 @@ import child
 # reaches the matmul kernel. 1-D adaptive pooling and mode="area" are the 2-D and 3-D kernels underneath.
 OPINFO_NAMES = {
     "matmul": ["matmul", "nn.functional.linear", "nn.functional.scaled_dot_product_attention"],
+    "linear": ["nn.functional.linear"],
     "layer_norm": ["nn.functional.layer_norm"],
     "group_norm": ["nn.functional.group_norm"],
     "batch_norm": ["nn.functional.batch_norm", "nn.functional.instance_norm"],
