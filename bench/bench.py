@@ -1191,12 +1191,13 @@ def run_compile(s):
 
 def render_compile(runs, s):
     md = ["Compile seconds: XLA's CompileTime over the first 3 steps, all graphs; first 3 steps: wall seconds from the "
-          "first step's start to the third's end; step: the steady step. Ratios to the hand-written one-sync loop of "
-          "the same round; [min, max] over the rounds. gpt: an SDPA GPT of that many blocks; kd: the seeds' workload "
-          "(a Qwen3 student of that many layers with LoRA on q/k/v/o, a frozen teacher, F.kl_div at T=2); seed: "
-          "their loop, a sync after the teacher's forward, the backward and the step.", "",
+          "first step's start to the third's end; step: the steady step, and its tracing alone (until the step's "
+          "sync returns: the Python side, the lowerings' included; the graph then runs). Ratios to the hand-written "
+          "one-sync loop of the same round; [min, max] over the rounds. gpt: an SDPA GPT of that many blocks; kd: the "
+          "seeds' workload (a Qwen3 student of that many layers with LoRA on q/k/v/o, a frozen teacher, F.kl_div at "
+          "T=2); seed: their loop, a sync after the teacher's forward, the backward and the step.", "",
           "| workload | depth | loop | graphs | compile s (median) | compile / hand [min, max] | first 3 steps s | "
-          "step ms (median) | step / hand |", "|---|---|---|---|---|---|---|---|---|"]
+          "step ms (median) | step / hand [min, max] | tracing ms (median) |", "|---" * 10 + "|"]
     headline = []
     for key in sorted({k.rsplit("/", 1)[0] for k in runs}, key=lambda k: (k.split("/")[0], int(k.split("/")[1]))):
         workload, depth = key.split("/")
@@ -1209,10 +1210,12 @@ def render_compile(runs, s):
                       f"{statistics.median(r['compile_s'] for r in rs):.1f} | "
                       f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}] | "
                       f"{statistics.median(r['first3_s'] for r in rs):.1f} | "
-                      f"{statistics.median(r['step_s'] for r in rs) * 1e3:.0f} | {statistics.median(steps):.2f} |")
+                      f"{statistics.median(r['step_s'] for r in rs) * 1e3:.0f} | {statistics.median(steps):.2f} "
+                      f"[{min(steps):.2f}, {max(steps):.2f}] | "
+                      f"{statistics.median(r['trace_s'] for r in rs) * 1e3:.0f} |")
             if mode == "shim":
                 line = (f"compile {workload} {depth}: shim / hand {statistics.median(ratios):.2f} "
-                        f"[{min(ratios):.2f}, {max(ratios):.2f}]")
+                        f"[{min(ratios):.2f}, {max(ratios):.2f}] (steady step {statistics.median(steps):.2f})")
                 if workload == "kd":
                     seed = [r["compile_s"] / e["compile_s"] for r, e in zip(rs, runs[f"{key}/seed"])]
                     line += f", shim / seed {statistics.median(seed):.2f} [{min(seed):.2f}, {max(seed):.2f}]"

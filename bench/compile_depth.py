@@ -15,7 +15,8 @@ MODE: hand       the hand-written torch_xla SPMD loop: the model moved, its batc
       shim_scan  gpt only: shim, the same (the trainer runs it without jax)
 Prints one line RESULT {"compile_s": XLA's CompileTime over the first 3 steps (all graphs), "graphs": graphs
 compiled then, "each_s": each one's compile seconds in order, "first3_s": seconds from the first step's start to the
-third's end (tracing, compiles, runs), "step_s": median seconds of a steady step, "loss"}. A process per run: SPMD
+third's end (tracing, compiles, runs), "step_s": median seconds of a steady step, "trace_s": of its tracing alone
+(until the step's sync returns; the graph then runs), "loss"}. A process per run: SPMD
 is one-way, and XLA's in-memory cache would hit. The same weights and batch in every mode of one workload and depth.
 """
 
@@ -136,15 +137,17 @@ def main(mode, depth, steps=10, workload="gpt"):
     first3 = time.perf_counter() - start
     _, compile_ns, each = met.metric_data("CompileTime") or (0, 0, [])
     graphs = met.counter_value("UncachedCompile") or 0
-    times = []
+    times, traced = [], []
     for _ in range(int(steps)):
         start = time.perf_counter()
         loss = step()
+        traced.append(time.perf_counter() - start)
         xm.wait_device_ops()
         times.append(time.perf_counter() - start)
     print("RESULT " + json.dumps({"compile_s": compile_ns / 1e9, "graphs": graphs, "first3_s": first3,
                                   "each_s": [round(ns / 1e9, 2) for _, ns in each],
-                                  "step_s": statistics.median(times), "loss": float(loss.detach().cpu())}), flush=True)
+                                  "step_s": statistics.median(times), "trace_s": statistics.median(traced),
+                                  "loss": float(loss.detach().cpu())}), flush=True)
 
 
 if __name__ == "__main__":
