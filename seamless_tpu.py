@@ -892,12 +892,10 @@ def _patch_torch_for_xla():
 
 
 def _xla_matmul(input, other):
-    """Batched (equal batch shapes) or > 2-D by a matrix: an einsum, where torch folds the batch dims into one. A
-    (B, H, T, d) attention product became (B*H, T, d), of which GSPMD kept one of two splits (Qwen3 on a 2 x 2 mesh:
-    1/2 of attention's products per device); linear, which torch lowers to matmul on XLA, folded (T, B, E) batches
-    into T*B rows. Kept batch-first too, where the fold keeps the split: one lowering for every layout, its compile
-    cost within the noise of bench 'compile'. Called as our einsum kernel directly: through torch.einsum and the
-    dispatcher, each product traced in 2x the time."""
+    """Batched (equal batch shapes) or > 2-D by a matrix: our einsum kernel (called directly: through torch.einsum,
+    2x the tracing), where torch folds the batch dims into one: a (B, H, T, d) attention product became (B*H, T, d),
+    of which GSPMD kept one of two splits (Qwen3 on 2 x 2 devices: 1/2 of attention's products per device), a (T, B,
+    E) input T*B rows. Batch-first too, where the fold keeps the split: one lowering for every layout."""
     if input.dim() >= 3 and other.dim() >= 2 and input.shape[-1] == other.shape[-2] and input.dtype == other.dtype:
         if other.dim() == 2:
             return _xla_einsum("...n,nm->...m", (input, other))
@@ -907,9 +905,8 @@ def _xla_matmul(input, other):
 
 
 def _xla_linear(input, weight, bias=None):
-    """linear on > 2-D inputs as one dot that contracts the weight's dim 1, then the bias: torch's composite
-    transposes the weight and calls matmul, which comes here anyway (half the tracing time per call, which a LoRA
-    model's many small Linears pay on every step). 2-D inputs stay torch_xla's addmm, which keeps the split."""
+    """> 2-D inputs: one dot contracting the weight's dim 1, then the bias (torch's composite transposed the weight
+    for the matmul kernel: 2x the tracing a call, which a LoRA model's many Linears pay each step). 2-D: addmm."""
     if (input.dim() < 3 or weight.dim() != 2 or input.shape[-1] != weight.shape[1] or weight.dtype != input.dtype
             or bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != input.dtype)):  # torch's error
         return _torch_path("linear")(input, weight, bias)
