@@ -8,13 +8,19 @@ A child reports to its test in one way: child.report(obj) prints one line `RESUL
 it with child.result(out.stdout).
 """
 
+import atexit
 import contextlib
 import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+
+import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -50,7 +56,54 @@ _env = env  # the functions below take an `env` argument
 
 def popen(args, *, env=None, cwd=ROOT, **kwargs):
     """Start `python ARGS` in `cwd` with `env` (default: env()); kwargs go to subprocess.Popen."""
-    return subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=_env() if env is None else env, **kwargs)
+    env = _env() if env is None else env
+    return subprocess.Popen(command(args, env), cwd=cwd, env=env, **kwargs)
+
+
+def command(args, env):
+    """The command line of `python ARGS` in `env`: for an XLA child (a script, PJRT_DEVICE=CPU), the same run by a
+    fork of a server that imported torch and torch_xla in that environment (tests/zygote.py: ~10 s of CPU less a
+    child), unless SEAMLESS_TPU_TEST_COLD=1."""
+    args = [str(a) for a in args]
+    if env.get("PJRT_DEVICE") != "CPU" or not args[0].endswith(".py") or os.environ.get("SEAMLESS_TPU_TEST_COLD"):
+        return [sys.executable, *args]
+    return [sys.executable, zygote.__file__, "run", _server(env), *args]
+
+
+_SERVERS = {}  # {the environment but its late names: (the server process, its socket)}, at most 3 alive
+_SERVERS_LOCK = threading.Lock()  # the bench's smoke run starts children from 2 threads
+
+
+def _server(env):
+    with _SERVERS_LOCK:
+        return _start_server(env)
+
+
+def _start_server(env):
+    key = tuple(sorted((k, v) for k, v in env.items() if not zygote.late(k)))
+    if key in _SERVERS and _SERVERS[key][0].poll() is None:
+        return _SERVERS[key][1]
+    while len(_SERVERS) >= 3:
+        _stop(*_SERVERS.pop(next(iter(_SERVERS))))
+    path = os.path.join(tempfile.mkdtemp(prefix="zygote"), "socket")
+    proc = subprocess.Popen([sys.executable, zygote.__file__, "serve", path], cwd=ROOT, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    if proc.stdout.readline().strip() != b"READY":
+        raise RuntimeError(f"tests/zygote.py serve exited {proc.wait()} before it was ready")
+    _SERVERS[key] = proc, path
+    return path
+
+
+def _stop(proc, path):
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+@atexit.register
+def _stop_all():
+    for server in _SERVERS.values():
+        _stop(*server)
 
 
 def report(obj):
@@ -80,8 +133,8 @@ def assert_ok(returncode, stdout, stderr, what="child"):
 
 def run(args, *, env=None, timeout, cwd=ROOT, check=True):
     """Run `python ARGS` to the end, output captured as text; with `check`, a failure fails the test."""
-    out = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=_env() if env is None else env,
-                         capture_output=True, text=True, timeout=timeout)
+    env = _env() if env is None else env
+    out = subprocess.run(command(args, env), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert_ok(out.returncode, out.stdout, out.stderr, f"python {' '.join(map(str, args))[:200]}")
     return out

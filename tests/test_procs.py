@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import textwrap
+import time
 
 import pytest
 import torch
@@ -545,3 +546,46 @@ def test_an_optimizer_only_rank_0_steps_neither_hangs_nor_splits_the_agreement(t
     stops = {result["stopped_at"] for _, _, result, _ in outs}
     assert len(stops) == 1 and 4 <= stops.pop() <= 4 + 2 * st.AGREE_MAX_STEPS, outs
 
+
+
+PROBE = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+print(sys.argv[1:], os.environ.get("SEAMLESS_TPU_PROBE"), os.getcwd(), os.getpid(), flush=True)
+print("to stderr", file=sys.stderr)
+if sys.argv[1] == "raise":
+    raise ValueError("the probe's error")
+if sys.argv[1] == "wait":
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_warm_xla_child_runs_ends_and_dies_as_a_cold_one(tmp_path, monkeypatch):
+    """tests/zygote.py, which forks the tests' XLA children from a server that imported torch and torch_xla: a fork
+    sees its arguments, late environment and working directory, prints, exits (a code, an exception's traceback) as a
+    child started cold; a SIGTERM to the stand-in reaches its handler; a stand-in killed (a timeout) takes its fork."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = child.env(**child.XLA_ENV, SEAMLESS_TPU_PROBE=str(tmp_path))
+    assert child.command([script], env)[1] == child.zygote.__file__
+    runs = {}
+    for cold in ("1", ""):
+        monkeypatch.setenv("SEAMLESS_TPU_TEST_COLD", cold)
+        runs[cold] = [child.run([script, mode], env=env, cwd=tmp_path, timeout=120, check=False)
+                      for mode in ("0", "3", "raise")]
+    for cold, warm in zip(runs["1"], runs[""]):
+        assert (warm.returncode, warm.stderr) == (cold.returncode, cold.stderr), (warm, cold)
+        assert warm.stdout.split()[:-1] == cold.stdout.split()[:-1] != [], (warm.stdout, cold.stdout)  # but the pid
+    assert runs[""][1].returncode == 3 and "ValueError: the probe's error" in runs[""][2].stderr
+    for kill in (False, True):
+        proc = child.popen([script, "wait"], env=env, stdout=subprocess.PIPE, text=True)
+        pid = int(proc.stdout.readline().split()[-1])
+        assert pid != proc.pid  # the fork, not its stand-in
+        proc.kill() if kill else proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == (-signal.SIGKILL if kill else 7)
+        for _ in range(100):  # the server reaps its fork
+            if not os.path.exists(f"/proc/{pid}"):
+                break
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}"), f"the fork {pid} outlived its stand-in"
