@@ -51,7 +51,7 @@ TESTS_PATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # PYTHONPATH 
 import hlo  # noqa: E402  (bench/hlo.py: what XLA compiled; the tests read dot FLOPs with it too)
 
 sys.path.insert(1, os.path.join(ROOT, "tests"))
-from child import FAST_COMPILES  # noqa: E402  (the tests' XLA flag, for the smoke run, which times nothing)
+import child  # noqa: E402  (its XLA flag and warm starts, for the smoke run, which times nothing)
 THREADS = 1
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
 EAGER_ENV = {"USE_TORCH_XLA": "0"}  # accelerate otherwise moves to XLA whenever torch_xla is installed
@@ -88,11 +88,18 @@ def result(stdout, what):
     return json.loads(found[0])
 
 
+WARM = []  # [True] in a smoke run: its XLA children start warm (tests/zygote.py), ~10 s of CPU less each
+
+
+def python(args, env):
+    """The command line of `python ARGS` in `env`: a fresh interpreter, or in a smoke run a warm XLA child."""
+    return child.command(args, env) if WARM else [sys.executable, *map(str, args)]
+
+
 def run_script(args, env, timeout=600):
     """What `python ARGS`, run from the repository root, report()ed; a failure raises with its stderr."""
     what = " ".join(map(str, args))
-    out = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(python(args, env), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode:
         raise RuntimeError(f"{what} exited {out.returncode}:\n{out.stderr[-3000:]}")
     return result(out.stdout, what)
@@ -451,7 +458,7 @@ class Worker:
         env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
         env.pop("SEAMLESS_TPU_DEVICE", None)
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--workload", workload],
+        self.proc = subprocess.Popen(python([__file__, "--worker", name, "--workload", workload], env),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
     def send(self, cmd):
@@ -1798,7 +1805,8 @@ def main(argv=None):
                 "timings); a smoke run times nothing")
     s = Settings(args.smoke)
     if s.smoke:  # it times nothing: XLA compiles ~3x faster with LLVM's optimisations off (tests/child.py), same values
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILES}".strip()
+        WARM.append(True)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {child.FAST_COMPILES}".strip()
     quiet = s.smoke or args.only  # a smoke run or sections alone must not overwrite the full results
     out = args.out or (None if quiet else os.path.join(ROOT, "bench", "RESULTS.md"))
     png = args.png or (None if quiet else os.path.join(ROOT, "bench", "step_times.png"))
