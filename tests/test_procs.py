@@ -547,7 +547,6 @@ def test_an_optimizer_only_rank_0_steps_neither_hangs_nor_splits_the_agreement(t
     assert len(stops) == 1 and 4 <= stops.pop() <= 4 + 2 * st.AGREE_MAX_STEPS, outs
 
 
-
 PROBE = """
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))

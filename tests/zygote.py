@@ -1,7 +1,7 @@
 """Warm starts for the tests' XLA children: a server that has imported torch and torch_xla forks each child from
 itself, so a child skips the ~10 s of CPU those imports cost (torch ~4 s, torch_xla ~6 s: its import pulls in
-torch._dynamo and inductor), most of a short scenario's time on CI's 2 cores. tests/child.py uses it for XLA
-children; nothing else does.
+torch._dynamo and inductor), most of a short scenario's time on CI's 2 cores. tests/child.py's command() uses it
+for XLA children: the tests', and the bench's in a smoke run (bench.py's python()).
 
     python tests/zygote.py serve SOCKET           # import torch and torch_xla, then fork a child per request
     python tests/zygote.py run SOCKET SCRIPT ARGS  # a child: SCRIPT ARGS, run by a fork of the server
