@@ -2557,7 +2557,8 @@ class _Preemption:
         if self.previous is not None and "preemption" not in _STATE.optimizer_hooks:
             self.group = _agreement_group()
             _add_step_hook("preemption", "post", self._after_step)
-            if self.group is not None:
+            if self.group is not None:  # whole on every process before any goes on: gloo meets each peer in the
+                self.group.barrier().wait()  # background, and one that ended first broke a slower one's mesh
                 atexit.register(self.settle)
 
     def close(self):  # _reset_caches: the previous handler is back, and the held exit no longer applies

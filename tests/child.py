@@ -153,8 +153,13 @@ def run_together(commands, *, timeout, cwd=ROOT, stderr=False):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+    failed = []
     for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert_ok(p.returncode, out, err, f"process {i} of {len(procs)}")
+        try:
+            assert_ok(p.returncode, out, err, f"process {i} of {len(procs)}")
+        except AssertionError as e:
+            failed.append(str(e))
+    assert not failed, "\n\n".join(failed)  # every one: the first to fail is often not process 0
     return outs if stderr else [out for out, _ in outs]
 
 

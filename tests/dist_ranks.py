@@ -9,6 +9,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -575,10 +576,48 @@ def exit_while_the_agreement_is_in_flight(out_dir):
     return {"in_flight": st._STATE.preemption.pending is not None}
 
 
+class SlowStore(dist.Store):
+    """A FileStore whose first read after each write waits 1 s: its process is the slow peer of every group made
+    over it, still meeting the others after they have read its address (and, in gloo, already met it)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.wrote = inner, False
+
+    def set(self, key, value):
+        self.wrote = True
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        if self.wrote:
+            self.wrote = False
+            time.sleep(1)
+        return self.inner.get(key)
+
+
+for _name in ("add", "wait", "check", "compare_set", "delete_key", "num_keys", "set_timeout"):  # the FileStore's
+    setattr(SlowStore, _name, lambda self, *args, _name=_name: getattr(self.inner, _name)(*args))
+
+
+def peers_end_first(out_dir):
+    """Rank 0 (its store a SlowStore) is still making its trainer's SIGTERM agreement group when the other ranks
+    end theirs, as processes that end right after making their trainer (no collective since) do: 4 groups in a
+    row, each from a trainer of its own. In gloo each pair meets in the background, and ~2 in 3 groups of 3 have
+    a peer that met rank 0 first: its end broke rank 0's mesh ("Connection closed by peer")."""
+    for _ in range(4):
+        st.SeamlessTPUTrainer(torch.nn.Linear(1, 1), device="cpu")
+        if dist.get_rank() != 0:
+            dist.destroy_process_group(st._STATE.preemption.group)
+        st._reset_caches()
+    return {"groups": 4}
+
+
 if __name__ == "__main__":
     case, rank, world, store, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    store = dist.FileStore(store, world)
+    store = SlowStore(store) if case == "peers_end_first" and rank == 0 else store
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         child.report(globals()[case](out_dir))
     finally:
