@@ -88,7 +88,7 @@ def result(stdout, what):
     return json.loads(found[0])
 
 
-WARM = []  # [True] in a smoke run: its XLA children start warm (tests/zygote.py), ~10 s of CPU less each
+WARM = False  # True in a smoke run: its XLA children start warm (tests/zygote.py), ~10 s of CPU less each
 
 
 def python(args, env):
@@ -1777,6 +1777,7 @@ def write_sections(path, new, header_block):
 
 
 def main(argv=None):
+    global WARM
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few steps of everything, for CI")
     p.add_argument(
@@ -1805,7 +1806,7 @@ def main(argv=None):
                 "timings); a smoke run times nothing")
     s = Settings(args.smoke)
     if s.smoke:  # it times nothing: XLA compiles ~3x faster with LLVM's optimisations off (tests/child.py), same values
-        WARM.append(True)
+        WARM = True
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {child.FAST_COMPILES}".strip()
     quiet = s.smoke or args.only  # a smoke run or sections alone must not overwrite the full results
     out = args.out or (None if quiet else os.path.join(ROOT, "bench", "RESULTS.md"))

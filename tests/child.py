@@ -75,23 +75,20 @@ _SERVERS_LOCK = threading.Lock()  # the bench's smoke run starts children from 2
 
 
 def _server(env):
-    with _SERVERS_LOCK:
-        return _start_server(env)
-
-
-def _start_server(env):
+    """The socket of a live server for `env` (but its late names), started if there is none."""
     key = tuple(sorted((k, v) for k, v in env.items() if not zygote.late(k)))
-    if key in _SERVERS and _SERVERS[key][0].poll() is None:
-        return _SERVERS[key][1]
-    while len(_SERVERS) >= 3:
-        _stop(*_SERVERS.pop(next(iter(_SERVERS))))
-    path = os.path.join(tempfile.mkdtemp(prefix="zygote"), "socket")
-    proc = subprocess.Popen([sys.executable, zygote.__file__, "serve", path], cwd=ROOT, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    if proc.stdout.readline().strip() != b"READY":
-        raise RuntimeError(f"tests/zygote.py serve exited {proc.wait()} before it was ready")
-    _SERVERS[key] = proc, path
-    return path
+    with _SERVERS_LOCK:
+        if key in _SERVERS and _SERVERS[key][0].poll() is None:
+            return _SERVERS[key][1]
+        while len(_SERVERS) >= 3:
+            _stop(*_SERVERS.pop(next(iter(_SERVERS))))
+        path = os.path.join(tempfile.mkdtemp(prefix="zygote"), "socket")
+        proc = subprocess.Popen([sys.executable, zygote.__file__, "serve", path], cwd=ROOT, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        if proc.stdout.readline().strip() != b"READY":
+            raise RuntimeError(f"tests/zygote.py serve exited {proc.wait()} before it was ready")
+        _SERVERS[key] = proc, path
+        return path
 
 
 def _stop(proc, path):
