@@ -10,6 +10,7 @@ MODE: hand       the hand-written torch_xla SPMD loop: the model moved, its batc
       shim       the same loop through SeamlessTPUTrainer
       seed       kd only: the seeds' own loop, hand-written with a sync after the teacher's forward, the backward and
                  the optimizer's step (their xla_mark_step(), torch_xla.sync() today)
+      hand_cut   hand, with a sync between the backward and the optimizer's step (the seed's second cut alone)
       hand_scan  gpt only: hand, with the blocks run by torch_xla's scan_layers (one block traced, looped): torch_xla
                  2.9 raises ModuleNotFoundError (jax) in its SPMD backward unless torch_xla[pallas] is installed
       shim_scan  gpt only: shim, the same (the trainer runs it without jax)
@@ -87,7 +88,12 @@ def main(mode, depth, steps=10, workload="gpt"):
         model, teacher, batch, loss_of = gpt(int(depth), scan=mode.endswith("scan"))
     import torch_xla
 
-    sync = torch_xla.sync if mode == "seed" else (lambda: None)  # the seed's extra cuts; the step's own follows
+    cuts = {"seed": ("teacher", "backward"), "hand_cut": ("backward",)}.get(mode, ())  # the step's own cut follows
+
+    def cut(where):
+        if where in cuts:
+            torch_xla.sync()
+
     if mode.startswith("shim"):
         import seamless_tpu as st
 
@@ -118,11 +124,11 @@ def main(mode, depth, steps=10, workload="gpt"):
         target = y
         if teacher is not None:
             target = teacher_targets(teacher, x)
-            sync()
+            cut("teacher")
         optimizer.zero_grad()
         loss = loss_of(model, target, x, y)
         loss.backward()
-        sync()
+        cut("backward")
         optimizer.step()
         end_step()
         return loss
