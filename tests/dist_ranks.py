@@ -577,8 +577,8 @@ def exit_while_the_agreement_is_in_flight(out_dir):
 
 
 class SlowStore(dist.Store):
-    """A FileStore whose first read after each write waits 1 s: its process is the slow peer of every group made
-    over it, still meeting the others after they have read its address (and, in gloo, already met it)."""
+    """A FileStore whose first read after each write waits 1 s: in each new gloo group, the process holding it
+    publishes its address, then is the last to connect, while the others read that address and connect to it."""
 
     def __init__(self, inner):
         super().__init__()
@@ -602,8 +602,8 @@ for _name in ("add", "wait", "check", "compare_set", "delete_key", "num_keys", "
 def peers_end_first(out_dir):
     """Rank 0 (its store a SlowStore) is still making its trainer's SIGTERM agreement group when the other ranks
     end theirs, as processes that end right after making their trainer (no collective since) do: 4 groups in a
-    row, each from a trainer of its own. In gloo each pair meets in the background, and ~2 in 3 groups of 3 have
-    a peer that met rank 0 first: its end broke rank 0's mesh ("Connection closed by peer")."""
+    row, each from a trainer of its own. gloo connects each pair in the background: a peer whose pairs were all
+    connected went on and ended, and rank 0's pair with it failed ("Connection closed by peer")."""
     for _ in range(4):
         st.SeamlessTPUTrainer(torch.nn.Linear(1, 1), device="cpu")
         if dist.get_rank() != 0:

@@ -377,8 +377,8 @@ def test_a_process_that_ends_while_the_sigterm_agreement_waits_for_a_peer_ends_i
 
 def test_peers_that_end_right_after_their_trainer_leave_a_slower_ones_agreement_group_whole(tmp_path):
     """Rank 0 is slow to make each of 4 agreement groups; the others end theirs as soon as their trainer is made.
-    Without the trainer's barrier on a new group, gloo failed rank 0's constructor ("Connection closed by peer"):
-    CI's 3-rank loader test, and ~2 in 3 of these groups."""
+    Without the trainer's barrier on a new group, gloo failed rank 0's constructor ("Connection closed by peer"),
+    as in CI's 3-rank loader test at stop 45: 3 runs of 3 here."""
     assert [seen["groups"] for seen in run_ranks("peers_end_first", tmp_path, world=3)] == [4, 4, 4]
 
 
