@@ -2,7 +2,7 @@
 
     trainer = SeamlessTPUTrainer(model)          # TPU, then GPU, then CPU; the optimizer may predate it
     x, y = trainer.to_device(x, y)               # on XLA: the batch dim split over the mesh's batch axes
-    loss_fn(model(x), y).backward(); optimizer.step()   # on XLA each step (and loop iteration) is one graph
+    loss_fn(model(x), y).backward(); optimizer.step()   # on XLA: the forward+backward a graph, the step another
 
 Backends "tpu" (PJRT_DEVICE=TPU), "xla" (another PJRT device), "gpu", "cpu"; torch_xla and ray load when used. README.md
 is the manual; `python -m seamless_tpu` reports the environment. Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a
@@ -1449,7 +1449,6 @@ class _GraphCuts:
     watchdog: object = None  # the _CompileWatchdog
     backward: bool = False  # a backward reached a trainer's parameters since the graph was last cut
     no_grad_forward: bool = False  # a trainer's model ran under no_grad since the graph was last cut
-    accumulating: bool = False  # a forward cut a backward off since the last optimizer step
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     after_cut: list = dataclasses.field(default_factory=list)  # run once after the next cut: the work check
     held: list = dataclasses.field(default_factory=list)  # (name, module, output) the work check reads then
@@ -1528,13 +1527,15 @@ def _has_xla_params(optimizer):
 
 def _before_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
-        if _STATE.cuts.accumulating:
-            _cut_graph()  # the last micro-batch reuses the others' graph, the step its own: k=16 compiles what k=1 does
         _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
         count = sum(len(group["params"]) for group in optimizer.param_groups)
-        if _STATE.cuts.ready.get(optimizer) != count:  # its first step, or a new param group: one count a step
+        if _STATE.cuts.ready.get(optimizer) != count or _STATE.cuts.held:  # a first step, a new group, a new model
             _state_first(optimizer)
             _STATE.cuts.ready[optimizer] = count
+        # The forward and backward are one graph, the step another, each compiled once: XLA's compile time grows
+        # faster than a graph, so the two compile in 0.6-0.8 of the one (docs/design.md); the last micro-batch of an
+        # accumulation reuses the others' graph. Costs a launch a step; the gradients are the graph's outputs anyway.
+        _cut_graph()
         # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
         if callable(kwargs.get("closure")):
             kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
@@ -1557,17 +1558,14 @@ def _cut_around(closure):
 
 def _after_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
-        _cut_graph(step=True)  # sync point: forward+backward+step as one graph
-        _STATE.cuts.accumulating = False
+        _cut_graph()  # the step's graph
         _STATE.cuts.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
 
 
-def _cut_graph(step=False):
+def _cut_graph():
     """Compile (the first time) and run everything pending as one graph, asynchronously. The work check's outputs
-    are held through a step's cut only: other graphs repeat (accumulation, a closure), and outputs held there made
-    the first one a graph of its own, a second compile."""
-    if not step:
-        _STATE.cuts.held.clear()
+    still held are dropped: as outputs of a graph that repeats, they would make its first run a graph of its own."""
+    _STATE.cuts.held.clear()
     _import("torch_xla").sync()
     _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
     while _STATE.cuts.after_cut:
@@ -1597,7 +1595,6 @@ def _before_forward(module, args, kwargs):
         _initialize_pending(module, refuse=True)
     if cuts.backward or cuts.no_grad_forward:
         kind = "train" if cuts.backward else "eval"
-        cuts.accumulating |= kind == "train"
         _cut_graph()
         cuts.watchdog.after_forward_cut((cuts.watchdog.serial(module), kind), _import("torch_xla.debug.metrics"))
     cuts.no_grad_forward |= not torch.is_grad_enabled()
@@ -1609,12 +1606,12 @@ def _before_forward(module, args, kwargs):
 
 
 def _state_first(optimizer):
-    """Before an optimizer's first step graph is cut, the state that step would create (and the work check's outputs)
-    become data on the devices, by a graph of their own that runs none of the pending forward and backward: step 1
-    is then the graph every later step runs, compiled once (made inside it, step 2 read the state as input: a second
-    compile of the whole step). Costs, once: a small graph, compiled and run (zeros; with the work check, the forward
-    up to the last module it holds). State that zeros cannot stand for exactly (_zero_state_exact) is left to the
-    step, the work check's outputs with it: two compiles of the step, as before, the same numbers."""
+    """Before an optimizer's first step, the state that step would create (and the work check's outputs) become data
+    on the devices, by a graph of their own that runs none of the pending forward and backward: step 1 is then the
+    graph every later step runs, compiled once (made inside it, step 2 read the state as input: a second compile of
+    the step), and the forward and backward's graph has no extra outputs on step 1. Costs, once: a small graph,
+    compiled and run (zeros; with the work check, the forward up to the last module it holds). State that zeros
+    cannot stand for exactly (_zero_state_exact) is left to the step: two compiles of the step, the same numbers."""
     _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
     params = [p for group in optimizer.param_groups for p in group["params"]
               if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
@@ -1624,8 +1621,7 @@ def _state_first(optimizer):
             optimizer.state[p] = {k: _placed_like(v, p, k) for k, v in state.items()}
     ready = [v for group in optimizer.param_groups for p in group["params"] if p.grad is not None
              for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and _is_xla(v.device)]
-    # Where step 1 is the steady step's graph, the work check's outputs would make it one of its own: read them now.
-    held = [t for held in _STATE.cuts.held for t in held[2:] if t is not None] if exact or not params else []
+    held = [t for held in _STATE.cuts.held for t in held[2:] if t is not None]
     ready = [t for t in ready + (held if _STATE.cuts.after_cut else []) if not _is_device_data(t)]
     if ready:
         _import("torch_xla")._XLAC._xla_sync_multi(ready, devices=[], wait=False)  # compiles a graph, async
@@ -3116,12 +3112,12 @@ def _check_work(model, layout):
     """The guard for models nobody tried: on the first forward, hold the input and output of the first module of
     each name pattern (layers.#.mlp.up_proj) that does matmuls, up to the first block's end (a pattern's second
     module: the graph computing them is the forward up to there; the head's input took all of it, a quarter of a
-    4-layer LoRA student's first-run compile; work lost after the first block goes unnamed); once a step's cut ran, read
-    how XLA split each (their sharding annotations: no transfer, compile or execution; that graph, new anyway, has
-    them as outputs) and warn once if more than 5% of those FLOPs ran whole on devices that should have split them.
-    An input that arrives whole counts: a block's mark can re-split the output of work computed whole (a GroupNorm
-    net's convolutions), but not the input, which the backward's matmuls then compute whole too. Any other cut drops
-    them first (_cut_graph), so a loop whose first graph repeats is not checked."""
+    4-layer LoRA student's first-run compile; work lost after the first block goes unnamed); before a step, run
+    them as a graph of their own (_state_first), read how XLA split each (their sharding annotations) and warn once
+    if more than 5% of those FLOPs ran whole on devices that should have split them. An input that arrives whole
+    counts: a block's mark can re-split the output of work computed whole (a GroupNorm net's convolutions), but not
+    the input, which the backward's matmuls then compute whole too. Any other cut drops them first (_cut_graph), so
+    a loop whose first graph repeats is not checked."""
     devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
     past_first_block = []
 

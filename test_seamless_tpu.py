@@ -639,7 +639,8 @@ def test_save_unwraps_torch_compile(tmp_path, cpu, monkeypatch):
 
 
 def test_concurrent_first_use_activates_once(fake):
-    """8 threads reaching XLA first at once install one pair of optimizer hooks: one sync per step."""
+    """8 threads reaching XLA first at once install one pair of optimizer hooks: two syncs per step (the forward and
+    backward's graph, then the step's)."""
     import threading
 
     barrier = threading.Barrier(8)
@@ -664,7 +665,7 @@ def test_concurrent_first_use_activates_once(fake):
     before = sum(e == ("sync",) for e in fake.events)
     model(torch.ones(4, 2)).sum().backward()
     optimizer.step()
-    assert sum(e == ("sync",) for e in fake.events) == before + 1
+    assert sum(e == ("sync",) for e in fake.events) == before + 2
 
 
 # --- strategy="fsdp": errors and resharding -------------------------------------------------------
@@ -721,8 +722,8 @@ def test_resharding_waits_for_data_a_running_step_still_computes(fake, monkeypat
 def test_the_graph_is_cut_where_an_iteration_of_any_loop_ends(fake):
     """tests/test_real_xla.py proves the graph counts and losses on torch_xla; here, where each cut
     falls. A forward cuts the graph when a backward or a no-grad forward came since the last cut; an
-    optimizer step after accumulation cuts before it runs; a closure is cut before and after it runs;
-    the plain loop keeps one cut per step."""
+    optimizer step cuts before and after it runs (the forward and backward one graph, the step
+    another); a closure is cut before and after it runs."""
     model = scenarios.mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = st.SeamlessTPUTrainer(model)
@@ -739,8 +740,8 @@ def test_the_graph_is_cut_where_an_iteration_of_any_loop_ends(fake):
             sum(torch.nn.functional.mse_loss(model(x), y) for _ in range(forwards)).backward()
         optimizer.step()
 
-    assert cuts(lambda: [step() for _ in range(3)]) == 3, "the plain loop: its steps' syncs only"
-    assert cuts(lambda: [step(forwards=2) for _ in range(3)]) == 3, "two forwards in one iteration stay one graph"
+    assert cuts(lambda: [step() for _ in range(3)]) == 3 * 2, "the plain loop: before and after each step"
+    assert cuts(lambda: [step(forwards=2) for _ in range(3)]) == 3 * 2, "two forwards in one iteration stay one graph"
     assert cuts(lambda: [step(k=3) for _ in range(2)]) == 2 * 4, (
         "per step: 2 forwards after a backward, then before and after the step"
     )
@@ -774,10 +775,9 @@ def test_the_graph_is_cut_where_an_iteration_of_any_loop_ends(fake):
     lbfgs.step(closure)
     optimizer.step(closure=closure)
     order = "".join({("sync",): "|", ("closure ran",): "C"}.get(e, "") for e in fake.events)
-    # LBFGS: a cut before it (the loops above cut iterations since the last step, as accumulation
-    # does), one around each of its 3 closures (its reads then find the gradients computed), and the
-    # step's own; SGD: around its closure, then its own
-    assert order == "|" + "|C|" * 3 + "|" + "|C|" + "|", order
+    # each step: a cut before it, one around each closure (LBFGS's 3: its reads then find the
+    # gradients computed), and the step's own
+    assert order == "|" + "|C|" * 3 + "|" + "|" + "|C|" + "|", order
 
 def test_fsdp_shards_every_parameter_on_one_dimension(fake):
     model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))

@@ -1,10 +1,10 @@
 """What XLA compiled, read from the HLO text it dumps (XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text ...).
 The benchmark and the tests (which find bench/ on their path) read it the same way.
 
-dot_flops_per_device(DIR) compares the last graph's dot (and, with count=matmul_flops, convolution) FLOPs
+dot_flops_per_device(DIR) compares the forward and backward's dot (and, with count=matmul_flops, convolution) FLOPs
 just before SPMD partitioning (the whole step) with just after it (one device's share), so later rewrites (a
 matrix-vector dot turned into a reduce) count on neither side: a mesh of N devices on which no device
-repeats another's work gives 1/N. step_collectives(DIR, shapes) counts the collectives of the last optimized graph.
+repeats another's work gives 1/N. step_collectives(DIR, shapes) counts the collectives of the step's optimized graphs.
 """
 
 import glob
@@ -79,18 +79,35 @@ def matmul_flops(hlo):
     return dot_flops(hlo) + conv_flops(hlo)
 
 
-def dot_flops_per_device(dump, skip=(), count=dot_flops):
-    """(whole step's dot FLOPs, one device's, the ratio) for the graph with the most (by `count`: matmul_flops adds
-    the convolutions) that XLA compiled into `dump` (the training step: the graphs that read losses back hold none),
+def _modules(dump, skip=()):
+    """[(module, its HLO just before SPMD partitioning, just after)] in the order XLA compiled them into `dump`,
     leaving out the files in `skip` (those of an earlier run in the same process: dumped_files(dump))."""
-    best = (0, 0)
-    for before in set(glob.glob(os.path.join(dump, "module_*before_spmd-partitioning.txt"))) - set(skip):
+    found = []
+    for before in sorted(set(glob.glob(os.path.join(dump, "module_*before_spmd-partitioning.txt"))) - set(skip)):
         module = re.sub(r"\.[0-9]{4}\.spmd-partitioner\..*", "", before)  # module_0001.SyncTensorsGraph.122
-        after = glob.glob(glob.escape(module) + ".*.after_spmd-partitioning*.txt")
-        with open(before) as f, open(after[0]) as g:
-            best = max(best, (count(f.read()), count(g.read())))
-    assert best[0], f"no partitioned graph with a dot or a convolution in {dump}: was XLA_FLAGS set before XLA started?"
-    return best[0], best[1], best[1] / best[0]
+        with open(before) as f, open(glob.glob(glob.escape(module) + ".*.after_spmd-partitioning*.txt")[0]) as g:
+            found.append((module, f.read(), g.read()))
+    return found
+
+
+def _step_graphs(dump, skip=(), count=dot_flops):
+    """The training step's graphs: the one with the most FLOPs by `count` (the forward and backward; the graphs that
+    read losses back or make the optimizer's state hold fewer) and those compiled after it (the optimizer's step)."""
+    modules = _modules(dump, skip)
+    flops = [(count(before), count(after)) for _, before, after in modules]
+    if not flops or not max(flops)[0]:
+        raise AssertionError(f"no partitioned graph with a dot or a convolution in {dump}: was XLA_FLAGS set before "
+                             "XLA started?")
+    first = flops.index(max(flops))
+    return modules[first:], flops[first]
+
+
+def dot_flops_per_device(dump, skip=(), count=dot_flops):
+    """(whole step's dot FLOPs, one device's, the ratio) for the forward and backward's graph (_step_graphs), read
+    just before SPMD partitioning (the whole step) and just after it (one device's share); matmul_flops as `count`
+    adds the convolutions."""
+    _, (whole, one) = _step_graphs(dump, skip, count)
+    return whole, one, one / whole
 
 
 def dumped_files(dump):
@@ -98,16 +115,19 @@ def dumped_files(dump):
 
 
 def step_collectives(dump, param_shapes, skip=()):
-    """Collectives in the last graph XLA compiled (the steady-state step), read from the
-    partitioned, optimized HLO that XLA_FLAGS=--xla_dump_to wrote: {op: (count, bytes)}, bytes being
-    each op's result on one device. "all-gather of a parameter's shape" counts the all-gathers whose
-    result has the shape of a whole parameter (or its transpose): FSDP's weight gathers; the other
-    all-gathers move activations. Files in `skip` (an earlier run's) are left out."""
-    files = sorted(set(glob.glob(os.path.join(dump, "module_*after_optimizations.txt"))) - set(skip))
-    if not files:
+    """Collectives in the training step's graphs (_step_graphs: the forward and backward, then the optimizer's step),
+    read from the partitioned, optimized HLO that XLA_FLAGS=--xla_dump_to wrote: {op: (count, bytes)}, bytes being
+    each op's result on one device. "all-gather of a parameter's shape" counts the all-gathers whose result has the
+    shape of a whole parameter (or its transpose): FSDP's weight gathers; the other all-gathers move activations.
+    Files in `skip` (an earlier run's) are left out."""
+    try:
+        modules, _ = _step_graphs(dump, skip, matmul_flops)
+    except AssertionError:
         return {}
-    with open(files[-1]) as f:
-        hlo = f.read()
+    hlo = ""
+    for module, _, _ in modules:
+        with open(glob.glob(glob.escape(module) + ".*after_optimizations.txt")[0]) as f:
+            hlo += f.read()
     shapes = {tuple(s) for s in param_shapes} | {tuple(reversed(s)) for s in param_shapes}
     found = {}
     for shape, op in COLLECTIVE.findall(hlo):

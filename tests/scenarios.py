@@ -119,7 +119,7 @@ class Warnings(logging.Handler):
 # --- twins: fake and real ------------------------------------------------------------------------
 
 
-def spmd_first_one_sync_per_step_shard_by_rank():
+def spmd_first_two_syncs_per_step_shard_by_rank():
     torch_xla = _xla()
     xr = sys.modules["torch_xla.runtime"]
     locked_at_use_spmd, syncs = [], []
@@ -148,7 +148,8 @@ def spmd_first_one_sync_per_step_shard_by_rank():
             F.mse_loss(model(x)[:, 0], y).backward()
             assert len(syncs) == before, f"a backward pass synced in step {step}"
             optimizer.step()
-            assert len(syncs) == before + 1, f"step {step} synced {len(syncs) - before} times"
+            # the forward and backward's graph, then the step's
+            assert len(syncs) == before + 2, f"step {step} synced {len(syncs) - before} times"
         for step in range(3):  # gradient accumulation: each micro-batch a graph, the step another
             before = len(syncs)
             optimizer.zero_grad()
@@ -508,7 +509,7 @@ def reshards_what_a_running_step_still_computes():
 
 
 TWINS = (
-    spmd_first_one_sync_per_step_shard_by_rank,
+    spmd_first_two_syncs_per_step_shard_by_rank,
     loader_shards_every_tensor,
     watchdog_warns_once_on_shape_changes,
     bad_mesh_raises_value_error,
@@ -939,7 +940,7 @@ def mixed_device_optimizer_is_synced():
             optimizer.step()
     finally:
         torch_xla.sync = real_sync
-    assert len(syncs) == 3, f"{len(syncs)} syncs for 3 steps"
+    assert len(syncs) == 2 * 3, f"{len(syncs)} syncs for 3 steps (the forward and backward's, the step's)"
 
 
 def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):

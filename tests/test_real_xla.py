@@ -266,14 +266,14 @@ def _loops(*runs):
 
 
 # Compiles over the first 3 steps (tests/first_step.py). The first graph holds the state the first step would make
-# (zeros) and the forward up to the first block's end, which the work check reads; the second is the step, compiled
-# once.
-ONE_STEP_GRAPH = [2, 2, 2]
-# Where zeros cannot stand for the first step's state, the step makes it: step 1 and step 2 are two graphs, as before
-# issue 40 (the work check's outputs ride on step 1). Adafactor reads values to the host inside its step, each read a
-# graph of its own, and passes its first step's weight (1.0) as a constant: counted as before, so a change is seen.
-TWO_STEP_GRAPHS = {"sgd_dampening": [1, 2, 2], "adafactor/plain": [9, 14, 14], "adafactor/scheduler": [8, 13, 13],
-                   "adafactor/clip": [8, 13, 13]}
+# (zeros) and the forward up to the first block's end, which the work check reads; the second is the forward and
+# backward, the third the step, each compiled once.
+ONE_STEP_GRAPH = [3, 3, 3]
+# Where zeros cannot stand for the first step's state, the step makes it: step 1's step graph and step 2's are two
+# (the forward and backward's is still one). Adafactor reads values to the host inside its step, each read a graph
+# of its own, and passes its first step's weight (1.0) as a constant: counted as they are, so a change is seen.
+TWO_STEP_GRAPHS = {"sgd_dampening": [3, 4, 4], "adafactor/plain": [11, 16, 16], "adafactor/scheduler": [9, 13, 13],
+                   "adafactor/clip": [10, 15, 15]}
 
 
 def test_every_optimizer_compiles_its_step_once_and_trains_like_eager():
@@ -313,8 +313,9 @@ def test_accumulation_compiles_the_same_graphs_for_any_k():
     k micro-batches compiled one unrolled graph (10x the compile time at k=16). Losses are eager's."""
     one, eager, four, sixteen = _loops(("xla", ["accumulate", "1"]), ("cpu", ["accumulate", "4"]),
                                        ("xla", ["accumulate", "4"]), ("xla", ["accumulate", "16"]))
-    assert one["compiles"][0] == one["compiles"][-1] == 2, (
-        f"the plain loop: AdamW's state made by a graph of its own, then the step, compiled once: {one['compiles']}"
+    assert one["compiles"][0] == one["compiles"][-1] == 3, (
+        f"the plain loop: AdamW's state made by a graph of its own, then the forward and backward, then the step, "
+        f"each compiled once: {one['compiles']}"
     )
     assert four["compiles"][0] == four["compiles"][-1] == sixteen["compiles"][-1] == 4, (
         four["compiles"],
@@ -393,9 +394,10 @@ def test_loops_that_read_each_loss_to_the_host_do_not_warn():
 
 def test_a_forward_through_functional_call_trains_like_eager():
     """torch.func.functional_call(model, its parameters and buffers, x) in the step: the trainer's hooks run on the
-    module itself as in a plain forward; two graphs, no transfer, eager's losses."""
+    module itself as in a plain forward; three graphs (the state, the forward and backward, the step), no transfer,
+    eager's losses."""
     xla, eager = _loops(("xla", ["functional"]), ("cpu", ["functional"]))
-    assert xla["compiles"][1] == xla["compiles"][-1] == 2 and xla["transfers"][-1] == 0, xla
+    assert xla["compiles"][1] == xla["compiles"][-1] == 3 and xla["transfers"][-1] == 0, xla
     assert xla["warnings"] == [], xla["warnings"]
     scenarios.assert_close(xla["losses"], eager["losses"], 1e-5, "functional_call vs eager")
 
@@ -575,7 +577,8 @@ def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
         assert run["batch_dim"] == (1 if name in ("word_lm", "encoder_seq_first") else 0)
         first, second, third = run["stats"]
         reads = 2 if name == "qwen3" else 0  # transformers' sdpa_mask reads the padding mask's .all() on the host
-        assert third["compiles"] == second["compiles"] and third["executions"] == second["executions"] + 1 + reads
+        # a step runs two graphs: the forward and backward, then the optimizer's step
+        assert third["compiles"] == second["compiles"] and third["executions"] == second["executions"] + 2 + reads
         assert third["device_to_host_transfers"] == second["device_to_host_transfers"] + reads
         if layout == "fsdp" and name in ("encoder", "encoder_seq_first", "gpt", "vit"):
             assert run["all_gather_bytes"] <= 2.5 * run["param_bytes"], (run["all_gather_bytes"], run["param_bytes"])
