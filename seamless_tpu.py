@@ -1528,10 +1528,7 @@ def _has_xla_params(optimizer):
 def _before_xla_step(optimizer, args, kwargs):
     if _has_xla_params(optimizer):
         _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
-        count = sum(len(group["params"]) for group in optimizer.param_groups)
-        if _STATE.cuts.ready.get(optimizer) != count or _STATE.cuts.held:  # a first step, a new group, a new model
-            _state_first(optimizer)
-            _STATE.cuts.ready[optimizer] = count
+        _state_first(optimizer)
         # The forward and backward are one graph, the step another, each compiled once: XLA's compile time grows
         # faster than a graph, so the two compile in 0.6-0.8 of the one (docs/design.md); the last micro-batch of an
         # accumulation reuses the others' graph. Costs a launch a step; the gradients are the graph's outputs anyway.
@@ -1612,6 +1609,9 @@ def _state_first(optimizer):
     the step), and the forward and backward's graph has no extra outputs on step 1. Costs, once: a small graph,
     compiled and run (zeros; with the work check, the forward up to the last module it holds). State that zeros
     cannot stand for exactly (_zero_state_exact) is left to the step: two compiles of the step, the same numbers."""
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _STATE.cuts.ready.get(optimizer) == count and not _STATE.cuts.held:  # not a first step, new group or model
+        return
     _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
     params = [p for group in optimizer.param_groups for p in group["params"]
               if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
@@ -1627,6 +1627,7 @@ def _state_first(optimizer):
         _import("torch_xla")._XLAC._xla_sync_multi(ready, devices=[], wait=False)  # compiles a graph, async
     while held and _STATE.cuts.after_cut:
         _STATE.cuts.after_cut.pop()()
+    _STATE.cuts.ready[optimizer] = count
 
 
 def _zero_state_exact(optimizer):
