@@ -1585,6 +1585,11 @@ def _cut_each_iteration(model):
 
 def _saw_backward(param):
     _STATE.cuts.backward = True
+    if param.grad is not None and _is_split(param) and not _is_split(param.grad):
+        # A graph's outputs take the layout XLA's propagation gives them: cut off from the step (or the next
+        # micro-batch) that reads it, an fsdp gradient came out whole, 4x its shard on 4 devices, all-reduced where
+        # it was reduce-scattered. Costs a mark per parameter per backward.
+        _mark_sharding(param.grad, _import("torch_xla")._XLAC._get_xla_op_sharding(param))
 
 
 def _before_forward(module, args, kwargs):

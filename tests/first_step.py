@@ -7,7 +7,7 @@ MLP through the trainer (XLA) or as written (eager, SEAMLESS_TPU_DEVICE=cpu).
 "compiles" counts torch_xla's UncachedCompile from the case's start. Each case's MLP has a width of its own, so no
 case meets a graph another compiled in the same process. "state" is the optimizer's state after the last step,
 every tensor in parameter then key order (Adam's step counts included). "split_like": every state tensor of a
-parameter's shape is laid out like its parameter (fsdp: split, the same bytes per device as the parameter).
+parameter's shape, and its gradient, is laid out like its parameter (fsdp: split, the same bytes per device).
 """
 
 import sys
@@ -74,7 +74,7 @@ def run(case, width):
     split_like = True
     if xla:
         spec = __import__("torch_xla")._XLAC._get_xla_sharding_spec
-        split_like = all(spec(v) == spec(p) for p in model.parameters() for v in optimizer.state[p].values()
+        split_like = all(spec(v) == spec(p) for p in model.parameters() for v in [p.grad, *optimizer.state[p].values()]
                          if v.shape == p.shape)
     state = [v.detach().cpu().float().flatten() for p in model.parameters() for _, v in
              sorted(optimizer.state[p].items()) if isinstance(v, torch.Tensor)]

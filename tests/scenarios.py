@@ -968,6 +968,14 @@ def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):
                 and sorted(spec.split("]")[1].rstrip("}").split(",")) == ["0", "1", "2", "3"]
                 and ("4,1]" in spec or "1,4]" in spec)
             ), f"{name} is not split over all 4 devices: {spec}"
+    # Gradients are split like their parameters, also where the graph that made them is cut off from the step that
+    # reads them: before the step, and by the next micro-batch's forward (they came out whole: 4x per device)
+    grads = [(name, sharding(p), sharding(p.grad)) for name, p in model.named_parameters()]
+    optimizer.zero_grad()
+    loss_fn(model, *batch).backward()
+    loss_fn(model, *batch)  # a second micro-batch: its forward cuts the first one's graph
+    grads += [(name, sharding(p), sharding(p.grad)) for name, p in model.named_parameters()]
+    assert all(spec == grad for _, spec, grad in grads), [g for g in grads if g[1] != g[2]]
     return torch.stack([loss.cpu() for loss in losses]), max(held["per_device"]), held["replica"], compiles, transfers
 
 

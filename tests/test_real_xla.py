@@ -304,7 +304,7 @@ def test_every_optimizer_compiles_its_step_once_and_trains_like_eager():
         scenarios.assert_close(run["state"], want["state"], 1e-5 * max(1.0, largest), f"{case} state")
         expected = TWO_STEP_GRAPHS.get(case, TWO_STEP_GRAPHS.get(case.split("/")[0], ONE_STEP_GRAPH))
         assert run["compiles"] == expected, (case, run["compiles"], expected)
-        assert run["split_like"], f"{case}: a state tensor is laid out unlike its parameter"
+        assert run["split_like"], f"{case}: a gradient or state tensor is laid out unlike its parameter"
 
 
 def test_accumulation_compiles_the_same_graphs_for_any_k():
