@@ -83,7 +83,8 @@ def _modules(dump, skip=()):
     """[(module, its HLO just before SPMD partitioning, just after)] in the order XLA compiled them into `dump`,
     leaving out the files in `skip` (those of an earlier run in the same process: dumped_files(dump))."""
     found = []
-    for before in sorted(set(glob.glob(os.path.join(dump, "module_*before_spmd-partitioning.txt"))) - set(skip)):
+    for before in sorted(set(glob.glob(os.path.join(dump, "module_*SyncTensorsGraph*before_spmd-partitioning.txt")))
+                         - set(skip)):  # not ReplicateShardedData: a split tensor's read to the host
         module = re.sub(r"\.[0-9]{4}\.spmd-partitioner\..*", "", before)  # module_0001.SyncTensorsGraph.122
         with open(before) as f, open(glob.glob(glob.escape(module) + ".*.after_spmd-partitioning*.txt")[0]) as g:
             found.append((module, f.read(), g.read()))
@@ -118,7 +119,7 @@ def step_collectives(dump, param_shapes, skip=()):
     """Collectives in the training step's graphs (_step_graphs: the forward and backward, then the optimizer's step),
     read from the partitioned, optimized HLO that XLA_FLAGS=--xla_dump_to wrote: {op: (count, bytes)}, bytes being
     each op's result on one device. "all-gather of a parameter's shape" counts the all-gathers whose result has the
-    shape of a whole parameter (or its transpose): FSDP's weight gathers; the other all-gathers move activations.
+    shape of a whole parameter (or its transpose, 1s aside): FSDP's weight gathers; the others move activations.
     Files in `skip` (an earlier run's) are left out."""
     try:
         modules, _ = _step_graphs(dump, skip, matmul_flops)
@@ -128,12 +129,13 @@ def step_collectives(dump, param_shapes, skip=()):
     for module, _, _ in modules:
         with open(glob.glob(glob.escape(module) + ".*after_optimizations.txt")[0]) as f:
             hlo += f.read()
-    shapes = {tuple(s) for s in param_shapes} | {tuple(reversed(s)) for s in param_shapes}
+    unit = lambda dims: tuple(d for d in dims if d != 1)  # noqa: E731  XLA adds and drops 1s (conv1d as a conv2d)
+    shapes = {unit(s) for s in param_shapes} | {unit(reversed(s)) for s in param_shapes}
     found = {}
     for shape, op in COLLECTIVE.findall(hlo):
         parts = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in SHAPE.findall(shape)]
         size = sum(DTYPE_BYTES[t] * math.prod(dims) for t, dims in parts)
-        keys = [op] + ([PARAM_GATHER] if op == "all-gather" and all(d in shapes for _, d in parts) else [])
+        keys = [op] + ([PARAM_GATHER] if op == "all-gather" and all(unit(d) in shapes for _, d in parts) else [])
         keys += [FLOAT_GATHER] if op == "all-gather" and all(t[0] in "fb" for t, _ in parts) else []
         for key in keys:
             count, total = found.get(key, (0, 0))

