@@ -62,8 +62,8 @@ def _state_left():
     """The fields of the module's process state that differ from a fresh one."""
     now, fresh = st._STATE, st._ProcessState()
     left = [f.name for f in dataclasses.fields(now)
-            if f.name not in ("activation_lock", "rebound") and getattr(now, f.name) != getattr(fresh, f.name)]
-    return left + (["rebound"] if len(now.rebound) else [])
+            if f.name not in ("activation_lock", "steps") and getattr(now, f.name) != getattr(fresh, f.name)]
+    return left + (["steps"] if len(now.steps) else [])
 
 
 def _torch_as_patched():

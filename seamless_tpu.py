@@ -10,15 +10,15 @@ device), _SIGTERM_GRACE, _COMPILE_CACHE; PJRT_DEVICE (the user's, not torch_xla'
 RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER_ADDR, SEAMLESS_TPU_PORT. Written where
 unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE,
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
-- first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh;
-  swap_module_params_on_conversion (EVERY module's .to()/.half() swaps in place); torch.xla; for XLA inputs only:
-  torch.utils.checkpoint, F.multi_head_attention_forward, F.embedding_bag, AutogradXLA kernels (matmul, einsum, norms,
-  grouped convs, resampling, pooling, im2col/col2im, glu, ...); without jax torch_xla's scan backward, nn.GRU; hooks.
-- each trainer: a post-step hook (stats), torch modes counting its first step's FLOPs; log(): a thread, step
-  closures; profile(): a hook; FSDP2 or TP off XLA: a global pre-step hook rebinding older optimizers.
+- first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
+  for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, pooling, windows,
+  resampling) at the AutogradXLA key and F.multi_head_attention_forward, F.embedding_bag; without jax torch_xla's scan
+  backward and GRU. Around the trainer's own model moves only: swap_module_params_on_conversion.
+- first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
+  torch modes counting its first step's FLOPs; log(): a thread, step closures.
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
-  kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread); a post-step
-  hook. Several processes: a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
+  kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread). Several
+  processes: a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
 - first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits), an atexit report of an unasked
   failure, a gloo group under torch.distributed; on CUDA a side stream and one pinned host copy, kept for the next.
 - Ray: xla_tpu workers get a gloo default group (ended at shutdown); fit(use_tpu=True) may ray.init() the driver.
@@ -142,12 +142,14 @@ class _ProcessState:
     user_pjrt_values: set = dataclasses.field(default_factory=set)  # PJRT_DEVICE seen before torch_xla loaded
     env_we_set: dict = dataclasses.field(default_factory=dict)  # written on the user's behalf, never over theirs
     group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
-    optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # name -> handle of a global step hook
+    optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # "pre", "post" -> handle of the step hook (8)
     torch_patches: list = dataclasses.field(default_factory=list)  # undo functions of the header's changes
-    rebound: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> param count at rebind
+    steps: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> _StepRecord (8)
+    rebinding: bool = False  # FSDP2 or tensor parallelism replaced parameters: optimizers follow before a step (9b)
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
     cuts: object = dataclasses.field(default_factory=lambda: _GraphCuts())  # 8. graph cuts and the watchdog
+    work_check: object = dataclasses.field(default_factory=lambda: _WorkCheck())  # 14b. the first forward's work
     meta_init: object = dataclasses.field(default_factory=lambda: _MetaInit())  # 10. models built on meta
     preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # 12. SIGTERM -> trainer.preempted
     meter: object = dataclasses.field(default_factory=lambda: _Meter())  # 14. what the steps cost
@@ -167,12 +169,6 @@ def _log(msg, *args, main=None):
     """Rank 0 (or `main`) logs at info, the other ranks at debug, so N workers do not print N copies."""
     level = logging.INFO if (_is_main_process() if main is None else main) else logging.DEBUG
     logger.log(level, msg, *args)
-
-
-def _add_step_hook(name, when, hook):  # a global optimizer-step hook, once per process
-    if name not in _STATE.optimizer_hooks:
-        register = register_optimizer_step_pre_hook if when == "pre" else register_optimizer_step_post_hook
-        _STATE.optimizer_hooks[name] = register(hook)
 
 
 def _owned(module, hook):
@@ -477,7 +473,10 @@ def _move(objs, device, sharding=None):
 
 
 def _move_by_own_to(obj, device):
-    if _is_xla(device) and not isinstance(obj, torch.nn.Module) and _once("own_to"):
+    if isinstance(obj, torch.nn.Module):
+        with _keeping_parameters():  # an optimizer made before the move still trains its parameters
+            return obj.to(device)
+    if _is_xla(device) and _once("own_to"):
         logger.warning("seamless_tpu: %s is moved by its own .to(), so its tensors are replicated on every "
                        "device instead of split over the mesh (each device computes the whole batch); pass its "
                        "tensors in a dict, tuple or dataclass to have them sharded", type(obj).__name__)
@@ -785,8 +784,7 @@ def _activate_xla(kind):
         _check_autograd_ready(device)
         _patch_torch_for_xla()
         _STATE.cuts.watchdog = _CompileWatchdog()
-        _add_step_hook("xla_before_step", "pre", _before_xla_step)
-        _add_step_hook("xla_after_step", "post", _after_xla_step)
+        _install_step_hooks()
         _STATE.xla_device, _STATE.xla_kind = device, kind
         return device
 
@@ -824,19 +822,29 @@ def _check_autograd_ready(device):
                            "CPU backward, e.g. before computing an eager reference in the same process.") from e
 
 
+@contextlib.contextmanager
+def _keeping_parameters():
+    """module.to(xla) within: the Parameter objects are kept (swapped in place), where torch_xla would make new ones
+    and strand an optimizer built before the move (the loop runs and never trains). Only around the trainer's own
+    moves: set for the process, it made every load_state_dict swap too, which raises on any RNN (its weakrefs to its
+    weights: "Cannot swap t1 because it has weakref associated with it"), the user's own LSTM on the CPU included."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 def _patch_torch_for_xla():
-    """The header's torch changes, each undone by _reset_caches. The swap: model.to(xla) would make new Parameters and
-    strand an optimizer built before the move (the loop runs and never trains); torch has no per-device switch.
-    torch.utils.checkpoint needs a torch.xla module for the RNG state, which torch_xla 2.9 never registers; ours
-    restores the XLA seed, so a recomputed dropout draws the same mask. XLA's CSE merges a plain recomputation back
-    into the forward, saving nothing: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier also
-    covers the incoming gradients (39% less memory on a 4-block MLP, 11-17% for inputs alone); use_reentrant=False,
-    which torch_xla lacks, gets the barrier on its recompute inputs. CPU/GPU inputs stay on torch's own path.
+    """The header's torch changes, each undone by _reset_caches. torch.utils.checkpoint needs a torch.xla module for
+    the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a recomputed dropout draws the
+    same mask. XLA's CSE merges a plain recomputation back into the forward, saving nothing: use_reentrant=True goes
+    to torch_xla's CheckpointFunction, whose barrier also covers the incoming gradients (39% less memory on a 4-block
+    MLP, 11-17% for inputs alone); use_reentrant=False, which torch_xla lacks, gets the barrier on its recompute
+    inputs. CPU/GPU inputs stay on torch's own path.
     # TODO(remove the checkpoint parts when torch_xla registers torch.xla and supports use_reentrant=False)
     """
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    _STATE.torch_patches.append(lambda: torch.__future__.set_swap_module_params_on_conversion(swap))
     xm = _import("torch_xla.core.xla_model")
     if not hasattr(torch, "xla"):
         module = types.ModuleType("torch.xla")  # the RNG state is the XLA seed, an unsigned 64-bit int
@@ -846,8 +854,8 @@ def _patch_torch_for_xla():
             set_rng_state=lambda state, device=None: xm.set_rng_state(state))
         torch._register_device_module("xla", module)
         _STATE.torch_patches.append(lambda: (delattr(torch, "xla"), sys.modules.pop("torch.xla", None)))
-
-    _keep_batch_dims()
+    _register_lowerings()
+    _scan_backward_without_jax()
     ckpt = importlib.import_module("torch.utils.checkpoint")
     if getattr(ckpt.CheckpointFunction, "routes_xla", False):  # patched by an earlier process state
         return
@@ -878,19 +886,113 @@ def _patch_torch_for_xla():
     _patch(ckpt, "CheckpointFunction", RoutedCheckpointFunction)
     _patch(ckpt._CheckpointFrame, "__init__", init_with_barrier)
 
-# --- 7b. XLA lowerings that keep the batch split --------------------------------------------------
-# torch_xla lowers these ops in ways GSPMD cannot split over the batch (found by tests/op_sweep.py, 4 devices, batch
-# split): from there on each device computed the whole batch, and "fsdp" all-gathered activations. matmul (and so
-# linear) on > 2-D inputs (folds (T, B, E) into (T*B, E), (B, H, T, d) into (B*H, T, d)), layer_norm and training
-# batch_norm (one op over the batch; also instance_norm, which torch builds on it), group_norm (a GroupNorm conv net
-# ran 0.32-0.61 of its convolutions per device), upsampling (each device gathered the whole upsampled image), adaptive
-# average pooling to sizes that do not divide the input's, grouped convolutions, and multi-head attention ((T, B, H,
-# d) viewed as (T*B, E)). Ours keep every dimension, reduce where GSPMD can split, and give eager's numbers (1e-6;
-# running statistics with eager's unbiased variance, where torch_xla's batch_norm keeps the biased one). These parent
-# ops are CompositeImplicitAutograd: autograd differentiates our ops, and nothing of torch_xla's is replaced. Room 7d
-# registers them and says what every kernel keeps of torch's contract. Multi-head attention is patched in F.
+
+def _scan_backward_without_jax():
+    """torch_xla's scan (its nn.GRU replacement, scan_layers) gives its SPMD backward's gradients the inputs'
+    shardings with jax's shard_alike: without jax every such backward raised ModuleNotFoundError. Without jax, GSPMD
+    propagates them (the numbers are the same), and torch_xla's GRU steps as torch's own, its parent class."""
+    scan, scan_gru = (sys.modules.get(f"torch_xla.experimental.{name}") for name in ("scan", "gru"))
+    if scan is not None and scan_gru is not None and importlib.util.find_spec("jax") is None:
+        _patch(scan, "_backward_shard_alike", lambda carry, x, backward, init, xs: backward(carry, x))
+        _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
+
+# --- 7b. the lowerings: one table, and the contract every kernel keeps ------------------------------
+# XLA kernels of the trainer's for torch ops (and two torch.nn.functional patches), each registered beside its
+# definition by @_lowering into _LOWERINGS, the one table that registration, the hand-back check, the header, the
+# OpInfo tier (tests/opinfo.py) and docs/design.md read. Why each exists ("why"): GSPMD lost the batch split in
+# torch_xla's lowering ("batch": from there each device computed the whole batch; tests/op_sweep.py, 4 devices),
+# torch_xla ran it on the CPU ("cpu": a round trip to the host each call), or torch_xla's backward has no second
+# derivative ("grad2"). They replace torch's for every XLA tensor in the process, so each keeps its op's whole
+# contract (tests/test_opinfo.py: torch's OpInfo samples; tests/test_autograd.py): forward, first and second
+# derivatives, torch.func, every input torch accepts, and torch's own error for bad ones: a precondition is a
+# torch._check with torch's message, or an explicit hand-back to torch's own path (_torch_path: the op's composite,
+# checked to exist at registration; a hand-back names its own op only). Under torch.func and forward-mode AD the
+# kernels use plain ops (_transformed): an autograd.Function called from a dispatcher kernel has no functorch rule.
 
 
+@dataclasses.dataclass(frozen=True)
+class _Lowering:
+    kernel: object  # stands for aten `op` at the AutogradXLA key, or for torch.nn.functional's `op` (functional)
+    family: str  # products, attention, norms, pointwise, pooling, windows or resampling: how the docs group them
+    why: str  # "batch", "cpu" or "grad2", as above
+    hands_back: bool = False  # some inputs go to torch's own path, _torch_path(op)
+    functional: object = None  # torch.nn.functional's own function, which a functional lowering replaces
+
+
+_LOWERINGS = {}  # op -> _Lowering, in definition order
+
+
+def _lowering(*ops, family, why, hands_back=False, functional=False):
+    """Registers the decorated kernel in _LOWERINGS for each of `ops` (aten op names, with their overload: "glu",
+    "upsample_nearest2d.vec"; or torch.nn.functional names when `functional`)."""
+    def register(kernel):
+        for op in ops:
+            if op in _LOWERINGS:
+                raise RuntimeError(f"seamless_tpu bug: two lowerings of {op}")
+            own = getattr(torch.nn.functional, op) if functional else None
+            _LOWERINGS[op] = _Lowering(kernel, family, why, hands_back or functional, own)
+        return kernel
+    return register
+
+
+def _register_lowerings():
+    """The table's kernels at the AutogradXLA key and its functional patches, once per process (undone by
+    _reset_caches); first, that torch has the path each hand-back takes (a composite kernel: .decompose() of an op
+    with none returns NotImplemented, and the kernel would fail on what it leaves to torch)."""
+    F, aten = torch.nn.functional, {op: low for op, low in _LOWERINGS.items() if not low.functional}
+    if any(getattr(F, op) is low.kernel for op, low in _LOWERINGS.items() if low.functional):
+        return  # registered by an earlier process state
+    lost = [op for op, low in aten.items() if low.hands_back and not torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"aten::{op}", "CompositeImplicitAutograd")]
+    if lost:
+        raise RuntimeError(f"torch {torch.__version__} has no composite kernel for aten ops {lost}, to which "
+                           f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
+                           f"torch {_TESTED_WITH['torch']}: install that version.")
+    library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
+    with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
+        warnings.simplefilter("ignore")
+        for op, low in aten.items():
+            library.impl(op, low.kernel, "AutogradXLA")
+    _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
+    for op, low in _LOWERINGS.items():
+        if low.functional:
+            _patch(F, op, low.kernel)
+
+
+def _torch_path(op):
+    """torch's own path for the inputs the lowering of `op` leaves to torch (rare ones, torch.func, bad ones: torch's
+    own error): the op's composite kernel, or torch.nn.functional's own function."""
+    low = _LOWERINGS.get(op)
+    if low is None or not low.hands_back:
+        raise RuntimeError(f"seamless_tpu bug: the lowering of {op} does not declare hands_back=True, so nothing "
+                           "checked that torch has a path to hand its inputs to")
+    if low.functional:
+        return low.functional
+    name, _, overload = op.partition(".")
+    return getattr(getattr(torch.ops.aten, name), overload or "default").decompose
+
+
+def _transformed(*tensors):
+    """torch.func, forward-mode AD or a tracing mode (scan_layers' AOT trace: no real XLA tensors) is at work: an
+    autograd.Function called from a dispatcher kernel has no functorch rule there (custom_function_call has no
+    AutogradXLA kernel), so the kernels use plain ops instead."""
+    return torch._C._are_functorch_transforms_active() or is_in_torch_dispatch_mode() or any(
+        t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def _computation_dtype(x):
+    """fp32 for half-precision inputs, as torch's kernels compute them; any other dtype kept (float64 too)."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+# --- 7c. lowerings: products and attention --------------------------------------------------------
+# matmul (and so linear) on > 2-D inputs: torch_xla folds (T, B, E) into (T*B, E) and (B, H, T, d) into (B*H, T, d),
+# where GSPMD kept one split of two; grouped convolutions: GSPMD all-gathered a feature_group_count convolution's
+# batch; multi-head attention viewed (T, B, H, d) as (T*B, E); (B, L) embedding bags ran on the CPU; einsum's
+# backward was a C++ function that autograd cannot differentiate again (second derivatives silently 0: gradient
+# penalties, MAML, Hessian-vector products). Ours keep every dimension, with eager's numbers (1e-6).
+
+
+@_lowering("matmul", family="products", why="batch", hands_back=True)
 def _xla_matmul(input, other):
     """Batched (equal batch shapes) or > 2-D by a matrix: our einsum kernel (called directly: through torch.einsum,
     2x the tracing), where torch folds the batch dims into one: a (B, H, T, d) attention product became (B*H, T, d),
@@ -904,6 +1006,7 @@ def _xla_matmul(input, other):
     return _torch_path("matmul")(input, other)  # and torch's error, not einsum's
 
 
+@_lowering("linear", family="products", why="batch", hands_back=True)
 def _xla_linear(input, weight, bias=None):
     """> 2-D inputs: one dot contracting the weight's dim 1, then the bias (torch's composite transposed the weight
     for the matmul kernel: 2x the tracing a call, which a LoRA model's many Linears pay each step). 2-D: addmm."""
@@ -914,420 +1017,7 @@ def _xla_linear(input, weight, bias=None):
     return y if bias is None else y + bias
 
 
-def _computation_dtype(x):
-    """fp32 for half-precision inputs, as torch's norm kernels compute them; any other dtype kept (float64 too)."""
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-
-
-def _statistics(x, dims, eps):
-    """(x in the computation dtype, its mean over `dims`, 1 / sqrt(var + eps)), as torch's kernels compute them."""
-    x = x.to(_computation_dtype(x))
-    var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)  # one op on XLA (as mean, square, mean: 4)
-    return x, mean, torch.rsqrt(var + eps)
-
-
-def _normalized(x, dims, eps):
-    x, mean, rstd = _statistics(x, dims, eps)
-    return (x - mean) * rstd
-
-
-def _affine(y, weight, bias, shape, dtype):
-    # A view only where the shapes differ: each op traced costs ~20-50 us a call on every step
-    y = y if weight is None else y * (weight if weight.shape == shape else weight.view(shape))
-    return (y if bias is None else y + (bias if bias.shape == shape else bias.view(shape))).to(dtype)
-
-
-def _xla_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
-    shape = tuple(normalized_shape)
-    if not shape or input.dim() < len(shape) or input.shape[-len(shape):] != shape or any(
-            t is not None and t.shape != shape for t in (weight, bias)):  # torch's error
-        return _torch_path("layer_norm")(input, normalized_shape, weight, bias, eps, cudnn_enable)
-    dims = tuple(range(-len(shape), 0))
-    if _transformed(input, weight, bias):
-        return _affine(_normalized(input, dims, eps), weight, bias, shape, input.dtype)
-    return _LayerNorm.apply(input, dims, weight, bias, eps)[0]
-
-
-class _LayerNorm(torch.autograd.Function):
-    """Layer norm by reductions over the normalized dims (torch_xla's own folds the rest into one dimension, where
-    GSPMD loses the batch split even batch-first: 0.70 of a step per device), with torch's compact backward: left to
-    autograd, the reductions' backward made a 24-block GPT compile in 1.2-1.3x the hand-written loop's time. The mean
-    and 1/std come out as outputs, for setup_context to save as torch's kernel does; a backward that builds a graph
-    (create_graph: a gradient penalty) recomputes them from the input, so that their own derivatives are in it."""
-
-    @staticmethod
-    def forward(input, dims, weight, bias, eps):
-        x, mean, rstd = _statistics(input, dims, eps)
-        return _affine((x - mean) * rstd, weight, bias, x.shape[x.dim() - len(dims):], input.dtype), mean, rstd
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        input, ctx.dims, weight, bias, ctx.eps = inputs
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.save_for_backward(input, weight, *output[1:])
-        ctx.bias_dtype = None if bias is None else bias.dtype
-
-    @staticmethod
-    def backward(ctx, grad, *_):
-        input, weight, mean, rstd = ctx.saved_tensors
-        x, dims = input.to(_computation_dtype(input)), ctx.dims
-        if torch.is_grad_enabled():
-            x, mean, rstd = _statistics(input, dims, ctx.eps)
-        normed, grad = (x - mean) * rstd, grad.to(x.dtype)
-        outer = tuple(range(grad.dim() - len(dims)))
-        g = grad if weight is None else grad * weight
-        dx = rstd * (g - g.mean(dims, keepdim=True) - normed * (g * normed).mean(dims, keepdim=True))
-        dw = None if weight is None else (grad * normed).sum(outer).to(weight.dtype)
-        db = None if ctx.bias_dtype is None else grad.sum(outer).to(ctx.bias_dtype)
-        return dx.to(input.dtype), None, dw, db, None
-
-
-def _xla_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
-    y = _normalized(input.unflatten(1, (num_groups, -1)).flatten(2), -1, eps).view(input.shape)
-    return _affine(y, weight, bias, (-1,) + (1,) * (input.dim() - 2), input.dtype)
-
-
-def _xla_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
-    stats, channels = running_mean is not None and running_var is not None, input.shape[1:2]
-    if input.numel() == 0 or input.dim() < 2 or stats and not running_mean.shape == running_var.shape == channels:
-        return _torch_path("batch_norm")(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                                         cudnn_enabled)  # torch's answer, or its error
-    dims, shape = [0, *range(2, input.dim())], (-1,) + (1,) * (input.dim() - 2)
-    x = input.to(_computation_dtype(input))
-    if stats and not training:  # torch_xla's eval batch_norm raised in its backward ("The size of mean should be ...")
-        y = (x - running_mean.view(shape).to(x.dtype)) * torch.rsqrt(running_var.view(shape).to(x.dtype) + eps)
-        return _affine(y, weight, bias, shape, input.dtype)
-    torch.nn.functional._verify_batch_size(input.size())
-    mean = x.mean(dims)
-    centred = x - mean.view(shape)
-    var = centred.square().mean(dims)
-    if running_mean is not None:  # as eager: the unbiased variance
-        n = input.numel() // input.shape[1]
-        with torch.no_grad():
-            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-            running_var.mul_(1 - momentum).add_((var * (n / max(n - 1, 1))).to(running_var.dtype), alpha=momentum)
-    return _affine(centred * torch.rsqrt(var + eps).view(shape), weight, bias, shape, input.dtype)
-
-
-def _resized(input, sizes, scales, mode, align_corners=False):
-    """input resized over its last len(sizes) dimensions one at a time, with eager's source positions and weights
-    (nearest and nearest-exact: one tap, linear: two, cubic: four, A=-0.75), each tap an index_select along that
-    dimension only. The positions are computed on the device (iota): no transfer, no new constant per step."""
-    for k, m in enumerate(sizes):
-        d, n = input.dim() - len(sizes) + k, input.shape[input.dim() - len(sizes) + k]
-        dst = torch.arange(m, device=input.device, dtype=torch.float32)
-        given = scales[k] if scales else None
-        if mode.startswith("nearest"):  # exact: the centre's source pixel, where nearest takes the left edge's
-            src = (dst + 0.5 if mode == "nearest-exact" else dst) * (1 / given if given else n / m)
-            taps = [(src.floor().clamp(max=n - 1), None)]
-        else:
-            if align_corners:
-                src = dst * ((n - 1) / (m - 1) if m > 1 else 0)
-            else:
-                src = (dst + 0.5) * (1 / given if given else n / m) - 0.5
-            src = src if mode == "cubic" or align_corners else src.clamp(min=0)
-            start = src.floor()
-            t = src - start
-            if mode == "linear":
-                taps = [(start, 1 - t), ((start + 1).clamp(max=n - 1), t)]
-            else:
-                a, u = -0.75, [t + 1, t, 1 - t, 2 - t]
-                near, far = (lambda x: ((a + 2) * x - (a + 3)) * x * x + 1), (
-                    lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a)
-                weights = [far(u[0]), near(u[1]), near(u[2]), far(u[3])]
-                taps = [((start + j - 1).clamp(0, n - 1), w) for j, w in enumerate(weights)]
-        shape = (m,) + (1,) * (input.dim() - d - 1)
-        parts = [input.index_select(d, i.long()) for i, _ in taps]
-        parts = [p if w is None else p * w.to(input.dtype).view(shape) for p, (_, w) in zip(parts, taps)]
-        input = functools.reduce(torch.add, parts) if len(parts) > 1 else parts[0]
-    return input
-
-
-def _resize_kernel(spatial, mode, with_corners):
-    def kernel(input, output_size, *rest):
-        align_corners, scales = rest if with_corners else (False, rest[0])
-        if output_size is None:
-            output_size = [math.floor(n * s) for n, s in zip(input.shape[-spatial:], scales)]
-        return _resized(input, list(output_size), scales if scales else None, mode, align_corners)
-    return kernel
-
-
-def _xla_adaptive_avg_pool(input, output_size):
-    """Divisible sizes go to torch_xla's pooling; others average each output's window [floor(i*n/m), ceil((i+1)*n/m))
-    as an einsum with a pooling matrix per dimension (a window's mean is separable)."""
-    spatial = len(output_size)
-    if all(n % m == 0 for n, m in zip(input.shape[-spatial:], output_size)):
-        return _torch_path(f"adaptive_avg_pool{spatial}d")(input, output_size)
-    for k, m in enumerate(output_size):
-        n = input.shape[input.dim() - spatial + k]
-        i, j = (torch.arange(size, device=input.device) for size in (m, n))
-        start, end = (i * n).div(m, rounding_mode="floor"), ((i + 1) * n + m - 1).div(m, rounding_mode="floor")
-        window = (j >= start[:, None]) & (j < end[:, None])
-        pool = window.to(input.dtype) / (end - start)[:, None].to(input.dtype)
-        input = torch.einsum("...n,mn->...m", input.movedim(input.dim() - spatial + k, -1), pool).movedim(
-            -1, input.dim() - spatial + k)
-    return input
-
-
-def _windows(input, kernel, dilation, padding, stride):
-    """(N, C, K, *out): every kernel offset's strided view of the padded input, K = prod(kernel); slices along the
-    spatial dimensions only, so the batch stays split (torch_xla's im2col fell back to the CPU)."""
-    spatial = len(kernel)
-    input = torch.nn.functional.pad(input, [p for pad in reversed(padding) for p in (pad, pad)])
-    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(input.shape[-spatial:], kernel, dilation, stride)]
-    views = []
-    for offset in itertools.product(*map(range, kernel)):
-        index = tuple(slice(o * d, o * d + (m - 1) * s + 1, s) for o, d, m, s in zip(offset, dilation, out, stride))
-        views.append(input[(..., *index)])
-    return torch.stack(views, 2)
-
-
-def _grouped_conv(spatial):
-    """A grouped convolution as one einsum over its windows (the same FLOPs): GSPMD all-gathered the batch of a
-    feature_group_count convolution and ran it whole on each device."""
-    def kernel(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-        stride, padding, dilation = ([v] * spatial if isinstance(v, int) else list(v) * (spatial // len(v))
-                                     for v in (stride, padding, dilation))
-        if groups == 1:
-            return _torch_path(f"conv{spatial}d")(input, weight, bias, stride, padding, dilation, groups)
-        unbatched = input.dim() == spatial + 1
-        x = _windows(input[None] if unbatched else input, list(weight.shape[2:]), dilation, padding, stride)
-        x = x.unflatten(1, (groups, -1))  # (N, G, C/G, K, *out)
-        w = weight.flatten(2).unflatten(0, (groups, -1))  # (G, O/G, C/G, K)
-        out = torch.einsum("ngck...,gock->ngo...", x, w).flatten(1, 2)
-        out = out if bias is None else out + bias.view((-1,) + (1,) * spatial)
-        return out[0] if unbatched else out
-    return kernel
-
-
-_MHA_SIGNATURE = inspect.signature(torch.nn.functional.multi_head_attention_forward)
-
-
-def _xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, batch-first inside
-    F = torch.nn.functional
-    a = _MHA_SIGNATURE.bind(*args, **kwargs)
-    a.apply_defaults()
-    a = types.SimpleNamespace(**a.arguments)
-    query, key, value, heads = a.query, a.key, a.value, a.num_heads
-    if (query.device.type != "xla" or query.dim() != 3 or a.bias_k is not None or a.add_zero_attn
-            or a.static_k is not None or a.static_v is not None or (a.is_causal and a.attn_mask is None)):
-        return _TORCH_MHA(*args, **kwargs)  # torch's path: unbatched, rare options, or its own error
-    (t, b, _), s = query.shape, key.shape[0]
-    weights = ((a.q_proj_weight, a.k_proj_weight, a.v_proj_weight) if a.use_separate_proj_weight
-               else a.in_proj_weight.chunk(3))
-    biases = (None,) * 3 if a.in_proj_bias is None else a.in_proj_bias.chunk(3)
-    q, k, v = (F.linear(x.transpose(0, 1), w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
-               for x, w, bias in zip((query, key, value), weights, biases))  # (B, heads, T or S, head dim)
-    mask = F._canonical_mask(mask=a.attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                             target_type=q.dtype, check_other=False)
-    mask = mask.view(b, heads, t, s) if mask is not None and mask.dim() == 3 else mask
-    pad = F._canonical_mask(mask=a.key_padding_mask, mask_name="key_padding_mask", target_type=q.dtype,
-                            other_type=F._none_or_dtype(a.attn_mask), other_name="attn_mask")
-    if pad is not None:
-        mask = pad.view(b, 1, 1, s) if mask is None else mask + pad.view(b, 1, 1, s)
-    dropout = a.dropout_p if a.training else 0.0
-    if a.need_weights:  # as torch: scores scaled before the product, weights returned after dropout
-        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-        probs = torch.softmax(scores if mask is None else scores + mask, -1)
-        probs = F.dropout(probs, dropout) if dropout > 0 else probs
-        out, probs = probs @ v, probs.mean(1) if a.average_attn_weights else probs
-    else:
-        out, probs = F.scaled_dot_product_attention(q, k, v, mask, dropout), None
-    out = F.linear(out.transpose(1, 2).flatten(2), a.out_proj_weight, a.out_proj_bias)
-    return out.transpose(0, 1), probs
-
-
-_xla_attention.keeps_batch_dims = True
-_TORCH_MHA = torch.nn.functional.multi_head_attention_forward
-
-# --- 7c. XLA lowerings of the ops torch_xla runs on the CPU ---------------------------------------
-# torch_xla 2.9 has no lowering for these: each call waited for the device, copied its inputs to the host and its
-# result back, whole on every device (the watchdog names the ones left). glu, channel_shuffle, grid_sample in 2-D,
-# im2col and col2im (F.unfold, F.fold), adaptive max pooling to sizes that do not divide the input's, and (B, L)
-# embedding bags (patched in F: torch flattens them into offsets before aten sees them). glu, channel_shuffle, im2col,
-# col2im and adaptive_max_pool2d are not composites: for XLA tensors ours replace torch's derivative formulas with
-# autograd's of the ops they are made of, and have no composite to hand inputs back to. aten::kl_div gets torch's own
-# decomposition: torch_xla's XLA kernel has no autograd kernel, so each backward warned "an autograd kernel was not
-# registered".
-
-
-def _xla_glu(input, dim=-1):  # torch_xla ran glu's backward on the CPU
-    if input.shape[dim] % 2:
-        raise RuntimeError(f"Halving dimension must be even, but dimension {dim % input.dim()} is size "
-                           f"{input.shape[dim]}")
-    first, second = input.chunk(2, dim)
-    return first * torch.sigmoid(second)
-
-
-def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU; its refusals are torch's CPU kernel's
-    if groups <= 0:
-        raise RuntimeError(f"Number of groups to divide channels in must be positive. Value of groups:{groups}")
-    if input.dim() > 1 and input.shape[1] % groups:
-        raise RuntimeError(f"Number of channels must be divisible by groups. Got {input.shape[1]} channels and "
-                           f"{groups} groups.")
-    return torch.ops.aten.native_channel_shuffle(input, groups)
-
-
-def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
-    """2-D bilinear or nearest sampling, zeros or border padding (torch_xla ran grid_sampler_2d and its backward on
-    the CPU): each tap a gather from the flattened image, along the spatial dims only; others take torch's path."""
-    if input.dim() != 4 or interpolation_mode > 1 or padding_mode > 1:
-        return _torch_path("grid_sampler")(input, grid, interpolation_mode, padding_mode, align_corners)
-    n, c, h, w = input.shape
-
-    def source(g, size):  # a grid coordinate in [-1, 1] to a pixel position, clipped for border padding
-        at = (g + 1) / 2 * (size - 1) if align_corners else ((g + 1) * size - 1) / 2
-        return at.clamp(0, size - 1) if padding_mode == 1 else at
-
-    x, y = source(grid[..., 0], w), source(grid[..., 1], h)
-    flat = input.flatten(2)
-
-    def tap(ix, iy, weight):  # the pixel at (ix, iy), zero outside the image
-        inside = ((ix >= 0) & (ix <= w - 1) & (iy >= 0) & (iy <= h - 1)).to(weight.dtype)
-        at = (iy.clamp(0, h - 1) * w + ix.clamp(0, w - 1)).long().flatten(1)
-        return flat.gather(2, at[:, None].expand(n, c, -1)).unflatten(2, ix.shape[1:]) * (weight * inside)[:, None]
-
-    if interpolation_mode == 1:
-        return tap(x.round(), y.round(), 1 + 0 * x)  # half to even as torch's nearbyint; the grid's gradient 0
-    x0, y0 = x.floor(), y.floor()
-    tx, ty = x - x0, y - y0
-    return (tap(x0, y0, (1 - tx) * (1 - ty)) + tap(x0 + 1, y0, tx * (1 - ty)) + tap(x0, y0 + 1, (1 - tx) * ty)
-            + tap(x0 + 1, y0 + 1, tx * ty))
-
-
-def _xla_kl_div(input, target, reduction=1, *, log_target=False):
-    return _torch_path("kl_div")(input, target, reduction, log_target=log_target)
-
-
-def _xla_im2col(input, kernel_size, dilation, padding, stride):
-    if input.dim() == 3:  # unbatched (C, H, W), as torch's
-        return _xla_im2col(input[None], kernel_size, dilation, padding, stride)[0]
-    return _windows(input, kernel_size, dilation, padding, stride).flatten(1, 2).flatten(2)
-
-
-def _xla_col2im(input, output_size, kernel_size, dilation, padding, stride):
-    """F.fold: each window's column added back where _windows took it from (im2col's adjoint), one offset at a
-    time, placed along each spatial dimension by a one-hot matrix: an einsum that keeps the batch split, at the cost
-    of (H + W) multiply-adds per output element and offset, where torch's CPU scatter (torch_xla has none) adds."""
-    if input.dim() == 2:  # unbatched (C * K, L), as torch's
-        return _xla_col2im(input[None], output_size, kernel_size, dilation, padding, stride)[0]
-    k = math.prod(kernel_size)
-    padded = [size + 2 * pad for size, pad in zip(output_size, padding)]
-    out = [(m - d * (kk - 1) - 1) // s + 1 for m, kk, d, s in zip(padded, kernel_size, dilation, stride)]
-    columns = input.unflatten(1, (-1, k)).unflatten(-1, out)  # (N, C, K, *out)
-    image = 0
-    for i, offset in enumerate(itertools.product(*map(range, kernel_size))):
-        part = columns[:, :, i]
-        for j, (o, d, m, s, size) in enumerate(zip(offset, dilation, out, stride, padded)):
-            at = torch.arange(m, device=input.device) * s + o * d  # where window position p lands on this dimension
-            place = (torch.arange(size, device=input.device)[:, None] == at).to(input.dtype)  # (size, m)
-            part = torch.einsum("...m,sm->...s", part.movedim(2 + j, -1), place).movedim(-1, 2 + j)
-        image = image + part
-    crop = tuple(slice(pad, pad + size) for pad, size in zip(padding, output_size))
-    return image[(..., *crop)]
-
-
-def _xla_adaptive_max_pool2d(input, output_size):
-    """Each output's window [floor(i*n/m), ceil((i+1)*n/m)) as gathered candidates (a short window repeats its
-    last), the max along W, then along H; the flat index of the winner, as torch's. Every size: torch_xla ran those
-    that do not divide the input's on the CPU, and the op has no composite to hand the others to."""
-    windows = []
-    for n, m in zip(input.shape[-2:], output_size):
-        i = torch.arange(m, device=input.device)
-        start, end = (i * n).div(m, rounding_mode="floor"), ((i + 1) * n + m - 1).div(m, rounding_mode="floor")
-        width = -(-n // m) + 1  # the widest window: ceil(n / m) + 1
-        windows.append(torch.minimum(start[:, None] + torch.arange(width, device=input.device), end[:, None] - 1))
-    (rows, cols), ow = windows, output_size[1]
-    along_w = input.index_select(-1, cols.flatten()).unflatten(-1, cols.shape)  # (..., H, ow, kw)
-    value, pick = along_w.max(-1)
-    col = cols.expand(*pick.shape[:-1], *cols.shape).gather(-1, pick[..., None])[..., 0]  # (..., H, ow)
-    along_h = value.index_select(-2, rows.flatten()).unflatten(-2, rows.shape)  # (..., oh, kh, ow)
-    value, pick = along_h.max(-2)
-    row = rows[:, :, None].expand(*pick.shape[:-2], *rows.shape, ow).gather(-2, pick[..., None, :])[..., 0, :]
-    col = col.index_select(-2, rows.flatten()).unflatten(-2, rows.shape).gather(-2, pick[..., None, :])[..., 0, :]
-    return value, row * input.shape[-1] + col
-
-
-def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
-                       mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False,
-                       padding_idx=None):
-    """(B, L) bags as an embedding and a reduction over L: torch flattens them into offsets for aten's embedding_bag,
-    which torch_xla runs on the CPU (two transfers a step, and the batch came back whole). Bags given by offsets,
-    max_norm, sparse, and whatever torch refuses (it checks before its own kernel runs) take torch's path."""
-    if not (_is_xla(input.device) and input.dim() == 2 and offsets is None and max_norm is None and not sparse
-            and not input.is_nested and not input.is_floating_point() and weight.dim() == 2
-            and mode in ("sum", "mean", "max") and not (mode == "max" and scale_grad_by_freq)
-            and (per_sample_weights is None or mode == "sum" and per_sample_weights.shape == input.shape)
-            and (padding_idx is None or -len(weight) <= padding_idx < len(weight))):
-        return _TORCH_EMBEDDING_BAG(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
-                                    per_sample_weights, include_last_offset, padding_idx)
-    rows = torch.nn.functional.embedding(input, weight, scale_grad_by_freq=scale_grad_by_freq)  # (B, L, E)
-    keep = torch.ones_like(input, dtype=torch.bool) if padding_idx is None else input != padding_idx % len(weight)
-    if mode == "max":  # an empty bag is zeros, as torch's
-        return rows.masked_fill(~keep[..., None], -math.inf).amax(1).where(keep.any(1, keepdim=True), 0)
-    weights = keep.to(rows.dtype) if per_sample_weights is None else per_sample_weights * keep
-    total = (rows * weights[..., None]).sum(1)
-    return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
-
-
-_TORCH_EMBEDDING_BAG = torch.nn.functional.embedding_bag
-# --- 7d. the lowerings' contract: registration, torch's path, torch.func, einsum -------------------
-# The kernels of 7b and 7c replace torch's (and torch_xla's einsum) for every XLA tensor in the process, so each keeps
-# the whole contract of its op: forward, first and second derivatives, torch.func, every input torch accepts, torch's
-# own error for bad ones. tests/test_opinfo.py proves it with torch's OpInfo samples for every op in _XLA_KERNELS.
-# What a kernel does not handle goes to torch's composite (_torch_path), checked to exist at registration. Under
-# torch.func and forward-mode AD the kernels use plain ops: an autograd.Function called from a dispatcher kernel has
-# no functorch rule there. torch_xla's einsum (the dot every matmul lowering here makes) had a C++ backward that
-# autograd cannot differentiate again: second derivatives through it were silently 0 (gradient penalties, MAML,
-# Hessian-vector products). Ours is the same dot, with a backward of einsums.
-
-
-def _keep_batch_dims():
-    if getattr(torch.nn.functional.multi_head_attention_forward, "keeps_batch_dims", False):
-        return  # registered by an earlier process state
-    lost = [op for op in _HANDS_BACK if not torch._C._dispatch_has_kernel_for_dispatch_key(
-        f"aten::{op}", "CompositeImplicitAutograd")]
-    if lost:  # their decompose() would return NotImplemented: the kernel would fail on what it leaves to torch
-        raise RuntimeError(f"torch {torch.__version__} has no composite kernel for aten ops {lost}, to which "
-                           f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
-                           f"torch {_TESTED_WITH['torch']}: install that version.")
-    library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
-    with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
-        warnings.simplefilter("ignore")
-        for op, kernel in _XLA_KERNELS.items():
-            library.impl(op, kernel, "AutogradXLA")
-    _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
-    _patch(torch.nn.functional, "multi_head_attention_forward", _xla_attention)
-    _patch(torch.nn.functional, "embedding_bag", _xla_embedding_bag)
-    scan, scan_gru = (sys.modules.get(f"torch_xla.experimental.{name}") for name in ("scan", "gru"))
-    if scan is not None and scan_gru is not None and importlib.util.find_spec("jax") is None:
-        # torch_xla's scan (its nn.GRU replacement, scan_layers) gives its SPMD backward's gradients the inputs'
-        # shardings with jax's shard_alike: without jax every such backward raised ModuleNotFoundError. Without it
-        # GSPMD propagates them (the numbers are the same); torch's own GRU, its parent class, steps without scan.
-        _patch(scan, "_backward_shard_alike", lambda carry, x, backward, init, xs: backward(carry, x))
-        _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
-
-
-def _torch_path(op):
-    """torch's composite kernel of aten `op`, for the inputs a lowering leaves to torch: rare ones, torch.func, and
-    bad ones (torch's own error). _keep_batch_dims checks at registration that each of _HANDS_BACK has one."""
-    if op not in _HANDS_BACK:
-        raise RuntimeError(f"seamless_tpu bug: aten::{op} is not in _HANDS_BACK, so nothing checked its composite")
-    return getattr(torch.ops.aten, op).default.decompose
-
-
-_HANDS_BACK = {"matmul", "linear", "einsum", "layer_norm", "batch_norm", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
-               "conv1d", "conv2d", "conv3d", "grid_sampler", "kl_div"}
-
-
-def _transformed(*tensors):
-    """torch.func, forward-mode AD or a tracing mode (scan_layers' AOT trace: no real XLA tensors) is at work: an
-    autograd.Function called from a dispatcher kernel has no functorch rule there (custom_function_call has no
-    AutogradXLA kernel), so the kernels use plain ops instead."""
-    return torch._C._are_functorch_transforms_active() or is_in_torch_dispatch_mode() or any(
-        t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-
-
+@_lowering("einsum", family="products", why="grad2", hands_back=True)
 def _xla_einsum(equation, tensors, *, path=None):
     """Two operands: torch_xla's einsum (one dot that keeps every batch dim), with a backward of einsums, so that it
     differentiates again (torch_xla's backward is a C++ function: a second derivative through it was silently 0).
@@ -1420,26 +1110,435 @@ def _einsum_grad(grad, out, other, other_subs, target, subs):
         target)
 
 
-_XLA_KERNELS = {
-    # 7b: GSPMD kept the batch split
-    "matmul": _xla_matmul, "linear": _xla_linear, "layer_norm": _xla_layer_norm, "group_norm": _xla_group_norm,
-    "batch_norm": _xla_batch_norm, **{f"adaptive_avg_pool{d}d": _xla_adaptive_avg_pool for d in (2, 3)},
-    **{f"upsample_nearest{d}d.vec": _resize_kernel(d, "nearest", False) for d in (1, 2, 3)},
-    "upsample_linear1d.vec": _resize_kernel(1, "linear", True),
-    "upsample_bilinear2d.vec": _resize_kernel(2, "linear", True),
-    "upsample_trilinear3d.vec": _resize_kernel(3, "linear", True),
-    "upsample_bicubic2d.vec": _resize_kernel(2, "cubic", True),
-    **{f"conv{d}d": _grouped_conv(d) for d in (1, 2, 3)},
-    # 7c: torch_xla ran them on the CPU (kl_div: it warned at each backward)
-    **{f"_upsample_nearest_exact{d}d.vec": _resize_kernel(d, "nearest-exact", False) for d in (1, 2, 3)},
-    "glu": _xla_glu, "channel_shuffle": _xla_channel_shuffle, "grid_sampler": _xla_grid_sampler,
-    "im2col": _xla_im2col, "col2im": _xla_col2im, "adaptive_max_pool2d": _xla_adaptive_max_pool2d,
-    "kl_div": _xla_kl_div,
-    # 7d: torch_xla's own, whose backward autograd could not differentiate again
-    "einsum": _xla_einsum,
-}
+def _grouped_conv(spatial):
+    """A grouped convolution as one einsum over its windows (the same FLOPs): GSPMD all-gathered the batch of a
+    feature_group_count convolution and ran it whole on each device."""
+    def kernel(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        stride, padding, dilation = ([v] * spatial if isinstance(v, int) else list(v) * (spatial // len(v))
+                                     for v in (stride, padding, dilation))
+        if groups == 1:
+            return _torch_path(f"conv{spatial}d")(input, weight, bias, stride, padding, dilation, groups)
+        unbatched = input.dim() == spatial + 1
+        x = _windows(input[None] if unbatched else input, list(weight.shape[2:]), dilation, padding, stride)
+        x = x.unflatten(1, (groups, -1))  # (N, G, C/G, K, *out)
+        w = weight.flatten(2).unflatten(0, (groups, -1))  # (G, O/G, C/G, K)
+        out = torch.einsum("ngck...,gock->ngo...", x, w).flatten(1, 2)
+        out = out if bias is None else out + bias.view((-1,) + (1,) * spatial)
+        return out[0] if unbatched else out
+    return kernel
 
-# --- 8. graph cuts and the recompile watchdog -----------------------------------------------------
+
+for _spatial in (1, 2, 3):
+    _lowering(f"conv{_spatial}d", family="products", why="batch", hands_back=True)(_grouped_conv(_spatial))
+
+
+_MHA_SIGNATURE = inspect.signature(torch.nn.functional.multi_head_attention_forward)
+
+
+@_lowering("multi_head_attention_forward", family="attention", why="batch", functional=True)
+def _xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, batch-first inside
+    F = torch.nn.functional
+    a = _MHA_SIGNATURE.bind(*args, **kwargs)
+    a.apply_defaults()
+    a = types.SimpleNamespace(**a.arguments)
+    query, key, value, heads = a.query, a.key, a.value, a.num_heads
+    if (query.device.type != "xla" or query.dim() != 3 or a.bias_k is not None or a.add_zero_attn
+            or a.static_k is not None or a.static_v is not None or (a.is_causal and a.attn_mask is None)):
+        return _torch_path("multi_head_attention_forward")(*args, **kwargs)  # unbatched, rare options, its error
+    (t, b, _), s = query.shape, key.shape[0]
+    weights = ((a.q_proj_weight, a.k_proj_weight, a.v_proj_weight) if a.use_separate_proj_weight
+               else a.in_proj_weight.chunk(3))
+    biases = (None,) * 3 if a.in_proj_bias is None else a.in_proj_bias.chunk(3)
+    q, k, v = (F.linear(x.transpose(0, 1), w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
+               for x, w, bias in zip((query, key, value), weights, biases))  # (B, heads, T or S, head dim)
+    mask = F._canonical_mask(mask=a.attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+                             target_type=q.dtype, check_other=False)
+    mask = mask.view(b, heads, t, s) if mask is not None and mask.dim() == 3 else mask
+    pad = F._canonical_mask(mask=a.key_padding_mask, mask_name="key_padding_mask", target_type=q.dtype,
+                            other_type=F._none_or_dtype(a.attn_mask), other_name="attn_mask")
+    if pad is not None:
+        mask = pad.view(b, 1, 1, s) if mask is None else mask + pad.view(b, 1, 1, s)
+    dropout = a.dropout_p if a.training else 0.0
+    if a.need_weights:  # as torch: scores scaled before the product, weights returned after dropout
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        probs = torch.softmax(scores if mask is None else scores + mask, -1)
+        probs = F.dropout(probs, dropout) if dropout > 0 else probs
+        out, probs = probs @ v, probs.mean(1) if a.average_attn_weights else probs
+    else:
+        out, probs = F.scaled_dot_product_attention(q, k, v, mask, dropout), None
+    out = F.linear(out.transpose(1, 2).flatten(2), a.out_proj_weight, a.out_proj_bias)
+    return out.transpose(0, 1), probs
+
+
+@_lowering("embedding_bag", family="attention", why="cpu", functional=True)
+def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
+                       mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False,
+                       padding_idx=None):
+    """(B, L) bags as an embedding and a reduction over L: torch flattens them into offsets for aten's embedding_bag,
+    which torch_xla runs on the CPU (two transfers a step, and the batch came back whole). Bags given by offsets,
+    max_norm, sparse, and whatever torch refuses (it checks before its own kernel runs) take torch's path."""
+    if not (_is_xla(input.device) and input.dim() == 2 and offsets is None and max_norm is None and not sparse
+            and not input.is_nested and not input.is_floating_point() and weight.dim() == 2
+            and mode in ("sum", "mean", "max") and not (mode == "max" and scale_grad_by_freq)
+            and (per_sample_weights is None or mode == "sum" and per_sample_weights.shape == input.shape)
+            and (padding_idx is None or -len(weight) <= padding_idx < len(weight))):
+        return _torch_path("embedding_bag")(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode,
+                                            sparse, per_sample_weights, include_last_offset, padding_idx)
+    rows = torch.nn.functional.embedding(input, weight, scale_grad_by_freq=scale_grad_by_freq)  # (B, L, E)
+    keep = torch.ones_like(input, dtype=torch.bool) if padding_idx is None else input != padding_idx % len(weight)
+    if mode == "max":  # an empty bag is zeros, as torch's
+        return rows.masked_fill(~keep[..., None], -math.inf).amax(1).where(keep.any(1, keepdim=True), 0)
+    weights = keep.to(rows.dtype) if per_sample_weights is None else per_sample_weights * keep
+    total = (rows * weights[..., None]).sum(1)
+    return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
+
+# --- 7d. lowerings: norms and pointwise ops ---------------------------------------------------------
+# layer_norm and training batch_norm (also instance_norm, which torch builds on it) are one op over the batch in
+# torch_xla, group_norm too (a GroupNorm conv net ran 0.32-0.61 of its convolutions per device): ours reduce over the
+# normalized dims, with eager's unbiased running variance where torch_xla's keeps the biased one. These are
+# CompositeImplicitAutograd: autograd differentiates our ops. glu and channel_shuffle ran on the CPU, and are no
+# composites: for XLA tensors ours replace torch's derivative formulas with autograd's of the ops they are made of.
+# aten::kl_div gets torch's own decomposition: torch_xla's XLA kernel has no autograd kernel, so each backward warned
+# "an autograd kernel was not registered".
+
+
+def _statistics(x, dims, eps):
+    """(x in the computation dtype, its mean over `dims`, 1 / sqrt(var + eps)), as torch's kernels compute them."""
+    x = x.to(_computation_dtype(x))
+    var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)  # one op on XLA (as mean, square, mean: 4)
+    return x, mean, torch.rsqrt(var + eps)
+
+
+def _normalized(x, dims, eps):
+    x, mean, rstd = _statistics(x, dims, eps)
+    return (x - mean) * rstd
+
+
+def _affine(y, weight, bias, shape, dtype):
+    # A view only where the shapes differ: each op traced costs ~20-50 us a call on every step
+    y = y if weight is None else y * (weight if weight.shape == shape else weight.view(shape))
+    return (y if bias is None else y + (bias if bias.shape == shape else bias.view(shape))).to(dtype)
+
+
+@_lowering("layer_norm", family="norms", why="batch", hands_back=True)
+def _xla_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    shape = tuple(normalized_shape)
+    if not shape or input.dim() < len(shape) or input.shape[-len(shape):] != shape or any(
+            t is not None and t.shape != shape for t in (weight, bias)):  # torch's error
+        return _torch_path("layer_norm")(input, normalized_shape, weight, bias, eps, cudnn_enable)
+    dims = tuple(range(-len(shape), 0))
+    if _transformed(input, weight, bias):
+        return _affine(_normalized(input, dims, eps), weight, bias, shape, input.dtype)
+    return _LayerNorm.apply(input, dims, weight, bias, eps)[0]
+
+
+class _LayerNorm(torch.autograd.Function):
+    """Layer norm by reductions over the normalized dims (torch_xla's own folds the rest into one dimension, where
+    GSPMD loses the batch split even batch-first: 0.70 of a step per device), with torch's compact backward: left to
+    autograd, the reductions' backward made a 24-block GPT compile in 1.2-1.3x the hand-written loop's time. The mean
+    and 1/std come out as outputs, for setup_context to save as torch's kernel does; a backward that builds a graph
+    (create_graph: a gradient penalty) recomputes them from the input, so that their own derivatives are in it."""
+
+    @staticmethod
+    def forward(input, dims, weight, bias, eps):
+        x, mean, rstd = _statistics(input, dims, eps)
+        return _affine((x - mean) * rstd, weight, bias, x.shape[x.dim() - len(dims):], input.dtype), mean, rstd
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, ctx.dims, weight, bias, ctx.eps = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(input, weight, *output[1:])
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        input, weight, mean, rstd = ctx.saved_tensors
+        x, dims = input.to(_computation_dtype(input)), ctx.dims
+        if torch.is_grad_enabled():
+            x, mean, rstd = _statistics(input, dims, ctx.eps)
+        normed, grad = (x - mean) * rstd, grad.to(x.dtype)
+        outer = tuple(range(grad.dim() - len(dims)))
+        g = grad if weight is None else grad * weight
+        dx = rstd * (g - g.mean(dims, keepdim=True) - normed * (g * normed).mean(dims, keepdim=True))
+        dw = None if weight is None else (grad * normed).sum(outer).to(weight.dtype)
+        db = None if ctx.bias_dtype is None else grad.sum(outer).to(ctx.bias_dtype)
+        return dx.to(input.dtype), None, dw, db, None
+
+
+@_lowering("group_norm", family="norms", why="batch", hands_back=True)
+def _xla_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    channels = input.shape[1:2]
+    if input.dim() < 2 or num_groups <= 0 or channels[0] % num_groups or any(
+            t is not None and t.shape != channels for t in (weight, bias)):
+        return _torch_path("group_norm")(input, num_groups, weight, bias, eps, cudnn_enabled)  # torch's error
+    y = _normalized(input.unflatten(1, (num_groups, -1)).flatten(2), -1, eps).view(input.shape)
+    return _affine(y, weight, bias, (-1,) + (1,) * (input.dim() - 2), input.dtype)
+
+
+@_lowering("batch_norm", family="norms", why="batch", hands_back=True)
+def _xla_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    stats, channels = running_mean is not None and running_var is not None, input.shape[1:2]
+    if input.numel() == 0 or input.dim() < 2 or stats and not running_mean.shape == running_var.shape == channels:
+        return _torch_path("batch_norm")(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                         cudnn_enabled)  # torch's answer, or its error
+    dims, shape = [0, *range(2, input.dim())], (-1,) + (1,) * (input.dim() - 2)
+    x = input.to(_computation_dtype(input))
+    if stats and not training:  # torch_xla's eval batch_norm raised in its backward ("The size of mean should be ...")
+        y = (x - running_mean.view(shape).to(x.dtype)) * torch.rsqrt(running_var.view(shape).to(x.dtype) + eps)
+        return _affine(y, weight, bias, shape, input.dtype)
+    torch.nn.functional._verify_batch_size(input.size())
+    mean = x.mean(dims)
+    centred = x - mean.view(shape)
+    var = centred.square().mean(dims)
+    if running_mean is not None:  # as eager: the unbiased variance
+        n = input.numel() // input.shape[1]
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1 - momentum).add_((var * (n / max(n - 1, 1))).to(running_var.dtype), alpha=momentum)
+    return _affine(centred * torch.rsqrt(var + eps).view(shape), weight, bias, shape, input.dtype)
+
+
+@_lowering("glu", family="pointwise", why="cpu")
+def _xla_glu(input, dim=-1):  # torch_xla ran glu's backward on the CPU
+    torch._check(input.shape[dim] % 2 == 0, lambda: f"Halving dimension must be even, but dimension "
+                 f"{dim % input.dim()} is size {input.shape[dim]}")
+    first, second = input.chunk(2, dim)
+    return first * torch.sigmoid(second)
+
+
+@_lowering("channel_shuffle", family="pointwise", why="cpu")
+def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU; its refusals are torch's CPU kernel's
+    torch._check(groups > 0, lambda: f"Number of groups to divide channels in must be positive. Value of groups:"
+                 f"{groups}")
+    torch._check(input.dim() < 2 or input.shape[1] % groups == 0, lambda: f"Number of channels must be divisible "
+                 f"by groups. Got {input.shape[1]} channels and {groups} groups.")
+    return torch.ops.aten.native_channel_shuffle(input, groups)
+
+
+@_lowering("kl_div", family="pointwise", why="cpu", hands_back=True)
+def _xla_kl_div(input, target, reduction=1, *, log_target=False):
+    return _torch_path("kl_div")(input, target, reduction, log_target=log_target)
+
+# --- 7e. lowerings: pooling, windows and resampling -----------------------------------------------
+# Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU), upsampling (each
+# device gathered the whole upsampled image; nearest-exact ran on the CPU), im2col/col2im (F.unfold/F.fold) and 2-D
+# grid_sample (on the CPU): separable windows, strided slices and per-dimension gathers that keep the batch split.
+
+
+def _adaptive_windows(n, m, device):
+    """(start, end) of each of m outputs' windows over n inputs, as torch's adaptive pooling: [floor(i*n/m),
+    ceil((i+1)*n/m))."""
+    i = torch.arange(m, device=device)
+    return (i * n).div(m, rounding_mode="floor"), ((i + 1) * n + m - 1).div(m, rounding_mode="floor")
+
+
+@_lowering("adaptive_avg_pool2d", "adaptive_avg_pool3d", family="pooling", why="batch", hands_back=True)
+def _xla_adaptive_avg_pool(input, output_size):
+    """Divisible sizes (and bad input) go to torch_xla's pooling; others average each output's window as an einsum
+    with a pooling matrix per dimension (a window's mean is separable)."""
+    spatial = len(output_size)
+    if input.dim() not in (spatial + 1, spatial + 2) or not all(m > 0 for m in output_size) or all(
+            n % m == 0 for n, m in zip(input.shape[-spatial:], output_size)):
+        return _torch_path(f"adaptive_avg_pool{spatial}d")(input, output_size)
+    for k, m in enumerate(output_size):
+        n = input.shape[input.dim() - spatial + k]
+        start, end = _adaptive_windows(n, m, input.device)
+        j = torch.arange(n, device=input.device)
+        window = (j >= start[:, None]) & (j < end[:, None])
+        pool = window.to(input.dtype) / (end - start)[:, None].to(input.dtype)
+        input = torch.einsum("...n,mn->...m", input.movedim(input.dim() - spatial + k, -1), pool).movedim(
+            -1, input.dim() - spatial + k)
+    return input
+
+
+@_lowering("adaptive_max_pool2d", family="pooling", why="cpu")
+def _xla_adaptive_max_pool2d(input, output_size):
+    """Each output's window as gathered candidates (a short window repeats its last), the max along W, then along H;
+    the flat index of the winner, as torch's. Every size: torch_xla ran those that do not divide the input's on the
+    CPU, and the op has no composite to hand the others to. torch's meta function's checks."""
+    torch._check(input.dim() in (3, 4), lambda: f"adaptive_max_pool2d(): Expected 3D or 4D tensor, but got: "
+                 f"{input.shape}")
+    torch._check(all(input.shape[1:]), lambda: f"adaptive_max_pool2d(): Expected input to have non-zero size for "
+                 f"non-batch dimensions, but input has sizes {input.shape} with dimension "
+                 f"{1 + list(input.shape[1:]).index(0)} being empty")
+    windows = []
+    for n, m in zip(input.shape[-2:], output_size):
+        start, end = _adaptive_windows(n, m, input.device)
+        width = -(-n // m) + 1  # the widest window: ceil(n / m) + 1
+        windows.append(torch.minimum(start[:, None] + torch.arange(width, device=input.device), end[:, None] - 1))
+    (rows, cols), ow = windows, output_size[1]
+    along_w = input.index_select(-1, cols.flatten()).unflatten(-1, cols.shape)  # (..., H, ow, kw)
+    value, pick = along_w.max(-1)
+    col = cols.expand(*pick.shape[:-1], *cols.shape).gather(-1, pick[..., None])[..., 0]  # (..., H, ow)
+    along_h = value.index_select(-2, rows.flatten()).unflatten(-2, rows.shape)  # (..., oh, kh, ow)
+    value, pick = along_h.max(-2)
+    row = rows[:, :, None].expand(*pick.shape[:-2], *rows.shape, ow).gather(-2, pick[..., None, :])[..., 0, :]
+    col = col.index_select(-2, rows.flatten()).unflatten(-2, rows.shape).gather(-2, pick[..., None, :])[..., 0, :]
+    return value, row * input.shape[-1] + col
+
+
+def _windows(input, kernel, dilation, padding, stride):
+    """(N, C, K, *out): every kernel offset's strided view of the padded input, K = prod(kernel); slices along the
+    spatial dimensions only, so the batch stays split (torch_xla's im2col fell back to the CPU)."""
+    spatial = len(kernel)
+    input = torch.nn.functional.pad(input, [p for pad in reversed(padding) for p in (pad, pad)])
+    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(input.shape[-spatial:], kernel, dilation, stride)]
+    views = []
+    for offset in itertools.product(*map(range, kernel)):
+        index = tuple(slice(o * d, o * d + (m - 1) * s + 1, s) for o, d, m, s in zip(offset, dilation, out, stride))
+        views.append(input[(..., *index)])
+    return torch.stack(views, 2)
+
+
+def _check_windows(kernel_size, dilation, padding, stride, spatial, out):
+    """torch's checks of im2col's and col2im's arguments (its decompositions'): positive kernel, dilation and stride,
+    padding >= 0, at least one window."""
+    for what, values, least in (("kernel_size", kernel_size, 1), ("dilation", dilation, 1),
+                                ("padding", padding, 0), ("stride", stride, 1)):
+        than = "than" if least else "than or equal to"
+        torch._check(all(v >= least for v in values), lambda: f"{what} should be greater {than} zero, but got {values}")
+    torch._check(all(c > 0 for c in out), lambda: f"Given an input with spatial size {tuple(spatial)}, kernel_size="
+                 f"{kernel_size}, dilation={dilation}, padding={padding}, stride={stride}, the calculated shape of the "
+                 f"array of sliding blocks is {tuple(out)}, but its components must be at least one.")
+
+
+def _blocks(spatial, kernel_size, dilation, padding, stride):
+    return [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, d, p, s in zip(spatial, kernel_size, dilation, padding,
+                                                                             stride)]
+
+
+@_lowering("im2col", family="windows", why="cpu")
+def _xla_im2col(input, kernel_size, dilation, padding, stride):
+    torch._check(input.dim() in (3, 4) and all(input.shape[-3:]), lambda: "Expected 3D or 4D (batch mode) tensor for "
+                 f"input with possible 0 batch size and non-zero dimensions, but got: {tuple(input.shape)}")
+    _check_windows(kernel_size, dilation, padding, stride, input.shape[-2:],
+                   _blocks(input.shape[-2:], kernel_size, dilation, padding, stride))
+    if input.dim() == 3:  # unbatched (C, H, W), as torch's
+        return _xla_im2col(input[None], kernel_size, dilation, padding, stride)[0]
+    return _windows(input, kernel_size, dilation, padding, stride).flatten(1, 2).flatten(2)
+
+
+@_lowering("col2im", family="windows", why="cpu")
+def _xla_col2im(input, output_size, kernel_size, dilation, padding, stride):
+    """F.fold: each window's column added back where _windows took it from (im2col's adjoint), one offset at a
+    time, placed along each spatial dimension by a one-hot matrix: an einsum that keeps the batch split, at the cost
+    of (H + W) multiply-adds per output element and offset, where torch's CPU scatter (torch_xla has none) adds."""
+    k, out = math.prod(kernel_size), _blocks(output_size, kernel_size, dilation, padding, stride)
+    torch._check(input.dim() in (2, 3) and all(input.shape[-2:]), lambda: "Expected 2D or 3D (batch mode) tensor for "
+                 f"input with possible 0 batch size and non-zero dimensions, but got: {tuple(input.shape)}")
+    _check_windows(kernel_size, dilation, padding, stride, output_size, out)
+    torch._check(input.shape[-2] % k == 0, lambda: "Expected size of input's first non-batch dimension to be "
+                 f"divisible by the product of kernel_size, but got input.shape[-2] = {input.shape[-2]} and "
+                 f"kernel_size={kernel_size}")
+    torch._check(input.shape[-1] == math.prod(out), lambda: f"Given output_size={output_size}, kernel_size="
+                 f"{kernel_size}, dilation={dilation}, padding={padding}, stride={stride}, expected input.size(-1) to "
+                 f"be {math.prod(out)} but got {input.shape[-1]}.")
+    if input.dim() == 2:  # unbatched (C * K, L), as torch's
+        return _xla_col2im(input[None], output_size, kernel_size, dilation, padding, stride)[0]
+    padded = [size + 2 * pad for size, pad in zip(output_size, padding)]
+    columns = input.unflatten(1, (-1, k)).unflatten(-1, out)  # (N, C, K, *out)
+    image = 0
+    for i, offset in enumerate(itertools.product(*map(range, kernel_size))):
+        part = columns[:, :, i]
+        for j, (o, d, m, s, size) in enumerate(zip(offset, dilation, out, stride, padded)):
+            at = torch.arange(m, device=input.device) * s + o * d  # where window position p lands on this dimension
+            place = (torch.arange(size, device=input.device)[:, None] == at).to(input.dtype)  # (size, m)
+            part = torch.einsum("...m,sm->...s", part.movedim(2 + j, -1), place).movedim(-1, 2 + j)
+        image = image + part
+    crop = tuple(slice(pad, pad + size) for pad, size in zip(padding, output_size))
+    return image[(..., *crop)]
+
+
+def _resized(input, sizes, scales, mode, align_corners=False):
+    """input resized over its last len(sizes) dimensions one at a time, with eager's source positions and weights
+    (nearest and nearest-exact: one tap, linear: two, cubic: four, A=-0.75), each tap an index_select along that
+    dimension only. The positions are computed on the device (iota): no transfer, no new constant per step."""
+    for k, m in enumerate(sizes):
+        d, n = input.dim() - len(sizes) + k, input.shape[input.dim() - len(sizes) + k]
+        dst = torch.arange(m, device=input.device, dtype=torch.float32)
+        given = scales[k] if scales else None
+        if mode.startswith("nearest"):  # exact: the centre's source pixel, where nearest takes the left edge's
+            src = (dst + 0.5 if mode == "nearest-exact" else dst) * (1 / given if given else n / m)
+            taps = [(src.floor().clamp(max=n - 1), None)]
+        else:
+            if align_corners:
+                src = dst * ((n - 1) / (m - 1) if m > 1 else 0)
+            else:
+                src = (dst + 0.5) * (1 / given if given else n / m) - 0.5
+            src = src if mode == "cubic" or align_corners else src.clamp(min=0)
+            start = src.floor()
+            t = src - start
+            if mode == "linear":
+                taps = [(start, 1 - t), ((start + 1).clamp(max=n - 1), t)]
+            else:
+                a, u = -0.75, [t + 1, t, 1 - t, 2 - t]
+                near, far = (lambda x: ((a + 2) * x - (a + 3)) * x * x + 1), (
+                    lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a)
+                weights = [far(u[0]), near(u[1]), near(u[2]), far(u[3])]
+                taps = [((start + j - 1).clamp(0, n - 1), w) for j, w in enumerate(weights)]
+        shape = (m,) + (1,) * (input.dim() - d - 1)
+        parts = [input.index_select(d, i.long()) for i, _ in taps]
+        parts = [p if w is None else p * w.to(input.dtype).view(shape) for p, (_, w) in zip(parts, taps)]
+        input = functools.reduce(torch.add, parts) if len(parts) > 1 else parts[0]
+    return input
+
+
+def _resize_kernel(op, spatial, mode, with_corners):
+    def kernel(input, output_size, *rest):
+        align_corners, scales = rest if with_corners else (False, rest[0])
+        if input.dim() == spatial + 2 and output_size is None and scales and len(scales) == spatial:
+            output_size = [math.floor(n * s) for n, s in zip(input.shape[-spatial:], scales)]
+        if (input.dim() != spatial + 2 or output_size is None or len(output_size) != spatial
+                or not all(n > 0 for n in (*input.shape[2:], *output_size))):  # torch's answer, or its error
+            return _torch_path(op)(input, output_size, *rest)
+        return _resized(input, list(output_size), scales if scales else None, mode, align_corners)
+    return kernel
+
+
+_RESIZES = {  # aten op -> (spatial dims, mode, whether it takes align_corners)
+    **{f"upsample_nearest{d}d.vec": (d, "nearest", False) for d in (1, 2, 3)},
+    **{f"_upsample_nearest_exact{d}d.vec": (d, "nearest-exact", False) for d in (1, 2, 3)},
+    "upsample_linear1d.vec": (1, "linear", True), "upsample_bilinear2d.vec": (2, "linear", True),
+    "upsample_trilinear3d.vec": (3, "linear", True), "upsample_bicubic2d.vec": (2, "cubic", True)}
+for _op, (_spatial, _mode, _corners) in _RESIZES.items():  # nearest-exact: torch_xla ran it on the CPU
+    _lowering(_op, family="resampling", why="cpu" if _mode == "nearest-exact" else "batch", hands_back=True)(
+        _resize_kernel(_op, _spatial, _mode, _corners))
+
+
+@_lowering("grid_sampler", family="resampling", why="cpu", hands_back=True)
+def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
+    """2-D bilinear or nearest sampling, zeros or border padding (torch_xla ran grid_sampler_2d and its backward on
+    the CPU): each tap a gather from the flattened image, along the spatial dims only; others take torch's path."""
+    if input.dim() != 4 or interpolation_mode > 1 or padding_mode > 1:
+        return _torch_path("grid_sampler")(input, grid, interpolation_mode, padding_mode, align_corners)
+    n, c, h, w = input.shape
+
+    def source(g, size):  # a grid coordinate in [-1, 1] to a pixel position, clipped for border padding
+        at = (g + 1) / 2 * (size - 1) if align_corners else ((g + 1) * size - 1) / 2
+        return at.clamp(0, size - 1) if padding_mode == 1 else at
+
+    x, y = source(grid[..., 0], w), source(grid[..., 1], h)
+    flat = input.flatten(2)
+
+    def tap(ix, iy, weight):  # the pixel at (ix, iy), zero outside the image
+        inside = ((ix >= 0) & (ix <= w - 1) & (iy >= 0) & (iy <= h - 1)).to(weight.dtype)
+        at = (iy.clamp(0, h - 1) * w + ix.clamp(0, w - 1)).long().flatten(1)
+        return flat.gather(2, at[:, None].expand(n, c, -1)).unflatten(2, ix.shape[1:]) * (weight * inside)[:, None]
+
+    if interpolation_mode == 1:
+        return tap(x.round(), y.round(), 1 + 0 * x)  # half to even as torch's nearbyint; the grid's gradient 0
+    x0, y0 = x.floor(), y.floor()
+    tx, ty = x - x0, y - y0
+    return (tap(x0, y0, (1 - tx) * (1 - ty)) + tap(x0 + 1, y0, tx * (1 - ty)) + tap(x0, y0 + 1, (1 - tx) * ty)
+            + tap(x0 + 1, y0 + 1, tx * ty))
+
+# --- 8. the step: its hooks, graph cuts, the first step's state, the recompile watchdog -----------
+# One global pre-step and one post-step hook (from first XLA use or the first trainer) run each concern of an
+# optimizer step in a fixed order (docs/design.md, "The step"). Before the step: rebinding (FSDP2 or tensor
+# parallelism replaced the parameters), then on XLA the watchdog's count, the state first, the work check and the
+# cut. After it: on XLA the cut and the watchdog, then preemption, the meter and the profiler. A trainer model's
+# forward has one hook too (_before_forward): meta init, then the cut of the last iteration.
 
 
 @dataclasses.dataclass
@@ -1450,9 +1549,182 @@ class _GraphCuts:
     backward: bool = False  # a backward reached a trainer's parameters since the graph was last cut
     no_grad_forward: bool = False  # a trainer's model ran under no_grad since the graph was last cut
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
-    after_cut: list = dataclasses.field(default_factory=list)  # run once after the next cut: the work check
-    held: list = dataclasses.field(default_factory=list)  # (name, module, output) the work check reads then
-    ready: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> param count, state made
+
+
+@dataclasses.dataclass
+class _StepRecord:
+    """What the step hooks remember of one optimizer (_STATE.steps). `groups`, each group's parameter count, is read
+    once per step; the concerns keep the `groups` at which they last acted, so a new group (or model) is new to all."""
+
+    groups: tuple = None  # at this step
+    rebound: tuple = None  # at the last rebinding to the parameters that replaced its own
+    ready: tuple = None  # when its state was last made before a step (_state_first)
+    owned: tuple = None  # when `ours` was decided
+    ours: bool = False  # it steps a trainer's parameters (not a probe's): preemption and the meter count its steps
+    steps: int = 0  # steps taken, for the watchdog's warning
+
+
+def _install_step_hooks():
+    if not _STATE.optimizer_hooks:
+        _STATE.optimizer_hooks.update(pre=register_optimizer_step_pre_hook(_before_step),
+                                      post=register_optimizer_step_post_hook(_after_step))
+
+
+def _record(optimizer):
+    record = _STATE.steps.get(optimizer)
+    if record is None:
+        record = _STATE.steps[optimizer] = _StepRecord()
+    record.groups = tuple(len(group["params"]) for group in optimizer.param_groups)
+    return record
+
+
+def _before_step(optimizer, args, kwargs):
+    record = _record(optimizer)
+    if _STATE.rebinding and record.rebound != record.groups:  # a walk only when the groups change
+        _place_optimizer_state(optimizer)
+        record.rebound = record.groups
+    if not _has_xla_params(optimizer):
+        return args, kwargs
+    _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
+    _state_first(optimizer, record)
+    _STATE.work_check.run()
+    # The forward and backward are one graph, the step another, each compiled once: XLA's compile time grows faster
+    # than a graph (24 GPT blocks: 14-16.5 s and 2-2.7 s against 23-26.5 s for one, docs/design.md); the last
+    # micro-batch of an accumulation reuses the others' graph. Costs a launch a step; the gradients are graph outputs
+    # either way.
+    _cut_graph()
+    # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
+    if callable(kwargs.get("closure")):
+        kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
+    elif len(args) > 1 and callable(args[1]):
+        args = (args[0], _cut_around(args[1]), *args[2:])
+    return args, kwargs
+
+
+def _after_step(optimizer, args, kwargs):
+    record = _STATE.steps.get(optimizer) or _record(optimizer)
+    if _has_xla_params(optimizer):
+        _cut_graph()  # the step's graph
+        _STATE.cuts.watchdog.after_step(optimizer, record, _import("torch_xla.debug.metrics"))
+    if _STATE.preemption.owns(optimizer, record):
+        _STATE.preemption.after_step(optimizer)
+        _STATE.meter.step_end()
+    if _STATE.profile is not None:
+        _STATE.profile.step_end()
+
+
+def _has_xla_params(optimizer):
+    # Any XLA parameter needs the sync, or its graph grows without bound; the first usually answers.
+    return any(_is_xla(p.device) for group in optimizer.param_groups for p in group["params"])
+
+
+def _cut_around(closure):
+    """A closure is one graph, the optimizer's work between closures another. Uncut, each value LBFGS read recompiled
+    the whole forward and backward: time_sequence_prediction's 100-step LSTM, a 36,000-op graph for 3-4 min a read."""
+    @functools.wraps(closure)
+    def cut():
+        _cut_graph()
+        loss = closure()
+        _cut_graph()
+        return loss
+    return cut
+
+
+def _cut_graph():
+    """Compile (the first time) and run everything pending as one graph, asynchronously. The work check's outputs
+    still held are dropped: as outputs of a graph that repeats, they would make its first run a graph of its own."""
+    _STATE.work_check.drop()
+    _import("torch_xla").sync()
+    _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
+
+
+def _cut_each_iteration(model):
+    """For loops no optimizer step ends (accumulation, closures, updates by hand, eval, inference): a trainer model's
+    forward cuts the graph if a backward reached its parameters, or it ran under no_grad, since the last cut. A graph
+    is one iteration in any loop; a GAN's two discriminator forwards stay one. Costs: a flag per backward and param."""
+    if model in _STATE.cuts.models:
+        return
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_saw_backward)
+    model.register_forward_pre_hook(_owned(model, _before_forward), with_kwargs=True)
+    _STATE.cuts.models.add(model)
+
+
+def _saw_backward(param):
+    _STATE.cuts.backward = True
+    if param.grad is not None and _is_split(param):
+        # A graph's outputs take the layout XLA's propagation gives them: cut off from the step (or the next
+        # micro-batch) that reads it, an fsdp gradient came out whole, 4x its shard on 4 devices, all-reduced where
+        # it was reduce-scattered. Costs a mark per split parameter per backward.
+        _lay_out_like(param.grad, param)
+
+
+def _before_forward(module, args, kwargs):
+    """A trainer model's forward starts: meta init (what no checkpoint filled gets its values), then the cut that
+    ends the last iteration, then what the watchdog looks at."""
+    cuts = _STATE.cuts
+    _STATE.meta_init.before_forward(module)
+    if cuts.backward or cuts.no_grad_forward:
+        kind = "train" if cuts.backward else "eval"
+        _cut_graph()
+        cuts.watchdog.after_forward_cut((cuts.watchdog.serial(module), kind), _import("torch_xla.debug.metrics"))
+    cuts.no_grad_forward |= not torch.is_grad_enabled()
+    if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
+        cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
+                                         for t in (*args, *kwargs.values()))
+
+
+def _state_first(optimizer, record):
+    """Before an optimizer's first step, the state that step would create (and the work check's outputs) become data
+    on the devices, by a graph of their own that runs none of the pending forward and backward: step 1's graphs are
+    then those every later step runs, compiled once (made inside it, step 2 read the state as input: a second compile
+    of the step), and the forward and backward's graph has no extra outputs on step 1. Costs, once: a small graph,
+    compiled and run (zeros; with the work check, the forward up to the last module it holds). State that zeros
+    cannot stand for exactly (_zero_state_exact) is left to the step: two compiles of the step, the same numbers."""
+    if record.ready == record.groups and not _STATE.work_check.held:  # not a first step, new group or model
+        return
+    _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
+    if params and _zero_state_exact(optimizer):
+        for p, state in _zero_state(optimizer, params).items():
+            optimizer.state[p] = _state_like(state, p)
+    ready = [v for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+             for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and _is_xla(v.device)]
+    ready = [t for t in ready + _STATE.work_check.outputs() if not _is_device_data(t)]
+    if ready:
+        _import("torch_xla")._XLAC._xla_sync_multi(ready, devices=[], wait=False)  # compiles a graph, async
+    record.ready = record.groups
+
+
+def _zero_state_exact(optimizer):
+    """Whether zeros stand exactly for the state `optimizer`'s first step makes (torch 2.9's code read): Adam, AdamW
+    and RMSprop make zeros and update them as every later step does; SGD's first step copies the gradient into its
+    momentum buffer, which a zero buffer gives (0 * momentum + grad) unless dampening scales the gradient (only from
+    the second step). Not capturable, fused or differentiable (no such step on XLA), nor a subclass, whose step may
+    differ, nor Adafactor: its step reads values to the host, cutting graphs, and its first step's weight 1.0 is a
+    constant in torch_xla's graph where later steps pass data, so its first graphs are new with any state."""
+    kind = type(optimizer)
+    return kind in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop) and all(
+        not (group.get("capturable") or group.get("fused") or group.get("differentiable"))
+        and (kind is not torch.optim.SGD or not group["momentum"] or not group["dampening"])
+        for group in optimizer.param_groups)
+
+
+def _zero_state(optimizer, params):
+    """{param: the state its first step would make, as zeros on its device (a CPU step count on the CPU)}. The keys,
+    shapes and dtypes are torch's own: the optimizer's step runs on meta stand-ins, with no compute and without the
+    global hooks (type(optimizer).step.__wrapped__ is the step before torch wrapped it with them, this one included)."""
+    stand_ins = {p: torch.empty_like(p, device="meta") for p in params}
+    for s in stand_ins.values():
+        s.grad = torch.empty_like(s)
+    groups = [{**group, "foreach": False, "params": [stand_ins[p] for p in group["params"] if p in stand_ins]}
+              for group in optimizer.param_groups]
+    shadow = type(optimizer)([group for group in groups if group["params"]])
+    type(optimizer).step.__wrapped__(shadow)
+    return {p: {k: torch.zeros_like(v, device=p.device if v.is_meta else v.device) for k, v in shadow.state[s].items()}
+            for p, s in stand_ins.items() if shadow.state.get(s)}
 
 
 class _CompileWatchdog:
@@ -1462,7 +1734,6 @@ class _CompileWatchdog:
     (the step after an eval, an EMA copy's 3rd step, an eval metric). A cut: a counter read, CPU ops named; no sync."""
 
     def __init__(self):
-        self.steps = weakref.WeakKeyDictionary()  # optimizer -> steps taken, for the warning
         self.serials, self._numbers = weakref.WeakKeyDictionary(), itertools.count()  # by object: ids are reused
         self.pairs = {}  # (previous cut, this cut) -> (runs, late compiles in a row); a cut: (id, layout or kind)
         self.cut, self.cuts = None, 0  # the last cut, and how many there were
@@ -1476,12 +1747,11 @@ class _CompileWatchdog:
         self.in_step = True
         self._at_cut = met.counter_value("UncachedCompile") or 0
 
-    def after_step(self, optimizer, met):
-        layout = tuple(len(group["params"]) for group in optimizer.param_groups)  # a new group: a new cut, warmed anew
-        step = self.steps[optimizer] = self.steps.get(optimizer, 0) + 1
+    def after_step(self, optimizer, record, met):  # a new group: a new cut, warmed anew
+        record.steps += 1
         self.in_step = False
         history = optimizer.defaults.get("history_size") if isinstance(optimizer, torch.optim.LBFGS) else None
-        self._count(met, (self.serial(optimizer), layout), step, "step", history and (
+        self._count(met, (self.serial(optimizer), record.groups), record.steps, "step", history and (
             f"LBFGS compiles new graphs until its history is full (history_size={history}), since it reads every "
             "history term in each inner iteration; a smaller history_size (e.g. 10) bounds them. "))
 
@@ -1518,152 +1788,6 @@ class _CompileWatchdog:
             "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause,
             "Other causes: " if cause else "Likely causes: ")
 
-
-
-def _has_xla_params(optimizer):
-    # Any XLA parameter needs the sync, or its graph grows without bound; the first usually answers.
-    return any(_is_xla(p.device) for group in optimizer.param_groups for p in group["params"])
-
-
-def _before_xla_step(optimizer, args, kwargs):
-    if _has_xla_params(optimizer):
-        _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
-        _state_first(optimizer)
-        # The forward and backward are one graph, the step another, each compiled once: XLA's compile time grows
-        # faster than a graph (24 GPT blocks: 14-16.5 s and 2-2.7 s against 23-26.5 s for one, docs/design.md); the
-        # last micro-batch of an accumulation reuses the others' graph. Costs a launch a step; the gradients are
-        # graph outputs either way.
-        _cut_graph()
-        # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
-        if callable(kwargs.get("closure")):
-            kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
-        elif len(args) > 1 and callable(args[1]):
-            args = (args[0], _cut_around(args[1]), *args[2:])
-    return args, kwargs
-
-
-def _cut_around(closure):
-    """A closure is one graph, the optimizer's work between closures another. Uncut, each value LBFGS read recompiled
-    the whole forward and backward: time_sequence_prediction's 100-step LSTM, a 36,000-op graph for 3-4 min a read."""
-    @functools.wraps(closure)
-    def cut():
-        _cut_graph()
-        loss = closure()
-        _cut_graph()
-        return loss
-    return cut
-
-
-def _after_xla_step(optimizer, args, kwargs):
-    if _has_xla_params(optimizer):
-        _cut_graph()  # the step's graph
-        _STATE.cuts.watchdog.after_step(optimizer, _import("torch_xla.debug.metrics"))
-
-
-def _cut_graph():
-    """Compile (the first time) and run everything pending as one graph, asynchronously. The work check's outputs
-    still held are dropped: as outputs of a graph that repeats, they would make its first run a graph of its own."""
-    _STATE.cuts.held.clear()
-    _import("torch_xla").sync()
-    _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
-    while _STATE.cuts.after_cut:
-        _STATE.cuts.after_cut.pop()()
-
-
-def _cut_each_iteration(model):
-    """For loops no optimizer step ends (accumulation, closures, updates by hand, eval, inference): a trainer model's
-    forward cuts the graph if a backward reached its parameters, or it ran under no_grad, since the last cut. A graph
-    is one iteration in any loop; a GAN's two discriminator forwards stay one. Costs: a flag per backward and param."""
-    if model in _STATE.cuts.models:
-        return
-    for param in model.parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(_saw_backward)
-    model.register_forward_pre_hook(_owned(model, _before_forward), with_kwargs=True)
-    _STATE.cuts.models.add(model)
-
-
-def _saw_backward(param):
-    _STATE.cuts.backward = True
-    if param.grad is not None and _is_split(param) and not _is_split(param.grad):
-        # A graph's outputs take the layout XLA's propagation gives them: cut off from the step (or the next
-        # micro-batch) that reads it, an fsdp gradient came out whole, 4x its shard on 4 devices, all-reduced where
-        # it was reduce-scattered. Costs a mark per parameter per backward.
-        _mark_sharding(param.grad, _import("torch_xla")._XLAC._get_xla_op_sharding(param))
-
-
-def _before_forward(module, args, kwargs):
-    cuts = _STATE.cuts
-    if _STATE.meta_init.pending:  # a meta-built model's first forward: initialise what no checkpoint filled
-        _initialize_pending(module, refuse=True)
-    if cuts.backward or cuts.no_grad_forward:
-        kind = "train" if cuts.backward else "eval"
-        _cut_graph()
-        cuts.watchdog.after_forward_cut((cuts.watchdog.serial(module), kind), _import("torch_xla.debug.metrics"))
-    cuts.no_grad_forward |= not torch.is_grad_enabled()
-    if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
-        cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
-                                         for t in (*args, *kwargs.values()))
-
-# --- 8b. the first step: optimizer state before the step graph ------------------------------------
-
-
-def _state_first(optimizer):
-    """Before an optimizer's first step, the state that step would create (and the work check's outputs) become data
-    on the devices, by a graph of their own that runs none of the pending forward and backward: step 1's graphs are
-    then those every later step runs, compiled once (made inside it, step 2 read the state as input: a second compile
-    of the step), and the forward and backward's graph has no extra outputs on step 1. Costs, once: a small graph,
-    compiled and run (zeros; with the work check, the forward up to the last module it holds). State that zeros
-    cannot stand for exactly (_zero_state_exact) is left to the step: two compiles of the step, the same numbers."""
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _STATE.cuts.ready.get(optimizer) == count and not _STATE.cuts.held:  # not a first step, new group or model
-        return
-    _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
-    params = [p for group in optimizer.param_groups for p in group["params"]
-              if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
-    exact = _zero_state_exact(optimizer)
-    if params and exact:
-        for p, state in _zero_state(optimizer, params).items():
-            optimizer.state[p] = {k: _placed_like(v, p, k) for k, v in state.items()}
-    ready = [v for group in optimizer.param_groups for p in group["params"] if p.grad is not None
-             for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and _is_xla(v.device)]
-    held = [t for held in _STATE.cuts.held for t in held[2:] if t is not None]
-    ready = [t for t in ready + (held if _STATE.cuts.after_cut else []) if not _is_device_data(t)]
-    if ready:
-        _import("torch_xla")._XLAC._xla_sync_multi(ready, devices=[], wait=False)  # compiles a graph, async
-    while held and _STATE.cuts.after_cut:
-        _STATE.cuts.after_cut.pop()()
-    _STATE.cuts.ready[optimizer] = count
-
-
-def _zero_state_exact(optimizer):
-    """Whether zeros stand exactly for the state `optimizer`'s first step makes (torch 2.9's code read): Adam, AdamW
-    and RMSprop make zeros and update them as every later step does; SGD's first step copies the gradient into its
-    momentum buffer, which a zero buffer gives (0 * momentum + grad) unless dampening scales the gradient (only from
-    the second step). Not capturable, fused or differentiable (no such step on XLA), nor a subclass, whose step may
-    differ, nor Adafactor: its step reads values to the host, cutting graphs, and its first step's weight 1.0 is a
-    constant in torch_xla's graph where later steps pass data, so its first graphs are new with any state."""
-    kind = type(optimizer)
-    return kind in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop) and all(
-        not (group.get("capturable") or group.get("fused") or group.get("differentiable"))
-        and (kind is not torch.optim.SGD or not group["momentum"] or not group["dampening"])
-        for group in optimizer.param_groups)
-
-
-def _zero_state(optimizer, params):
-    """{param: the state its first step would make, as zeros on its device (a CPU step count on the CPU)}. The keys,
-    shapes and dtypes are torch's own: the optimizer's step runs on meta stand-ins, with no compute and without the
-    global hooks (type(optimizer).step.__wrapped__ is the step before torch wrapped it with them, this one included)."""
-    stand_ins = {p: torch.empty_like(p, device="meta") for p in params}
-    for s in stand_ins.values():
-        s.grad = torch.empty_like(s)
-    groups = [{**group, "foreach": False, "params": [stand_ins[p] for p in group["params"] if p in stand_ins]}
-              for group in optimizer.param_groups]
-    shadow = type(optimizer)([group for group in groups if group["params"]])
-    type(optimizer).step.__wrapped__(shadow)
-    return {p: {k: torch.zeros_like(v, device=p.device if v.is_meta else v.device) for k, v in shadow.state[s].items()}
-            for p, s in stand_ins.items() if shadow.state.get(s)}
-
 # --- 9a. layouts: the _Layout value, meshes, XLA placement, batch and activation sharding ---------
 
 
@@ -1690,10 +1814,30 @@ class _Layout:
                  "planned": len(self.planned), "styles": sorted(self.styles or ())}
         return "_Layout(" + ", ".join(f"{k}={brief.get(k, v)!r}" for k, v in vars(self).items()) + ")"
 
+    def spec(self, param):
+        """The partition spec of `param` on XLA: the tensor-parallel plan's, else with fsdp one dimension over the
+        fsdp axis (the largest that splits evenly, else the largest: XLA pads), else whole. What follows a parameter
+        (its gradient, optimizer state, a loaded or initialised value) is laid out like it: _lay_out_like."""
+        if param in self.planned:
+            return self.planned[param]
+        shape, whole = tuple(param.shape), (None,) * param.dim()
+        if self.strategy != "fsdp" or not shape:
+            return whole
+        shards = _axis_sizes(self.mesh)[FSDP_AXIS]
+        dim = max([d for d in range(len(shape)) if shape[d] % shards == 0] or range(len(shape)), key=shape.__getitem__)
+        return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
+
 
 def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
     """Build the torch_xla SPMD Mesh of this runtime's devices and make it the process mesh (get_xla_mesh()).
     num_devices and topology are checked against the runtime; num_processes (default: the runtime's) shapes "fsdp"."""
+    mesh = _build_mesh(num_devices, num_processes, topology=topology, xla_spmd_config=xla_spmd_config,
+                       strategy=strategy)
+    _set_mesh(mesh)
+    return mesh
+
+
+def _build_mesh(num_devices=None, num_processes=None, *, topology=None, xla_spmd_config=None, strategy="ddp"):
     xr, np = _import("torch_xla.runtime"), _import("numpy")  # numpy: a torch_xla dependency
     _activate_xla(_auto_xla_kind())
     runtime_devices = xr.global_runtime_device_count()
@@ -1703,8 +1847,8 @@ def create_xla_mesh(num_devices=None, num_processes=None, *, topology=None, xla_
     shape, names = mesh_shape_for(runtime_devices, xr.process_count() if num_processes is None else num_processes,
                                   topology=topology, xla_spmd_config=xla_spmd_config, strategy=strategy)
     mesh = _import("torch_xla.distributed.spmd").Mesh(np.arange(runtime_devices), shape, names)
-    _set_mesh(mesh)
-    _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names, _STATE.batch_sharding.axes)
+    _log("seamless_tpu: XLA SPMD mesh %s axes %s (batch sharded over %s)", shape, names,
+         tuple(n for n in names if n != MODEL_AXIS) or tuple(names))
     return mesh
 
 
@@ -1713,8 +1857,9 @@ def _axis_sizes(mesh):
     return dict(zip(mesh.axis_names or range(len(mesh.mesh_shape)), mesh.mesh_shape))
 
 
-def _set_mesh(mesh):
-    _STATE.mesh, _STATE.batch_sharding = mesh, _BatchSharding.for_mesh(mesh)
+def _set_mesh(mesh, batch=None):
+    """`mesh` becomes the process mesh (get_xla_mesh(), torch_xla's global mesh) and `batch` how to_device() splits."""
+    _STATE.mesh, _STATE.batch_sharding = mesh, batch or _BatchSharding.for_mesh(mesh)
     _import("torch_xla.distributed.spmd").set_global_mesh(mesh)
 
 
@@ -1791,11 +1936,24 @@ def _mark_sharding(tensor, mesh, spec=None):
         annotate()
 
 
-def _fsdp_spec(shape, shards):
-    """Shard one dimension over FSDP_AXIS: the largest that splits evenly, else the largest (XLA pads)."""
-    even = [d for d in range(len(shape)) if shape[d] % shards == 0]
-    dim = max(even or range(len(shape)), key=lambda d: shape[d], default=None)  # None: a scalar, ()
-    return tuple(FSDP_AXIS if d == dim else None for d in range(len(shape)))
+def _lay_out_like(value, param):
+    """`value` (a gradient, optimizer state, a loaded or initialised value) laid out as its parameter `param` is: the
+    one place a tensor follows its parameter. Split like an FSDP2 DTensor (each rank keeps its part, nothing is
+    sent), marked like an XLA tensor (a host value is sent now, split; left replicated it would be a whole copy per
+    device, 4x an fsdp shard on 4 devices), or on its device."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None:
+        if hasattr(value, "device_mesh") or value.shape != param.shape:
+            return value
+        dtensor = importlib.import_module("torch.distributed.tensor")
+        return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
+    value = value.to(param.device)
+    if _is_xla(param.device) and value.shape == param.shape and not _is_split(value):
+        xla = _import("torch_xla")._XLAC
+        sharding = xla._get_xla_op_sharding(param)
+        if sharding is not None and xla._get_xla_sharding_spec(value) != xla._get_xla_sharding_spec(param):
+            _mark_sharding(value, sharding)
+    return value
 
 
 def _watch_inputs(model, sharding):
@@ -1917,30 +2075,29 @@ def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
 
 
 def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim=None):
-    """The _Layout of a trainer, every argument and plan error raised before anything moves. On XLA the mesh is
-    taken, built or found here and kept for the trainer's life, whatever later replaces the process mesh."""
+    """The _Layout of a trainer, every argument and plan error raised before anything moves or the process mesh
+    changes (_place installs it). On XLA the mesh is the one passed, one built, or the process mesh, and is kept for
+    the trainer's life, whatever later replaces the process mesh."""
     kind, device, dim = _resolve_kind(device), get_device(device), _batch_dim(model, batch_dim)
     xla, (world, rank) = _is_xla(device), _torch_dist_ranks()
     if not xla and (mesh is not None or (xla_spmd_config is not None and world == 1)):
         raise ValueError(f"mesh/xla_spmd_config apply to XLA devices, or to several torch.distributed ranks, but the "
                          f"device is {device} in one process")
-    if xla and mesh is not None:
-        if strategy == "fsdp":
-            _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
-        _set_mesh(mesh)
-    elif xla and (xla_spmd_config is not None or strategy == "fsdp"):
-        create_xla_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
-    mesh, batch = (_STATE.mesh, _STATE.batch_sharding) if xla else (None, None)
-    if xla and dim != batch.dim:  # to_device() then splits batches as this trainer's
-        if batch.minibatch:
+    if xla and mesh is not None and strategy == "fsdp":
+        _check_fsdp_axis(mesh.axis_names, "the mesh passed as mesh=")
+    elif xla and mesh is None:
+        mesh = (_build_mesh(xla_spmd_config=xla_spmd_config, strategy=strategy)
+                if xla_spmd_config is not None or strategy == "fsdp" else _STATE.mesh)
+    batch = None
+    if xla:  # the process's batch sharding when this is the process mesh and the batch dim is the same
+        same = mesh is _STATE.mesh and dim == _STATE.batch_sharding.dim
+        batch = _STATE.batch_sharding if same else _BatchSharding.for_mesh(mesh, dim)
+        if dim and batch.minibatch:
             raise ValueError(f"batch_dim={dim} on several hosts: torch_xla 2.9 assembles a multi-host batch along "
                              f"dim 0 only (ShardingSpec minibatch); move batches with the batch first (x.transpose(0, "
                              f"{dim})) and pass batch_dim=0")
-        batch = _STATE.batch_sharding = _BatchSharding.for_mesh(mesh, dim)
     distributed = mesh is None and world > 1
     planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
-    if strategy == "fsdp" and mesh is None and not distributed and _once("fsdp_single"):
-        _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'", device.type)
     wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
     data_ranks = (world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]) if rank_axes else None
     return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes, data_ranks, wrap,
@@ -2081,20 +2238,12 @@ def _replacing_parameters(model, replace):
     for name, param in model.named_parameters():
         if before[name] is not param:
             setattr(before[name], _SHARDED_AS, param)
-    _add_step_hook("fsdp2_rebind", "pre", _rebind_before_step)
-
-
-def _rebind_before_step(optimizer, args, kwargs):
-    # Costs one count per step; the walk runs again only when param_groups grew.
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _STATE.rebound.get(optimizer) != count:
-        _place_optimizer_state(optimizer)
-        _STATE.rebound[optimizer] = count
+    _STATE.rebinding = True  # the pre-step hook moves optimizers over (8)
 
 
 def _place_optimizer_state(optimizer):
     """Point `optimizer` at the parameters that replaced its own, each state tensor laid out like its parameter.
-    The trainer's constructor, the pre-step rebinding and load_checkpoint all come here."""
+    The trainer's constructor, the pre-step rebinding, the first step's state and load_checkpoint all come here."""
     for group in optimizer.param_groups:
         for i, old in enumerate(group["params"]):
             param = old
@@ -2103,27 +2252,14 @@ def _place_optimizer_state(optimizer):
             group["params"][i] = param
             state = optimizer.state.pop(old, None)
             if state:
-                optimizer.state[param] = {k: _placed_like(v, param, k) for k, v in state.items()}
+                optimizer.state[param] = _state_like(state, param)
 
 
-def _placed_like(value, param, key=None):
-    """A full tensor (optimizer state, a checkpoint's value) laid out like `param`: split like an FSDP2 DTensor
-    (each rank keeps its part, nothing is sent), sharded like an XLA tensor, or on its device."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or key == "step":
-        return value  # Adam keeps a CPU scalar 'step' on purpose unless capturable/fused
-    mesh = getattr(param, "device_mesh", None)
-    if mesh is not None:
-        if hasattr(value, "device_mesh") or value.shape != param.shape:
-            return value
-        dtensor = importlib.import_module("torch.distributed.tensor")
-        return dtensor.distribute_tensor(value.to(param.device), mesh, param.placements, src_data_rank=None)
-    value, xla = value.to(param.device), _import("torch_xla")._XLAC if _is_xla(param.device) else None
-    if value.shape == param.shape and xla and xla._get_xla_sharding_spec(value) != xla._get_xla_sharding_spec(param):
-        # left replicated it would be a whole copy per device: 4x an fsdp shard on 4 devices
-        sharding = xla._get_xla_op_sharding(param)
-        if sharding is not None and not _is_split(value):
-            _mark_sharding(value, sharding)
-    return value
+def _state_like(state, param):
+    """An optimizer's state of `param`, each tensor laid out like it; Adam keeps a CPU scalar 'step' on purpose
+    (unless capturable or fused), and scalars stay where they are."""
+    return {k: v if not isinstance(v, torch.Tensor) or v.dim() == 0 or k == "step" else _lay_out_like(v, param)
+            for k, v in state.items()}
 
 
 def _place(model, layout):
@@ -2131,18 +2267,22 @@ def _place(model, layout):
     tensors are made real as they will be trained: on XLA split as they are made, under FSDP2 after it split them
     (each rank allocates only its shards), else whole."""
     xla, fsdp, fsdp2 = _is_xla(layout.device), layout.strategy == "fsdp", layout.wrap == "fsdp2"
-    if layout.meta_built:
-        _materialize(model, layout.device, layout.mesh, fsdp, layout.planned, lay_out=not fsdp2)
-    if not (layout.meta_built and fsdp2):
-        model.to(layout.device)
     if xla:
-        # As planned, else with fsdp (FSDPv2) one dimension over the fsdp axis: XLA gives the gradients the same
-        # sharding and puts the all-gathers and reduce-scatters in the step graph. Split ones stay as they are.
+        _set_mesh(layout.mesh, layout.batch)  # the process mesh, and to_device()'s split, are this trainer's
+    elif fsdp and not layout.wrap and _once("fsdp_single"):
+        _log("seamless_tpu: strategy='fsdp' on one %s process has nothing to shard over; running as 'ddp'",
+             layout.device.type)
+    if layout.meta_built:
+        _materialize(model, layout, lay_out=not fsdp2)
+    if not (layout.meta_built and fsdp2):
+        with _keeping_parameters():
+            model.to(layout.device)
+    if xla:
+        # Each parameter by its spec (FSDPv2 under fsdp): XLA gives the gradients the same sharding and puts the
+        # all-gathers and reduce-scatters in the step graph. Split ones stay as they are.
         for param in model.parameters():
-            if param in layout.planned and not _is_split(param):
-                _mark_sharding(param, layout.mesh, layout.planned[param])
-            elif fsdp and param.dim() and not _is_split(param):
-                _mark_sharding(param, layout.mesh, _fsdp_spec(tuple(param.shape), _axis_sizes(layout.mesh)[FSDP_AXIS]))
+            if any(layout.spec(param)) and not _is_split(param):
+                _mark_sharding(param, layout.mesh, layout.spec(param))
         # The rest whole, said so: unmarked, step 1 read them unsharded and step 2 as its "{replicated}" outputs, a
         # second compile of the whole step.
         for t in itertools.chain(model.parameters(), model.buffers()):
@@ -2178,14 +2318,18 @@ class _MetaInit:
     unset: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module -> (its path, the tensors its initialiser left unset, the refusing hook)
 
+    def before_forward(self, model):  # a trainer model's forward starts (8): what no checkpoint filled is initialised
+        if self.pending:
+            _initialize_pending(model, refuse=True)
+
 
 def _has_meta_tensors(model):
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
-def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
-    """Lay out the meta tensors of `model` on `device` (unless `lay_out` is False: FSDP2 splits them on meta), each
-    split over `mesh` by its `planned` spec, else fsdp's, and hook each module's initialisation to its first use."""
+def _materialize(model, layout, lay_out=True):
+    """Lay out the meta tensors of `model` on the layout's device (unless `lay_out` is False: FSDP2 splits them on
+    meta), each parameter split by its spec, and hook each module's initialisation to its first use."""
     def post_order(module, owner):  # owner: the transformers model whose _initialize_weights initialises it, or None
         owner = module if callable(getattr(module, "_initialize_weights", None)) else owner
         for child in module.children():
@@ -2204,12 +2348,9 @@ def _materialize(model, device, mesh, fsdp, planned, lay_out=True):
                              "reset_parameters(), so their values are unknown. Give it a reset_parameters() that sets "
                              "them, or build the model on the CPU")
         for name, meta in own.items() if lay_out else ():
-            made = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            split = mesh is not None and made.dim() and isinstance(meta, torch.nn.Parameter)
-            if split and meta in planned:
-                _mark_sharding(made, mesh, planned[meta])
-            elif split and fsdp:
-                _mark_sharding(made, mesh, _fsdp_spec(tuple(made.shape), _axis_sizes(mesh)[FSDP_AXIS]))
+            made = torch.empty(meta.shape, dtype=meta.dtype, device=layout.device)
+            if layout.mesh is not None and isinstance(meta, torch.nn.Parameter) and any(layout.spec(meta)):
+                _mark_sharding(made, layout.mesh, layout.spec(meta))
             _set_own_tensor(module, name, made)
         # A submodule run on its own first (model.encoder(x)) must not see unset values either.
         first_use = module.register_forward_pre_hook(
@@ -2283,16 +2424,12 @@ def _initialize_pending(model, device=None, refuse=False):
                 continue
             if hasattr(t, "device_mesh"):  # an FSDP2 shard: this rank's part, in place (FSDP2 gathers from its storage)
                 with torch.no_grad():
-                    t.to_local().copy_(_placed_like(value, t).to_local())
+                    t.to_local().copy_(_lay_out_like(value, t).to_local())
                 release(value)
                 continue
-            laid_out = _is_xla(t.device) and _import("torch_xla")._XLAC._get_xla_sharding_spec(t)
-            if _is_xla(t.device) and not laid_out:  # sent now: .to() defers the copy to the first graph, and the
-                value = _import("torch_xla.core.xla_model").send_cpu_data_to_device([value], t.device)[0]  # host held
-            value = value.to(t.device)  # every tensor left whole till then (ddp: 5.7x the model at its first forward)
-            if laid_out:  # a mark sends it now, split or whole ("{replicated}", as _place marked it)
-                _mark_sharding(value, _import("torch_xla")._XLAC._get_xla_op_sharding(t))
-            _set_own_tensor(module, name, release(value))
+            # On XLA the mark sends it now, split or whole as _place marked it: .to() alone defers the copy to the
+            # first graph, and the host held every tensor till then (ddp: 5.7x the model at its first forward).
+            _set_own_tensor(module, name, release(_lay_out_like(value, t)))
     if refuse and _STATE.meta_init.unset:
         _refuse_unset(model)
 
@@ -2542,7 +2679,7 @@ class _Preemption:
     preempted_at: int = 0  # the step count at which every process learnt that SIGTERM reached one; 0: not yet
     steps: int = 0  # steps of trainers' optimizers only (a probe that only some processes step would skew the counts)
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # every trainer's model
-    owned: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> (layout, ours?)
+    watching: bool = False  # a trainer's optimizers' steps are counted and agreed on (the first trainer's watch)
     stepped_after: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # optimizers since `preempted`
     group: object = None  # a CPU gloo group of every process, for the agreement; None in one process
     pending: tuple = None  # (work, values) of the all-reduce the last agreement started: [flag, -steps to the next]
@@ -2557,9 +2694,8 @@ class _Preemption:
         """From each trainer: its optimizers count; the first also sets up the agreement (a collective)."""
         self.models.add(model)
         _catch_sigterm()  # leaves `previous` None for SIG_IGN, or off the main thread with no Ray backend
-        if self.previous is not None and "preemption" not in _STATE.optimizer_hooks:
-            self.group = _agreement_group()
-            _add_step_hook("preemption", "post", self._after_step)
+        if self.previous is not None and not self.watching:
+            self.group, self.watching = _agreement_group(), True
             if self.group is not None:  # whole on every process before any goes on: gloo meets each peer in the
                 self.group.barrier().wait()  # background, and one that ended first broke a slower one's mesh
                 atexit.register(self.settle)
@@ -2584,7 +2720,7 @@ class _Preemption:
         self.pending = None  # tensor; freed after them, here, with the GIL
 
     def _on_sigterm(self, signum, frame):
-        if not self.delays_exit or self.expired or "preemption" not in _STATE.optimizer_hooks:
+        if not self.delays_exit or self.expired or not self.watching:
             self.sigterm |= not self.delays_exit  # a user's handler decides; else the grace is over or none can save
             if callable(self.previous):
                 return self.previous(signum, frame)  # the user's, or Ray's (SystemExit)
@@ -2617,17 +2753,17 @@ class _Preemption:
                 self.deadline = max(self.deadline, time.monotonic() + _sigterm_grace())
         return done
 
-    def owns(self, optimizer):
-        """Whether `optimizer` steps a trainer's parameters (a probe's, a helper model's does not); the meter asks too.
-        Decided again when its groups change size."""
-        layout = tuple(len(group["params"]) for group in optimizer.param_groups)
-        if self.owned.get(optimizer, (None,))[0] != layout:  # ids, as a weakref to a parameter makes .to() raise
+    def owns(self, optimizer, record):
+        """Whether `optimizer` steps a trainer's parameters (a probe's, a helper model's does not): its steps are
+        counted here and by the meter. Decided again when its groups change (`record`: its _StepRecord)."""
+        if record.owned != record.groups:  # ids, as a weakref to a parameter makes .to() raise
             ours = {id(p) for model in self.models for p in model.parameters()}
-            self.owned[optimizer] = layout, any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
-        return self.owned[optimizer][1]
+            record.ours = any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
+            record.owned = record.groups
+        return record.ours
 
-    def _after_step(self, optimizer, args, kwargs):
-        if not self.owns(optimizer):
+    def after_step(self, optimizer):  # one of a trainer's optimizers stepped
+        if not self.watching:
             return
         self.steps += 1
         if self.preempted_at and optimizer in self.stepped_after and self.delays_exit:
@@ -2721,6 +2857,7 @@ class SeamlessTPUTrainer:
         self.model = _place(model, self.layout)
         if optimizer is not None:
             _place_optimizer_state(optimizer)
+        _install_step_hooks()
         _STATE.preemption.watch(self.model)
         _STATE.meter.watch(self.model, self.layout)
         self.log_every, self.log_to, self.progress = log_every, log_to, progress
@@ -2864,7 +3001,6 @@ class _Meter:
         # processes that each read their own batch; on XLA 1: the batch's shape is the whole slice's already
         self.data_ways = 1 if layout.mesh is not None else (layout.data_ranks or _torch_dist_ranks())[0]
         model.register_forward_pre_hook(_owned(model, self._count_inputs), with_kwargs=True)
-        _add_step_hook("meter", "post", self._step_end)
 
     def _count_inputs(self, module, args, kwargs):
         if torch.is_grad_enabled():  # a training forward; eval batches are not the step's work
@@ -2881,9 +3017,7 @@ class _Meter:
                 if self.counting.forwards > FLOP_FORWARDS:
                     self.step_flops, self.counting = self.counting.stop() and 0, None
 
-    def _step_end(self, optimizer, args, kwargs):  # a few attribute writes: no call into torch_xla
-        if not _STATE.preemption.owns(optimizer):
-            return
+    def step_end(self):  # one of a trainer's optimizers stepped: a few attribute writes, no call into torch_xla
         if self.counting is not None and self.counting.thread == threading.get_ident():  # modes are per thread
             self.step_flops, self.counting = self.counting.stop(), None
         self.steps, self.stepped = self.steps + 1, True
@@ -3115,6 +3249,27 @@ def _fmt_bytes(n):
                 if n < 1024 ** (i + 1) or unit == "TiB")
 
 
+@dataclasses.dataclass
+class _WorkCheck:
+    """What the work check holds between a model's first forward and its step (_check_work)."""
+
+    held: list = dataclasses.field(default_factory=list)  # (name, module, output, input) of the first forwards
+    checks: list = dataclasses.field(default_factory=list)  # a model's check, due once its first forward ended
+
+    def outputs(self):
+        """The held tensors, once a check is due: _state_first makes them data on the devices with the state."""
+        return [t for h in self.held for t in h[2:] if t is not None] if self.checks else []
+
+    def run(self):  # before the step's cut (8): the checks read the held tensors' shardings
+        checks, self.checks = self.checks, []
+        while self.held and checks:
+            checks.pop()()
+
+    def drop(self):  # any cut: as outputs of a graph that repeats, they would make its first run a graph of its own
+        self.held.clear()
+        self.checks.clear()
+
+
 def _check_work(model, layout):
     """The guard for models nobody tried: on the first forward, hold the input and output of the first module of
     each name pattern (layers.#.mlp.up_proj) that does matmuls, up to the first block's end (a pattern's second
@@ -3125,7 +3280,8 @@ def _check_work(model, layout):
     counts: a block's mark can re-split the output of work computed whole (a GroupNorm net's convolutions), but not
     the input, which the backward's matmuls then compute whole too. Any other cut drops them first (_cut_graph), so
     a loop whose first graph repeats is not checked."""
-    devices, held, counts, handles = math.prod(layout.mesh.mesh_shape), _STATE.cuts.held, collections.Counter(), []
+    devices, held, handles = math.prod(layout.mesh.mesh_shape), _STATE.work_check.held, []
+    counts = collections.Counter()
     past_first_block = []
 
     def hold(module, args, output):
@@ -3164,7 +3320,7 @@ def _check_work(model, layout):
     def first_forward_done(module, args, output):
         for handle in handles:
             handle.remove()
-        _STATE.cuts.after_cut.append(check)
+        _STATE.work_check.checks.append(check)
 
     names = {m: n for n, m in model.named_modules()}
     if devices > 1:
@@ -3228,8 +3384,7 @@ class _Profile:
             self.torch_profiler = torch.profiler.profile(
                 activities=activities, on_trace_ready=torch.profiler.tensorboard_trace_handler(self.logdir))
             self.torch_profiler.start()
-        _STATE.profile = self
-        _add_step_hook("profile", "post", lambda *_: _STATE.profile and _STATE.profile.step_end())
+        _STATE.profile = self  # the post-step hook counts its steps (8)
 
     def _wait(self):  # the trace holds whole steps: what ran before is done, what it covers has run
         if self.xla:
@@ -3942,7 +4097,7 @@ def _optimizer_targets(optimizer, saved, reads, release):
         if isinstance(current, torch.Tensor) and current.shape == entry.size and current.dtype == dtype:
             reads[key] = current
         elif param is not None and entry.size == param.shape:  # laid out like it (XLA sharding, FSDP2 placements)
-            reads[key] = release(_placed_like(torch.empty(entry.size, dtype=dtype), param))
+            reads[key] = release(_lay_out_like(torch.empty(entry.size, dtype=dtype), param))
         else:
             reads[key] = torch.empty(entry.size, dtype=dtype)  # on the CPU, as Adam's scalar 'step'
 

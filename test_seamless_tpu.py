@@ -502,7 +502,7 @@ def watched_steps(watchdog, met, optimizer, compiles_at, steps):
     for step in range(steps):
         watchdog.before_step(met)
         met.compiles += step in compiles_at
-        watchdog.after_step(optimizer, met)
+        watchdog.after_step(optimizer, st._record(optimizer), met)
 
 
 @pytest.mark.parametrize("unfreeze", [True, False], ids=["add_param_group", "same_groups"])
@@ -598,7 +598,7 @@ def replay_cuts(watchdog, met, cuts):
         if name in optimizers:
             watchdog.before_step(met)
             met.compiles += compiled
-            watchdog.after_step(optimizers[name], met)
+            watchdog.after_step(optimizers[name], st._record(optimizers[name]), met)
         else:
             met.compiles += compiled
             watchdog.after_forward_cut((id(model), "eval" if name == "E" else "train"), met)
@@ -792,10 +792,16 @@ def test_fsdp_shards_every_parameter_on_one_dimension(fake):
 
 
 def test_fsdp_spec_picks_one_dimension():
-    assert st._fsdp_spec((6, 32), 4) == (None, "fsdp")
-    assert st._fsdp_spec((256, 64), 4) == ("fsdp", None)
-    assert st._fsdp_spec((6, 3), 4) == ("fsdp", None), "nothing splits evenly: the largest, padded by XLA"
-    assert st._fsdp_spec((), 4) == ()
+    mesh = types.SimpleNamespace(axis_names=("fsdp",), mesh_shape=(4,))
+    layout = st._Layout("xla", torch.device("cpu"), "fsdp", mesh)
+
+    def spec(*shape):
+        return layout.spec(torch.empty(shape))
+    assert spec(6, 32) == (None, "fsdp")
+    assert spec(256, 64) == ("fsdp", None)
+    assert spec(6, 3) == ("fsdp", None), "nothing splits evenly: the largest, padded by XLA"
+    assert spec() == ()
+    assert st._Layout("xla", torch.device("cpu"), "ddp", mesh).spec(torch.empty(6, 32)) == (None, None)
 
 
 # --- the example's command line ------------------------------------------------------------------

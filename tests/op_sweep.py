@@ -294,9 +294,9 @@ def on_xla(names, dump, unfixed=False):
                     getattr(p, "__self__", None), torch.library.Library))
                 ours._destroy()
                 st._STATE.torch_patches.append((unfixed_kernels := torch.library.Library("aten", "IMPL"))._destroy)
-                for op, kernel in st._XLA_KERNELS.items():
-                    if op != "group_norm":
-                        unfixed_kernels.impl(op, kernel, "AutogradXLA")
+                for op, lowering in st._LOWERINGS.items():
+                    if op != "group_norm" and not lowering.functional:
+                        unfixed_kernels.impl(op, lowering.kernel, "AutogradXLA")
             cpu_ops = {k: met.counter_value(k) for k in met.counter_names() if k.startswith("aten::")}
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

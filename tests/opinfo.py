@@ -17,9 +17,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 import child
+import seamless_tpu
 
-# Which OpInfo entries reach each kernel of seamless_tpu._XLA_KERNELS and each function it patches in F (einsum:
-# torch_xla's own lowering, whose backward has no second derivative). op_db has no fold entry: col2im is
+# Which OpInfo entries reach each of seamless_tpu's lowerings (_LOWERINGS: its kernels, and the functions it patches
+# in F; einsum: torch_xla's own lowering, whose backward has no second derivative). op_db has no fold entry: col2im is
 # unfold's backward on plain torch_xla, so unfold's first and second gradients reach it. No bmm: aten::bmm never
 # reaches the matmul kernel. 1-D adaptive pooling and mode="area" are the 2-D and 3-D kernels underneath.
 OPINFO_NAMES = {
@@ -55,7 +56,7 @@ OPINFO_NAMES = {
     "embedding_bag": ["nn.functional.embedding_bag"],
     "einsum": ["einsum"],
 }
-NAMES = sorted({name for names in OPINFO_NAMES.values() for name in names})
+NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
 GROUPS = {f"g{i}": NAMES[i::N_GROUPS] for i in range(N_GROUPS)}
 
@@ -212,14 +213,12 @@ if __name__ == "__main__":
 
     mode, names = sys.argv[1], sys.argv[2:]
     if mode == "trainer":
-        import seamless_tpu
-
         assert os.environ.get("SEAMLESS_TPU_DEVICE") == "xla"
         torchs = torch.nn.functional.multi_head_attention_forward, torch.nn.functional.embedding_bag
         device = seamless_tpu.get_device()  # registers the kernels and patches, switches SPMD on
         # the run compares the trainer's kernels, not torch_xla's again: each is registered, each F function patched
         assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "AutogradXLA")
-                   for op in seamless_tpu._XLA_KERNELS)
+                   for op, lowering in seamless_tpu._LOWERINGS.items() if not lowering.functional)
         assert torchs[0] is not torch.nn.functional.multi_head_attention_forward
         assert torchs[1] is not torch.nn.functional.embedding_bag
     else:

@@ -943,6 +943,45 @@ def mixed_device_optimizer_is_synced():
     assert len(syncs) == 2 * 3, f"{len(syncs)} syncs for 3 steps (the forward and backward's, the step's)"
 
 
+class LSTMNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = torch.nn.LSTM(4, 8, batch_first=True), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def rnn_modules_load_their_state_after_a_trainer():
+    """Issue 47: with a trainer made, load_state_dict works on every RNN module of the process (the user's LSTM model
+    on XLA, a GRU on the CPU) and loads the weights. torch's swap_module_params_on_conversion was on for the process,
+    so every load_state_dict swapped tensors, and RNNs (weakrefs to their weights) raised "Cannot swap t1 because it
+    has weakref associated with it". It is on around the trainer's own moves only: an optimizer made before the move
+    still trains the model's parameters."""
+    torch.manual_seed(0)
+    model, other = LSTMNet(), LSTMNet()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)  # made before the trainer moves the model
+    trainer = st.SeamlessTPUTrainer(model)
+    assert list(model.parameters()) == params and not torch.__future__.get_swap_module_params_on_conversion()
+    x, y = trainer.to_device(torch.randn(8, 5, 4), torch.randn(8, 1))
+    before = [p.detach().cpu().clone() for p in params]
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    assert all(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, params)), "the step trained them"
+    want = other.state_dict()
+    model.load_state_dict(want)
+    got = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    assert all(torch.equal(got[k], want[k]) for k in want), "the XLA LSTM holds the loaded weights"
+    assert all(p.device.type == "xla" for p in model.parameters())
+    assert_close(model(x).cpu().detach(), other(x.cpu()).detach(), 1e-5, "the loaded LSTM's forward")
+    gru, source = torch.nn.GRU(3, 5), torch.nn.GRU(3, 5)
+    gru.load_state_dict(source.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(gru.state_dict().values(), source.state_dict().values()))
+    lstm = torch.nn.LSTM(3, 5).to(trainer.device)  # the user's own move: torch_xla's new Parameters, as plain
+    lstm.load_state_dict(torch.nn.LSTM(3, 5).state_dict())
+
+
 def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):
     """Trains `model` with strategy='fsdp' and AdamW; returns (losses, per-device bytes of params +
     optimizer state, the same replicated, compile counts per step, host transfers per step)."""

@@ -5,7 +5,9 @@ process-wide change to torch. A trainer keeps the mesh and batch sharding it sta
 a later trainer or create_xla_mesh does to the process mesh.
 """
 
+import dataclasses
 import os
+import pathlib
 import signal
 import sys
 
@@ -104,7 +106,11 @@ def kernels_at_autograd_xla():
     has its own C++ einsum there once its library is loaded; torch's composites have none)."""
     def active(op):
         return torch._C._dispatch_dump(f"aten::{op}").partition("\nAutogradXLA: ")[2].partition("\n")[0]
-    return {op for op in st._XLA_KERNELS if ".py:" in active(op)}
+    return {op for op in st._LOWERINGS if ".py:" in active(op)}
+
+
+def aten_lowerings():
+    return {op for op, lowering in st._LOWERINGS.items() if not lowering.functional}
 
 
 def test_reset_undoes_every_process_wide_change(fake):
@@ -122,12 +128,14 @@ def test_reset_undoes_every_process_wide_change(fake):
     assert ckpt.CheckpointFunction is not originals[0] and ckpt._CheckpointFrame.__init__ is not originals[1]
     now = (F.multi_head_attention_forward, F.embedding_bag)
     assert all(new is not old for new, old in zip(now, functionals)), "the batch-keeping functionals are not in"
-    assert kernels_at_autograd_xla() == set(st._XLA_KERNELS), "the batch-keeping kernels are not in"
-    assert {"group_norm", "batch_norm", "matmul", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= set(st._XLA_KERNELS)
-    assert torch.__future__.get_swap_module_params_on_conversion() and hasattr(torch, "xla")
-    assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1
+    assert kernels_at_autograd_xla() == aten_lowerings(), "the batch-keeping kernels are not in"
+    assert {"group_norm", "batch_norm", "matmul", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= aten_lowerings()
+    assert not torch.__future__.get_swap_module_params_on_conversion(), "only around the trainer's own moves"
+    assert hasattr(torch, "xla")
+    assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] + 1, "one pre-step hook"
+    assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1, "one post-step hook"
     state = st._STATE
-    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 7
+    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 6
     st._reset_caches()
     assert (
         ckpt.CheckpointFunction,
@@ -144,24 +152,33 @@ def test_reset_undoes_every_process_wide_change(fake):
 def test_every_op_a_kernel_hands_back_to_torch_is_checked_for_a_composite_at_registration(fake, monkeypatch):
     """A kernel hands the inputs it leaves to torch to the op's composite (_torch_path), and .decompose() of an op
     without one returns NotImplemented: adaptive_max_pool2d's did, and AdaptiveMaxPool2d(1) crashed a conv net's first
-    step with "Object of type 'NotImplementedType' is not an instance of 'sequence'". So _HANDS_BACK is exactly the
-    ops the kernels hand back (read from the source), each is checked when the kernels are registered, and an op
-    outside it cannot be handed back."""
-    import inspect
-    import re
-
-    source = inspect.getsource(st)
-    assert source.count(".decompose") == 1, "a kernel reaches a composite other than through _torch_path"
-    named = set(re.findall(r'_torch_path\(f?"(\w+)(?:\{\w+\}d)?"\)', source))
-    named = {op for op in st._HANDS_BACK if any(op.startswith(n) for n in named)}  # conv{spatial}d: conv1d ...
-    assert named == st._HANDS_BACK, named ^ st._HANDS_BACK
-    with pytest.raises(RuntimeError, match="is not in _HANDS_BACK"):
+    step with "Object of type 'NotImplementedType' is not an instance of 'sequence'". So a lowering declares in the
+    table that it hands back, each such op is checked when the kernels are registered, and one that does not declare
+    it cannot hand back."""
+    with pytest.raises(RuntimeError, match="the lowering of adaptive_max_pool2d does not declare hands_back=True"):
         st._torch_path("adaptive_max_pool2d")
-    monkeypatch.setattr(st, "_HANDS_BACK", st._HANDS_BACK | {"adaptive_max_pool2d", "glu"})
-    with pytest.raises(RuntimeError, match=r"no composite kernel for aten ops \['adaptive_max_pool2d', 'glu'\]|"
-                                           r"no composite kernel for aten ops \['glu', 'adaptive_max_pool2d'\]"):
+    with pytest.raises(RuntimeError, match="the lowering of softmax does not declare"):
+        st._torch_path("softmax")
+    assert st._torch_path("multi_head_attention_forward") is torch.nn.functional.multi_head_attention_forward
+    for op in ("adaptive_max_pool2d", "glu"):
+        monkeypatch.setitem(st._LOWERINGS, op, dataclasses.replace(st._LOWERINGS[op], hands_back=True))
+    with pytest.raises(RuntimeError, match=r"no composite kernel for aten ops \['glu', 'adaptive_max_pool2d'\]|"
+                                           r"no composite kernel for aten ops \['adaptive_max_pool2d', 'glu'\]"):
         st.get_device()
     assert kernels_at_autograd_xla() == set(), "nothing is registered when the check fails"
+
+
+def test_the_lowering_table_is_the_header_s_and_the_docs_list(fresh):
+    """_LOWERINGS is the one list of the trainer's lowerings: the header's list of process-wide changes names each
+    family, and docs/design.md each family and each functional patch."""
+    design = (pathlib.Path(__file__).parents[1] / "docs" / "design.md").read_text()
+    families = {lowering.family for lowering in st._LOWERINGS.values()}
+    assert families == {"products", "attention", "norms", "pointwise", "pooling", "windows", "resampling"}
+    for family in families:
+        assert family in st.__doc__ and f"**{family}**" in design, family
+    for op, lowering in st._LOWERINGS.items():
+        assert lowering.why in ("batch", "cpu", "grad2"), op
+        assert not lowering.functional or f"F.{op}" in st.__doc__ and f"F.{op}" in design, op
 
 
 def test_activation_patches_torch_once_per_process_state(fake):
