@@ -74,7 +74,7 @@ def _torch_as_patched():
 
     return (len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks),
             torch.utils.checkpoint.CheckpointFunction, torch.utils.checkpoint._CheckpointFrame.__init__,
-            torch.__future__.get_swap_module_params_on_conversion(), hasattr(torch, "xla"),
+            torch.__future__.get_swap_module_params_on_conversion(), hasattr(torch, "xla"), torch.nn.Module.to,
             torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack())  # the FLOP count's modes
 
 

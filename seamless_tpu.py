@@ -13,7 +13,7 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
   for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, pooling, windows,
   resampling) at the AutogradXLA key and F.multi_head_attention_forward, F.embedding_bag; without jax torch_xla's scan
-  backward and GRU. Around the trainer's own model moves only: swap_module_params_on_conversion.
+  backward and GRU; nn.Module.to: a move to XLA keeps the Parameters (swap_module_params_on_conversion in it only).
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
   torch modes counting its first step's FLOPs; log(): a thread, step closures.
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
@@ -473,10 +473,7 @@ def _move(objs, device, sharding=None):
 
 
 def _move_by_own_to(obj, device):
-    if isinstance(obj, torch.nn.Module):
-        with _keeping_parameters():  # an optimizer made before the move still trains its parameters
-            return obj.to(device)
-    if _is_xla(device) and _once("own_to"):
+    if _is_xla(device) and not isinstance(obj, torch.nn.Module) and _once("own_to"):
         logger.warning("seamless_tpu: %s is moved by its own .to(), so its tensors are replicated on every "
                        "device instead of split over the mesh (each device computes the whole batch); pass its "
                        "tensors in a dict, tuple or dataclass to have them sharded", type(obj).__name__)
@@ -822,29 +819,32 @@ def _check_autograd_ready(device):
                            "CPU backward, e.g. before computing an eager reference in the same process.") from e
 
 
-@contextlib.contextmanager
-def _keeping_parameters():
-    """module.to(xla) within: the Parameter objects are kept (swapped in place), where torch_xla would make new ones
-    and strand an optimizer built before the move (the loop runs and never trains). Only around the trainer's own
-    moves: set for the process, it made every load_state_dict swap too, which raises on any RNN (its weakrefs to its
-    weights: "Cannot swap t1 because it has weakref associated with it"), the user's own LSTM on the CPU included."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
+def _to_keeping_parameters(module_to):
+    """nn.Module.to, which keeps the Parameter objects when it moves a module to XLA (swapped in place; torch_xla
+    makes new ones, stranding an optimizer built before the move, the user's own `disc.to(xla)` beside a trainer's
+    model included). torch's swap_module_params_on_conversion only around that call: on for the process, every
+    load_state_dict swapped too and raised on any RNN ("Cannot swap t1 because it has weakref associated with it")."""
+    @functools.wraps(module_to)
+    def to(self, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is None or device.type != "xla" or torch.__future__.get_swap_module_params_on_conversion():
+            return module_to(self, *args, **kwargs)  # not to XLA, or the user's own setting: torch's as it is
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            return module_to(self, *args, **kwargs)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+    to.keeps_parameters = True
+    return to
 
 
 def _patch_torch_for_xla():
-    """The header's torch changes, each undone by _reset_caches. torch.utils.checkpoint needs a torch.xla module for
-    the RNG state, which torch_xla 2.9 never registers; ours restores the XLA seed, so a recomputed dropout draws the
-    same mask. XLA's CSE merges a plain recomputation back into the forward, saving nothing: use_reentrant=True goes
-    to torch_xla's CheckpointFunction, whose barrier also covers the incoming gradients (39% less memory on a 4-block
-    MLP, 11-17% for inputs alone); use_reentrant=False, which torch_xla lacks, gets the barrier on its recompute
-    inputs. CPU/GPU inputs stay on torch's own path.
-    # TODO(remove the checkpoint parts when torch_xla registers torch.xla and supports use_reentrant=False)
-    """
+    """The header's torch changes, each undone by _reset_caches. torch.utils.checkpoint needs a torch.xla module (the
+    RNG state: ours restores the XLA seed, so a recomputed dropout draws the same mask). XLA's CSE merges a plain
+    recomputation back into the forward: use_reentrant=True goes to torch_xla's CheckpointFunction, whose barrier also
+    covers the incoming gradients (39% less memory on a 4-block MLP); use_reentrant=False gets the barrier on its
+    recompute inputs. CPU/GPU inputs stay on torch's path. TODO(remove when torch_xla registers torch.xla and
+    supports use_reentrant=False)"""
     xm = _import("torch_xla.core.xla_model")
     if not hasattr(torch, "xla"):
         module = types.ModuleType("torch.xla")  # the RNG state is the XLA seed, an unsigned 64-bit int
@@ -856,6 +856,8 @@ def _patch_torch_for_xla():
         _STATE.torch_patches.append(lambda: (delattr(torch, "xla"), sys.modules.pop("torch.xla", None)))
     _register_lowerings()
     _scan_backward_without_jax()
+    if not getattr(torch.nn.Module.to, "keeps_parameters", False):  # not patched by an earlier process state
+        _patch(torch.nn.Module, "to", _to_keeping_parameters(torch.nn.Module.to))
     ckpt = importlib.import_module("torch.utils.checkpoint")
     if getattr(ckpt.CheckpointFunction, "routes_xla", False):  # patched by an earlier process state
         return
@@ -897,24 +899,19 @@ def _scan_backward_without_jax():
         _patch(scan_gru.GRU, "forward", torch.nn.modules.rnn.GRU.forward)
 
 # --- 7b. the lowerings: one table, and the contract every kernel keeps ------------------------------
-# XLA kernels of the trainer's for torch ops (and two torch.nn.functional patches), each registered beside its
-# definition by @_lowering into _LOWERINGS, the one table that registration, the hand-back check, the header, the
-# OpInfo tier (tests/opinfo.py) and docs/design.md read. Why each exists ("why"): GSPMD lost the batch split in
-# torch_xla's lowering ("batch": from there each device computed the whole batch; tests/op_sweep.py, 4 devices),
-# torch_xla ran it on the CPU ("cpu": a round trip to the host each call), or torch_xla's backward has no second
-# derivative ("grad2"). They replace torch's for every XLA tensor in the process, so each keeps its op's whole
-# contract (tests/test_opinfo.py: torch's OpInfo samples; tests/test_autograd.py): forward, first and second
-# derivatives, torch.func, every input torch accepts, and torch's own error for bad ones: a precondition is a
-# torch._check with torch's message, or an explicit hand-back to torch's own path (_torch_path: the op's composite,
-# checked to exist at registration; a hand-back names its own op only). Under torch.func and forward-mode AD the
-# kernels use plain ops (_transformed): an autograd.Function called from a dispatcher kernel has no functorch rule.
+# @_lowering registers each kernel beside its definition in _LOWERINGS, the one table that registration, the
+# hand-back check, the header, the OpInfo tier (tests/opinfo.py) and docs/design.md read. A kernel replaces torch's
+# for every XLA tensor in the process, so it keeps its op's whole contract (tests/test_opinfo.py, test_autograd.py):
+# forward, both derivatives, torch.func, every input torch accepts, and torch's own error for bad ones: checked by
+# torch's meta kernel (_torch_checks), or handed back to torch's own path (_torch_path: the op's composite, checked
+# at registration). Under torch.func and forward-mode AD the kernels use plain ops (_transformed).
 
 
 @dataclasses.dataclass(frozen=True)
 class _Lowering:
     kernel: object  # stands for aten `op` at the AutogradXLA key, or for torch.nn.functional's `op` (functional)
     family: str  # products, attention, norms, pointwise, pooling, windows or resampling: how the docs group them
-    why: str  # "batch", "cpu" or "grad2", as above
+    why: str  # torch_xla's own lost the batch split ("batch"), ran on the CPU ("cpu"), had no 2nd derivative ("grad2")
     hands_back: bool = False  # some inputs go to torch's own path, _torch_path(op)
     functional: object = None  # torch.nn.functional's own function, which a functional lowering replaces
 
@@ -972,6 +969,14 @@ def _torch_path(op):
     return getattr(getattr(torch.ops.aten, name), overload or "default").decompose
 
 
+def _torch_checks(op, input, *args):
+    """torch's own preconditions of aten `op` and their errors, for a kernel with no composite to hand back to: its
+    meta kernel run on a stand-in of `input` (shapes only: no compute, nothing in the graph; under a tracing mode,
+    which would record the stand-in, the op's own tracing checks)."""
+    if not is_in_torch_dispatch_mode():
+        getattr(torch.ops.aten, op)(torch.empty(input.shape, dtype=input.dtype, device="meta"), *args)
+
+
 def _transformed(*tensors):
     """torch.func, forward-mode AD or a tracing mode (scan_layers' AOT trace: no real XLA tensors) is at work: an
     autograd.Function called from a dispatcher kernel has no functorch rule there (custom_function_call has no
@@ -985,11 +990,9 @@ def _computation_dtype(x):
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 # --- 7c. lowerings: products and attention --------------------------------------------------------
-# matmul (and so linear) on > 2-D inputs: torch_xla folds (T, B, E) into (T*B, E) and (B, H, T, d) into (B*H, T, d),
-# where GSPMD kept one split of two; grouped convolutions: GSPMD all-gathered a feature_group_count convolution's
-# batch; multi-head attention viewed (T, B, H, d) as (T*B, E); (B, L) embedding bags ran on the CPU; einsum's
-# backward was a C++ function that autograd cannot differentiate again (second derivatives silently 0: gradient
-# penalties, MAML, Hessian-vector products). Ours keep every dimension, with eager's numbers (1e-6).
+# torch_xla folds matmul's (T, B, E) into (T*B, E) and (B, H, T, d) into (B*H, T, d), where GSPMD kept one split of
+# two; GSPMD all-gathered a grouped convolution's batch; attention viewed (T, B, H, d) as (T*B, E); (B, L) embedding
+# bags ran on the CPU; einsum's C++ backward had no second derivative (silently 0). Ours keep every dimension.
 
 
 @_lowering("matmul", family="products", why="batch", hands_back=True)
@@ -1193,13 +1196,10 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
     return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
 
 # --- 7d. lowerings: norms and pointwise ops ---------------------------------------------------------
-# layer_norm and training batch_norm (also instance_norm, which torch builds on it) are one op over the batch in
-# torch_xla, group_norm too (a GroupNorm conv net ran 0.32-0.61 of its convolutions per device): ours reduce over the
-# normalized dims, with eager's unbiased running variance where torch_xla's keeps the biased one. These are
-# CompositeImplicitAutograd: autograd differentiates our ops. glu and channel_shuffle ran on the CPU, and are no
-# composites: for XLA tensors ours replace torch's derivative formulas with autograd's of the ops they are made of.
-# aten::kl_div gets torch's own decomposition: torch_xla's XLA kernel has no autograd kernel, so each backward warned
-# "an autograd kernel was not registered".
+# torch_xla's layer_norm, training batch_norm (so instance_norm) and group_norm are one op over the batch (a GroupNorm
+# conv net ran 0.32-0.61 of its convolutions per device): ours reduce over the normalized dims, with eager's unbiased
+# running variance. glu and channel_shuffle ran on the CPU; for XLA tensors autograd differentiates the ops ours are
+# made of. kl_div: torch's decomposition (torch_xla's kernel warned "an autograd kernel was not registered").
 
 
 def _statistics(x, dims, eps):
@@ -1233,11 +1233,9 @@ def _xla_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, c
 
 
 class _LayerNorm(torch.autograd.Function):
-    """Layer norm by reductions over the normalized dims (torch_xla's own folds the rest into one dimension, where
-    GSPMD loses the batch split even batch-first: 0.70 of a step per device), with torch's compact backward: left to
-    autograd, the reductions' backward made a 24-block GPT compile in 1.2-1.3x the hand-written loop's time. The mean
-    and 1/std come out as outputs, for setup_context to save as torch's kernel does; a backward that builds a graph
-    (create_graph: a gradient penalty) recomputes them from the input, so that their own derivatives are in it."""
+    """Layer norm by reductions over the normalized dims, with torch's compact backward (left to autograd, a 24-block
+    GPT compiled in 1.2-1.3x the hand-written loop's time). The mean and 1/std are outputs, saved by setup_context as
+    torch's kernel saves them; a backward that builds a graph recomputes them, so their derivatives are in it."""
 
     @staticmethod
     def forward(input, dims, weight, bias, eps):
@@ -1301,18 +1299,14 @@ def _xla_batch_norm(input, weight, bias, running_mean, running_var, training, mo
 
 @_lowering("glu", family="pointwise", why="cpu")
 def _xla_glu(input, dim=-1):  # torch_xla ran glu's backward on the CPU
-    torch._check(input.shape[dim] % 2 == 0, lambda: f"Halving dimension must be even, but dimension "
-                 f"{dim % input.dim()} is size {input.shape[dim]}")
+    _torch_checks("glu", input, dim)
     first, second = input.chunk(2, dim)
     return first * torch.sigmoid(second)
 
 
 @_lowering("channel_shuffle", family="pointwise", why="cpu")
-def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU; its refusals are torch's CPU kernel's
-    torch._check(groups > 0, lambda: f"Number of groups to divide channels in must be positive. Value of groups:"
-                 f"{groups}")
-    torch._check(input.dim() < 2 or input.shape[1] % groups == 0, lambda: f"Number of channels must be divisible "
-                 f"by groups. Got {input.shape[1]} channels and {groups} groups.")
+def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU
+    _torch_checks("channel_shuffle", input, groups)
     return torch.ops.aten.native_channel_shuffle(input, groups)
 
 
@@ -1356,12 +1350,8 @@ def _xla_adaptive_avg_pool(input, output_size):
 def _xla_adaptive_max_pool2d(input, output_size):
     """Each output's window as gathered candidates (a short window repeats its last), the max along W, then along H;
     the flat index of the winner, as torch's. Every size: torch_xla ran those that do not divide the input's on the
-    CPU, and the op has no composite to hand the others to. torch's meta function's checks."""
-    torch._check(input.dim() in (3, 4), lambda: f"adaptive_max_pool2d(): Expected 3D or 4D tensor, but got: "
-                 f"{input.shape}")
-    torch._check(all(input.shape[1:]), lambda: f"adaptive_max_pool2d(): Expected input to have non-zero size for "
-                 f"non-batch dimensions, but input has sizes {input.shape} with dimension "
-                 f"{1 + list(input.shape[1:]).index(0)} being empty")
+    CPU, and the op has no composite to hand the others to."""
+    _torch_checks("adaptive_max_pool2d", input, output_size)
     windows = []
     for n, m in zip(input.shape[-2:], output_size):
         start, end = _adaptive_windows(n, m, input.device)
@@ -1391,29 +1381,9 @@ def _windows(input, kernel, dilation, padding, stride):
     return torch.stack(views, 2)
 
 
-def _check_windows(kernel_size, dilation, padding, stride, spatial, out):
-    """torch's checks of im2col's and col2im's arguments (its decompositions'): positive kernel, dilation and stride,
-    padding >= 0, at least one window."""
-    for what, values, least in (("kernel_size", kernel_size, 1), ("dilation", dilation, 1),
-                                ("padding", padding, 0), ("stride", stride, 1)):
-        than = "than" if least else "than or equal to"
-        torch._check(all(v >= least for v in values), lambda: f"{what} should be greater {than} zero, but got {values}")
-    torch._check(all(c > 0 for c in out), lambda: f"Given an input with spatial size {tuple(spatial)}, kernel_size="
-                 f"{kernel_size}, dilation={dilation}, padding={padding}, stride={stride}, the calculated shape of the "
-                 f"array of sliding blocks is {tuple(out)}, but its components must be at least one.")
-
-
-def _blocks(spatial, kernel_size, dilation, padding, stride):
-    return [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, d, p, s in zip(spatial, kernel_size, dilation, padding,
-                                                                             stride)]
-
-
 @_lowering("im2col", family="windows", why="cpu")
 def _xla_im2col(input, kernel_size, dilation, padding, stride):
-    torch._check(input.dim() in (3, 4) and all(input.shape[-3:]), lambda: "Expected 3D or 4D (batch mode) tensor for "
-                 f"input with possible 0 batch size and non-zero dimensions, but got: {tuple(input.shape)}")
-    _check_windows(kernel_size, dilation, padding, stride, input.shape[-2:],
-                   _blocks(input.shape[-2:], kernel_size, dilation, padding, stride))
+    _torch_checks("im2col", input, kernel_size, dilation, padding, stride)
     if input.dim() == 3:  # unbatched (C, H, W), as torch's
         return _xla_im2col(input[None], kernel_size, dilation, padding, stride)[0]
     return _windows(input, kernel_size, dilation, padding, stride).flatten(1, 2).flatten(2)
@@ -1424,19 +1394,12 @@ def _xla_col2im(input, output_size, kernel_size, dilation, padding, stride):
     """F.fold: each window's column added back where _windows took it from (im2col's adjoint), one offset at a
     time, placed along each spatial dimension by a one-hot matrix: an einsum that keeps the batch split, at the cost
     of (H + W) multiply-adds per output element and offset, where torch's CPU scatter (torch_xla has none) adds."""
-    k, out = math.prod(kernel_size), _blocks(output_size, kernel_size, dilation, padding, stride)
-    torch._check(input.dim() in (2, 3) and all(input.shape[-2:]), lambda: "Expected 2D or 3D (batch mode) tensor for "
-                 f"input with possible 0 batch size and non-zero dimensions, but got: {tuple(input.shape)}")
-    _check_windows(kernel_size, dilation, padding, stride, output_size, out)
-    torch._check(input.shape[-2] % k == 0, lambda: "Expected size of input's first non-batch dimension to be "
-                 f"divisible by the product of kernel_size, but got input.shape[-2] = {input.shape[-2]} and "
-                 f"kernel_size={kernel_size}")
-    torch._check(input.shape[-1] == math.prod(out), lambda: f"Given output_size={output_size}, kernel_size="
-                 f"{kernel_size}, dilation={dilation}, padding={padding}, stride={stride}, expected input.size(-1) to "
-                 f"be {math.prod(out)} but got {input.shape[-1]}.")
+    _torch_checks("col2im", input, output_size, kernel_size, dilation, padding, stride)
     if input.dim() == 2:  # unbatched (C * K, L), as torch's
         return _xla_col2im(input[None], output_size, kernel_size, dilation, padding, stride)[0]
+    k = math.prod(kernel_size)
     padded = [size + 2 * pad for size, pad in zip(output_size, padding)]
+    out = [(m - d * (kk - 1) - 1) // s + 1 for m, kk, d, s in zip(padded, kernel_size, dilation, stride)]
     columns = input.unflatten(1, (-1, k)).unflatten(-1, out)  # (N, C, K, *out)
     image = 0
     for i, offset in enumerate(itertools.product(*map(range, kernel_size))):
@@ -1534,11 +1497,10 @@ def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corne
             + tap(x0 + 1, y0 + 1, tx * ty))
 
 # --- 8. the step: its hooks, graph cuts, the first step's state, the recompile watchdog -----------
-# One global pre-step and one post-step hook (from first XLA use or the first trainer) run each concern of an
-# optimizer step in a fixed order (docs/design.md, "The step"). Before the step: rebinding (FSDP2 or tensor
-# parallelism replaced the parameters), then on XLA the watchdog's count, the state first, the work check and the
-# cut. After it: on XLA the cut and the watchdog, then preemption, the meter and the profiler. A trainer model's
-# forward has one hook too (_before_forward): meta init, then the cut of the last iteration.
+# One global pre-step and one post-step hook run each concern of an optimizer step in a fixed order (docs/design.md,
+# "The step"): before it rebinding, then on XLA the watchdog, the state first, the work check and the cut; after it,
+# on XLA the cut and the watchdog, then preemption, the meter and the profiler. A trainer model's forward has one
+# hook too (_before_forward): meta init, then the cut that ends the last iteration.
 
 
 @dataclasses.dataclass
@@ -1553,8 +1515,8 @@ class _GraphCuts:
 
 @dataclasses.dataclass
 class _StepRecord:
-    """What the step hooks remember of one optimizer (_STATE.steps). `groups`, each group's parameter count, is read
-    once per step; the concerns keep the `groups` at which they last acted, so a new group (or model) is new to all."""
+    """What the step hooks remember of an optimizer: its groups' sizes, read once per step, and the sizes at which
+    each concern last acted, so a new group (or model) is new to all."""
 
     groups: tuple = None  # at this step
     rebound: tuple = None  # at the last rebinding to the parameters that replaced its own
@@ -1639,9 +1601,8 @@ def _cut_graph():
 
 
 def _cut_each_iteration(model):
-    """For loops no optimizer step ends (accumulation, closures, updates by hand, eval, inference): a trainer model's
-    forward cuts the graph if a backward reached its parameters, or it ran under no_grad, since the last cut. A graph
-    is one iteration in any loop; a GAN's two discriminator forwards stay one. Costs: a flag per backward and param."""
+    """For loops no optimizer step ends (accumulation, updates by hand, eval): a trainer model's forward cuts the graph
+    if a backward reached its parameters, or it ran under no_grad, since the last cut. Costs a flag per backward."""
     if model in _STATE.cuts.models:
         return
     for param in model.parameters():
@@ -1661,8 +1622,7 @@ def _saw_backward(param):
 
 
 def _before_forward(module, args, kwargs):
-    """A trainer model's forward starts: meta init (what no checkpoint filled gets its values), then the cut that
-    ends the last iteration, then what the watchdog looks at."""
+    """A trainer model's forward starts: meta init, the cut that ends the last iteration, the watchdog's look."""
     cuts = _STATE.cuts
     _STATE.meta_init.before_forward(module)
     if cuts.backward or cuts.no_grad_forward:
@@ -1676,12 +1636,10 @@ def _before_forward(module, args, kwargs):
 
 
 def _state_first(optimizer, record):
-    """Before an optimizer's first step, the state that step would create (and the work check's outputs) become data
-    on the devices, by a graph of their own that runs none of the pending forward and backward: step 1's graphs are
-    then those every later step runs, compiled once (made inside it, step 2 read the state as input: a second compile
-    of the step), and the forward and backward's graph has no extra outputs on step 1. Costs, once: a small graph,
-    compiled and run (zeros; with the work check, the forward up to the last module it holds). State that zeros
-    cannot stand for exactly (_zero_state_exact) is left to the step: two compiles of the step, the same numbers."""
+    """Before an optimizer's first step, the state it would create (and the work check's outputs) become device data
+    by a small graph of their own: step 1's graphs are then every later step's, compiled once (made inside it, step 2
+    read the state as input: a second compile of the step). Costs a small graph once (zeros; with the work check, the
+    forward up to its last held module). State zeros cannot stand for (_zero_state_exact) is left to the step."""
     if record.ready == record.groups and not _STATE.work_check.held:  # not a first step, new group or model
         return
     _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
@@ -1700,11 +1658,9 @@ def _state_first(optimizer, record):
 
 def _zero_state_exact(optimizer):
     """Whether zeros stand exactly for the state `optimizer`'s first step makes (torch 2.9's code read): Adam, AdamW
-    and RMSprop make zeros and update them as every later step does; SGD's first step copies the gradient into its
-    momentum buffer, which a zero buffer gives (0 * momentum + grad) unless dampening scales the gradient (only from
-    the second step). Not capturable, fused or differentiable (no such step on XLA), nor a subclass, whose step may
-    differ, nor Adafactor: its step reads values to the host, cutting graphs, and its first step's weight 1.0 is a
-    constant in torch_xla's graph where later steps pass data, so its first graphs are new with any state."""
+    and RMSprop make zeros and update them as later steps do; SGD's first step copies the gradient into its momentum
+    buffer, as a zero buffer gives unless dampening (from step 2) scales it. Not capturable, fused or differentiable,
+    nor a subclass, nor Adafactor (its step reads values to the host, and its first step's weight is a constant)."""
     kind = type(optimizer)
     return kind in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop) and all(
         not (group.get("capturable") or group.get("fused") or group.get("differentiable"))
@@ -1728,10 +1684,9 @@ def _zero_state(optimizer, params):
 
 
 class _CompileWatchdog:
-    """Counts XLA compiles per iteration (cut to cut: an optimizer step, closure included, or a trainer forward that
-    starts the next one); warns once per process when one pair of consecutive cuts compiles on consecutive runs past
-    warm-up (a graph met once is cached on its next run). Not per optimizer: that warned about graphs met once late
-    (the step after an eval, an EMA copy's 3rd step, an eval metric). A cut: a counter read, CPU ops named; no sync."""
+    """Counts XLA compiles per iteration (cut to cut); warns once per process when one pair of consecutive cuts
+    compiles on consecutive runs past warm-up. Not per optimizer: that warned about graphs met once late (the step
+    after an eval, an EMA copy's 3rd step). A cut costs a counter read and the CPU ops' names; no sync."""
 
     def __init__(self):
         self.serials, self._numbers = weakref.WeakKeyDictionary(), itertools.count()  # by object: ids are reused
@@ -1815,9 +1770,8 @@ class _Layout:
         return "_Layout(" + ", ".join(f"{k}={brief.get(k, v)!r}" for k, v in vars(self).items()) + ")"
 
     def spec(self, param):
-        """The partition spec of `param` on XLA: the tensor-parallel plan's, else with fsdp one dimension over the
-        fsdp axis (the largest that splits evenly, else the largest: XLA pads), else whole. What follows a parameter
-        (its gradient, optimizer state, a loaded or initialised value) is laid out like it: _lay_out_like."""
+        """The partition spec of `param` on XLA: the plan's, else with fsdp one dimension over the fsdp axis (the
+        largest that splits evenly, else the largest: XLA pads), else whole. What follows it: _lay_out_like."""
         if param in self.planned:
             return self.planned[param]
         shape, whole = tuple(param.shape), (None,) * param.dim()
@@ -1937,10 +1891,9 @@ def _mark_sharding(tensor, mesh, spec=None):
 
 
 def _lay_out_like(value, param):
-    """`value` (a gradient, optimizer state, a loaded or initialised value) laid out as its parameter `param` is: the
-    one place a tensor follows its parameter. Split like an FSDP2 DTensor (each rank keeps its part, nothing is
-    sent), marked like an XLA tensor (a host value is sent now, split; left replicated it would be a whole copy per
-    device, 4x an fsdp shard on 4 devices), or on its device."""
+    """`value` (a gradient, optimizer state, a loaded or initialised value) laid out as its parameter is: split like a
+    DTensor (each rank keeps its part), marked like an XLA tensor (a host value is sent now, split: left replicated,
+    4x an fsdp shard on 4 devices), or on its device. The one place a tensor follows its parameter."""
     mesh = getattr(param, "device_mesh", None)
     if mesh is not None:
         if hasattr(value, "device_mesh") or value.shape != param.shape:
@@ -1984,14 +1937,11 @@ def _watch_inputs(model, sharding):
 
 
 def _shard_activations(model, batch, matmul_outputs=False):
-    """Keep the batch split through the model, as torch_xla's FSDPv2 does with each wrapped module's output: mark the
-    batch dimension of each block's output (a child of a ModuleList or Sequential of repeated blocks, when its output
-    has its input's shape: transformer layers, ViT's EncoderBlock, HF decoder layers), and of each RNN's or RNN
-    cell's input and state, a missing state made as split zeros (an LSTM's per-step matmuls otherwise ran whole).
-    Without it "fsdp" let GSPMD split the matmuls the tensor-parallel way and all-gather activations (a ViT: 1.5 MB
-    a step against 0.32 MB of weights; with it 0.33). With `matmul_outputs` ("fsdp" without a tensor-parallel plan)
-    every Linear's and convolution's output too: attention outside a repeated block ran 0.33 of its dots per device,
-    its projections split the tensor-parallel way from the sharded weights."""
+    """Keep the batch split through the model, as torch_xla's FSDPv2 does: mark the batch dim of each repeated block's
+    output (of its input's shape: transformer layers, HF decoder layers), and of each RNN's input and state, a missing
+    state made as split zeros. Without it "fsdp" let GSPMD split matmuls the tensor-parallel way and all-gather
+    activations (a ViT: 1.5 MB a step against 0.32 MB of weights). With `matmul_outputs` ("fsdp" without a plan)
+    every Linear's and convolution's output too (attention outside a block ran 0.33 of its dots per device)."""
     if batch.ways == 1:
         return
     blocks = {id(child) for parent in model.modules() if isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential))
@@ -2111,9 +2061,8 @@ _SHARDED_AS = "_seamless_tpu_sharded_as"  # on a parameter fully_shard replaced:
 
 def _replicate(model, device):
     """DDP on `model` itself (torch's composable replicate): backward averages the gradients whichever object the
-    loop calls. It starts without find_unused_parameters (torch's default: no autograd-graph walk per forward, and no
-    warning about one) and _UnusedCheck reads at the first step which parameters each rank used: only a model where
-    some rank leaves one out gets the walk. A DDP model is used as is: wrapping twice all-reduces twice."""
+    loop calls. Without find_unused_parameters (no graph walk per forward) until _UnusedCheck finds a rank leaving a
+    parameter out. A DDP model is used as is: wrapping twice all-reduces twice."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model
     replicate = importlib.import_module("torch.distributed._composable.replicate")
@@ -2126,13 +2075,10 @@ def _replicate(model, device):
 
 
 class _UnusedCheck:
-    """Which parameters the ranks use, read from the first step's gradients. DDP without find_unused_parameters hangs
-    or raises ("Expected to have finished reduction") when a rank leaves a parameter out, so the first forward that
-    would average runs as under no_sync, and at the end of its backward one all-reduce sums a used-mask and the
-    gradients (DDP's average). Then, on every rank alike, DDP stays as it is (every parameter used everywhere) or is
-    rebuilt with find_unused_parameters=True (one broadcast of the parameters). A model whose ranks use every
-    parameter at step 1 and leave one out later gets DDP's error: wrap it in DDP(..., find_unused_parameters=True)
-    before the trainer."""
+    """Which parameters the ranks use, read from the first step's gradients: DDP without find_unused_parameters hangs
+    or raises when a rank leaves one out. The first averaging forward runs as under no_sync; at the end of its
+    backward one all-reduce sums a used-mask and the gradients. Then every rank keeps DDP or rebuilds it with
+    find_unused_parameters=True. A parameter left out only after step 1 gets DDP's error (wrap it in DDP yourself)."""
 
     def __init__(self, model, state, device):
         self.state, self.device, self.armed, self.forcing = state, device, False, False
@@ -2275,8 +2221,7 @@ def _place(model, layout):
     if layout.meta_built:
         _materialize(model, layout, lay_out=not fsdp2)
     if not (layout.meta_built and fsdp2):
-        with _keeping_parameters():
-            model.to(layout.device)
+        model.to(layout.device)
     if xla:
         # Each parameter by its spec (FSDPv2 under fsdp): XLA gives the gradients the same sharding and puts the
         # all-gathers and reduce-scatters in the step graph. Split ones stay as they are.
@@ -2308,10 +2253,9 @@ def _place(model, layout):
 
 @dataclasses.dataclass
 class _MetaInit:
-    """A model built under torch.device("meta") is made real module by module, children first, each initialised on the
-    CPU in turn from the CPU RNG as the build left it: the CPU build's weights if nothing drew in between and modules
-    were built in registration order (a deep copy, as nn.TransformerEncoder makes of its layer, draws anew). On XLA
-    that waits for the first forward or save, and a module that load_checkpoint filled first is never initialised."""
+    """A model built under torch.device("meta") is made real module by module, children first, each initialised on
+    the CPU from the CPU RNG as the build left it (the CPU build's weights if modules were built in registration
+    order). On XLA at the first forward or save; a module load_checkpoint filled first is never initialised."""
 
     pending: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     # ^ module -> (its transformers owner, RNG, first-use hook, names a load filled): laid out, not yet initialised
@@ -2489,8 +2433,7 @@ def _loader_ranks(device):
 
 
 def _distributed_sampler(loader, replicas, rank):
-    """The DistributedSampler that gives this rank its share of the loader's order, where it reproduces the sampler
-    exactly (its fast path: RandomSampler without replacement or num_samples, SequentialSampler), else None."""
+    """A DistributedSampler giving this rank its share where it reproduces the loader's sampler exactly, else None."""
     sampler, data = loader.sampler, torch.utils.data
     shuffle = type(sampler) is data.RandomSampler and not sampler.replacement and sampler._num_samples is None
     if not shuffle and type(sampler) is not data.SequentialSampler:
@@ -2510,8 +2453,7 @@ def _split_by_user(sampler, replicas, rank):
 
 
 def _rebuild_loader(loader, drop_last, device, data_ranks=None):
-    """`loader` split over the ranks, with fixed batch shapes where asked. Each rank gets its share of exactly what the
-    user's sampling yields: RandomSampler and SequentialSampler through a DistributedSampler, all else by batches."""
+    """`loader` split so each rank gets its share of exactly what the user's sampling yields; fixed shapes if asked."""
     data = torch.utils.data
     replicas, rank = data_ranks or _loader_ranks(device)
     if not isinstance(loader, data.DataLoader):
@@ -2554,9 +2496,8 @@ def _rebuild_loader(loader, drop_last, device, data_ranks=None):
 
 
 class _ShardedBatches:
-    """Rank r of n takes batches r, r+n, r+2n, ... of `batches` (a batch sampler, or a loader over an IterableDataset).
-    Every rank gets as many batches, or a collective would hang: an incomplete last round is dropped (drop_last) or
-    completed from the epoch's first batches, as DistributedSampler pads."""
+    """Rank r of n takes batches r, r+n, ... of `batches` (a batch sampler, or a loader over an IterableDataset). As
+    many on each rank, or a collective hangs: a short last round is dropped (drop_last) or padded from the start."""
 
     def __init__(self, batches, replicas, rank, drop_last):
         self.batches, self.replicas, self.rank, self.drop_last = batches, replicas, rank, drop_last
@@ -2601,8 +2542,7 @@ class _PendingTensor:
 
 
 class _DeviceLoader:
-    """Iterates a loader with batches already on the trainer's device; advances sampler epochs
-    (call set_epoch(n) when resuming at epoch n, so shuffles match an uninterrupted run)."""
+    """Iterates the loader with batches on the device, advancing sampler epochs (set_epoch(n) when resuming at n)."""
 
     def __init__(self, loader, device, sharding):
         self.loader, self._device, self._sharding, self._epoch = loader, device, sharding, 0
@@ -2621,30 +2561,22 @@ class _DeviceLoader:
         return self._xla_batches()
 
     def _xla_batches(self):
-        # MpDeviceLoader moves and shards the plain host tensors in a background thread. The batch
-        # around them is rebuilt here by to_device's rules, so a batch means the same on every path.
-        device, sharding = self._device, self._sharding
-        templates = collections.deque()
-
+        # MpDeviceLoader moves plain host tensors in its thread; to_device's rules rebuild the rest, as on every path.
+        device, sharding, templates = self._device, self._sharding, collections.deque()
         def plain_tensors():  # runs in MpDeviceLoader's thread, ahead of the consumer
             for batch in self.loader:
                 tensors, arrived = [], []
-
                 def take(t):
                     plain = type(t) is torch.Tensor and not t.requires_grad and t.device.type == "cpu"
                     if not (plain and sharding.from_host(t)):
                         return t  # moved by to_device's rules below
                     tensors.append(t)
                     return _PendingTensor(arrived, len(tensors) - 1)
-
                 templates.append((_map_tensors(batch, take, lambda obj: obj), arrived))
                 yield tensors
-
         on_tensor = _mover(device, sharding)
-
         def on_other(obj):
             return obj.to(device) if isinstance(obj, _PendingTensor) else _move_by_own_to(obj, device)
-
         pl = _import("torch_xla.distributed.parallel_loader")
         for moved in pl.MpDeviceLoader(plain_tensors(), device, input_sharding=sharding):
             template, arrived = templates.popleft()
@@ -2655,8 +2587,7 @@ class _DeviceLoader:
 
 
 def _catch_sigterm():
-    """SIGTERM's handler, installed once per process from its main thread: by the first trainer, or on each Ray
-    worker by the backends' on_start (Ray runs the loop on another thread, which may not set handlers)."""
+    """SIGTERM's handler, installed once per process from the main thread (Ray's loop thread may not set handlers)."""
     state, old = _STATE.preemption, signal.getsignal(signal.SIGTERM)
     if state.previous is not None or old is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
         return
@@ -2669,9 +2600,8 @@ def _catch_sigterm():
 
 @dataclasses.dataclass
 class _Preemption:
-    """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at the same step on every process. A user's
-    handler is chained and decides, SIG_IGN stays, and an exit (the default's, Ray's) is held, never cancelled, until
-    SIGTERM_GRACE_S after the signal or the last save."""
+    """SIGTERM (a spot VM, slice or pod going away) as trainer.preempted, at one step on every process. A user's handler
+    is chained, SIG_IGN stays, an exit (the default's, Ray's) is held until SIGTERM_GRACE_S after the signal or save."""
 
     previous: object = None  # the SIGTERM handler chained; None until ours is installed
     delays_exit: bool = False  # the previous action is an exit (the default's, Ray's): held back, not chained
@@ -2706,10 +2636,9 @@ class _Preemption:
         self.settle()
 
     def settle(self):
-        """At exit: ends the all-reduce the last agreement started, and the group, while the interpreter runs. Left to
-        end during finalization (a peer a little behind), gloo's thread freed its tensor there and the process aborted
-        ("terminate called without an active exception"). Every process starts it at the same step count: a crashed
-        peer fails it at once, a stuck one is waited for SETTLE_S."""
+        """At exit, while the interpreter runs, ends the last agreement's all-reduce and the group: left to finalization
+        (a peer a little behind), gloo's thread freed its tensor there and the process aborted ("terminate called
+        without an active exception"). A crashed peer fails it at once, a stuck one is waited for SETTLE_S."""
         try:
             if self.pending is not None:
                 self.pending[0].wait(datetime.timedelta(seconds=SETTLE_S))
@@ -2754,8 +2683,7 @@ class _Preemption:
         return done
 
     def owns(self, optimizer, record):
-        """Whether `optimizer` steps a trainer's parameters (a probe's, a helper model's does not): its steps are
-        counted here and by the meter. Decided again when its groups change (`record`: its _StepRecord)."""
+        """Whether `optimizer` steps a trainer's parameters (a probe's does not): counted here and by the meter."""
         if record.owned != record.groups:  # ids, as a weakref to a parameter makes .to() raise
             ours = {id(p) for model in self.models for p in model.parameters()}
             record.ours = any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
@@ -2975,10 +2903,8 @@ FLOP_FORWARDS = 64  # training forwards the first step's FLOP count may span: pa
 @dataclasses.dataclass
 class _Meter:
     """What the trainers' steps cost, counted with no sync: the samples and tokens their models took under grad, the
-    wall time at each end of a step of a trainer's optimizer (one stepping a trainer's parameters, as preemption
-    decides: a probe's or a second loop's steps are not the trainers'), the FLOPs of the first such step (_FlopCount:
-    what the process runs from the first training forward until that step ends) and, when asked, the devices'
-    execution time (XLA)."""
+    wall time at each step end of a trainer's optimizer (as preemption decides: not a probe's), the first such step's
+    FLOPs (_FlopCount, from the first training forward on) and, when asked, the devices' execution time (XLA)."""
 
     steps: int = 0  # the trainers' optimizer steps, samples and tokens since the trainers were built
     samples: int = 0
@@ -3026,9 +2952,8 @@ class _Meter:
     def stats(self):
         xla, (first, last) = _STATE.xla_device is not None, (self.ends[0], self.ends[-1]) if self.ends else (None,) * 2
         out = {"steps": self.steps, "samples": self.samples * self.data_ways, "tokens": self.tokens * self.data_ways}
-        keys = ("step_time_s", "device_time_s", "host_bound", "samples_per_s", "tokens_per_s", "flops_per_device",
-                "tflops_per_device", "mfu")
-        out.update(dict.fromkeys(keys), flops_from=None, peak_tflops=None)
+        out.update(dict.fromkeys(("step_time_s", "device_time_s", "host_bound", "samples_per_s", "tokens_per_s",
+                                  "flops_per_device", "tflops_per_device", "mfu", "flops_from", "peak_tflops")))
         if not self.ends or last[2] == first[2]:
             return out
         steps, wall = last[2] - first[2], last[0] - first[0]
@@ -3054,10 +2979,9 @@ LOG_HELD = 1000  # values held for the next line at most: then a line is due (a 
 
 @dataclasses.dataclass
 class _RunLog:
-    """trainer.log()'s values, held until a line is due (every `every` steps; default: LOG_EVERY_S seconds, or
-    LOG_HELD calls), then read on a thread of their own once their step's graph has run (XLA: all in one transfer,
-    handed over by a torch_xla step closure where the pending graph computes them: never mid-trace; CUDA: async
-    copies and their events), averaged, and written with the throughput to the logger on rank 0 and to `to`."""
+    """trainer.log()'s values, held until a line is due (every `every` steps, else LOG_EVERY_S seconds or LOG_HELD
+    calls), read on their own thread once their step's graph ran (XLA: one transfer, from a step closure of that graph,
+    never mid-trace; CUDA: async copies), averaged, and written with the throughput to the logger (rank 0) and `to`."""
 
     thread: object = None  # the one thread that reads values and writes lines, from the first line
     held: list = dataclasses.field(default_factory=list)  # (name, value: float, tensor or (copy, CUDA event))
@@ -3147,9 +3071,8 @@ _HOST_READS = frozenset({"aten::_local_scalar_dense"})
 
 
 def _name_cpu_fallbacks(met, named):
-    """Warns once per op that torch_xla has run on the CPU (its aten:: counters, its only use of that prefix, less the
-    host reads; `named`: those warned about): torch_xla 2.9 has no lowering for it. The watchdog's, at each cut: a
-    list of names (~1 us)."""
+    """Warns once per op torch_xla 2.9 ran on the CPU for lack of a lowering: its aten:: counters (its only use of that
+    prefix) less the host reads and `named` (those warned about). The watchdog's, at each cut: ~1 us."""
     ops = sorted(n for n in met.counter_names() if n.startswith("aten::") and n not in named and n not in _HOST_READS)
     if ops:
         named.update(ops)
@@ -3271,15 +3194,12 @@ class _WorkCheck:
 
 
 def _check_work(model, layout):
-    """The guard for models nobody tried: on the first forward, hold the input and output of the first module of
-    each name pattern (layers.#.mlp.up_proj) that does matmuls, up to the first block's end (a pattern's second
-    module: the graph computing them is the forward up to there; the head's input took all of it, a quarter of a
-    4-layer LoRA student's first-run compile; work lost after the first block goes unnamed); before a step, run
-    them as a graph of their own (_state_first), read how XLA split each (their sharding annotations) and warn once
-    if more than 5% of those FLOPs ran whole on devices that should have split them. An input that arrives whole
-    counts: a block's mark can re-split the output of work computed whole (a GroupNorm net's convolutions), but not
-    the input, which the backward's matmuls then compute whole too. Any other cut drops them first (_cut_graph), so
-    a loop whose first graph repeats is not checked."""
+    """The guard for models nobody tried: on the first forward, hold the input and output of the first matmul module
+    of each name pattern (layers.#.mlp.up_proj) up to the first block's end (the head's input took the whole forward,
+    a quarter of a 4-layer LoRA student's first compile); before the step, run them as a graph of their own
+    (_state_first), read how XLA split each and warn once if over 5% of those FLOPs ran whole. A whole input counts:
+    the backward's matmuls compute it whole too. Any other cut drops them first, so a repeating first graph is not
+    checked."""
     devices, held, handles = math.prod(layout.mesh.mesh_shape), _STATE.work_check.held, []
     counts = collections.Counter()
     past_first_block = []
@@ -3366,9 +3286,8 @@ def _split_ways(tensor, dim=None):
 
 
 class _Profile:
-    """trainer.profile(): a trace TensorBoard's profiler opens, from now until `steps` optimizer steps have ended or
-    the with-block exits. XLA: torch_xla's profiler session (xplane.pb); else torch.profiler (a Chrome trace). It
-    waits for the devices at its start and end only."""
+    """trainer.profile(): a TensorBoard trace until `steps` optimizer steps end or the with-block exits (XLA:
+    torch_xla's profiler, xplane.pb; else torch.profiler's Chrome trace); syncs the devices at start and end only."""
 
     def __init__(self, logdir, steps, xla):
         self.logdir, self.left, self.xla, self.torch_profiler = os.fspath(logdir), steps, xla, None
@@ -3416,10 +3335,9 @@ class _Profile:
 
 
 def _init_compile_cache(kind):
-    """TPU, before the first compile: torch_xla's persistent compile cache, one directory per accelerator type and
-    host (a cache shared between hosts misses: vLLM went per rank), unless the user set one up or asked for off.
-    XLA:CPU: off, as torch_xla 2.9 writes it there but cannot read it ("Deserializing serialized executable not
-    supported")."""
+    """TPU, before the first compile: torch_xla's persistent compile cache, one directory per accelerator type and host
+    (one shared between hosts misses: vLLM went per rank), unless the user set one up or turned it off. Off on XLA:CPU,
+    where torch_xla 2.9 writes it but cannot read it ("Deserializing serialized executable not supported")."""
     choice = os.environ.get(COMPILE_CACHE_ENV) or ""
     if kind != "tpu":
         if choice not in ("", "off") and _once("compile_cache"):
@@ -3515,8 +3433,7 @@ def _device_reason(kind):
 
 
 def environment_report(probe=False):
-    """What `python -m seamless_tpu` prints for an issue: versions, the device and why, the env that matters, counts,
-    checks with fixes. Imports neither torch_xla nor ray; probe=True starts the XLA runtime (get_device())."""
+    """What `python -m seamless_tpu` prints. Imports neither torch_xla nor ray; probe=True starts the XLA runtime."""
     env, facts = _report_facts()
     lines = ["versions: " + ", ".join(f"{k} {v}" for k, v in facts["versions"].items())]
     try:
@@ -3613,12 +3530,11 @@ def _main(argv=None):  # python -m seamless_tpu
 
 
 class _FlopCount(TorchDispatchMode):
-    """What runs while it is in force, in FLOPs, from shapes only (no sync, transfer or compile). Off XLA: torch's
-    formulas (torch.utils.flop_counter: matmuls, convolutions; SDPA kernels: ours, which allow grouped-query heads)
-    on each op dispatched, forward and backward. Unlike FlopCounterMode it runs each op as called (that one decomposes
-    ops without a formula). torch.compile compiles as without it (ignore_compile_internals). On XLA no dispatch mode
-    may run: under one, torch_xla 2.9 drops in-place writes to views (mask[:, -2:] = False did nothing, and the first
-    step trained on a wrong mask), so _FunctionFlops counts the calls instead."""
+    """FLOPs run while it is in force, from shapes only (no sync, transfer or compile). Off XLA: torch's formulas
+    (torch.utils.flop_counter; SDPA kernels: ours, allowing grouped-query heads) on each op dispatched, forward and
+    backward, each run as called (FlopCounterMode decomposes ops without a formula); torch.compile compiles as without
+    it. On XLA no dispatch mode may run: under one, torch_xla 2.9 drops in-place writes to views (mask[:, -2:] = False
+    did nothing; the first step trained on a wrong mask), so _FunctionFlops counts calls."""
 
     def __init__(self, xla):
         super().__init__()
@@ -3627,8 +3543,8 @@ class _FlopCount(TorchDispatchMode):
         self.formulas = {**formulas.flop_registry, **{
             getattr(aten, f"_scaled_dot_product_{kernel}{end}"): formulas.shape_wrapper(formula)
             for kernel in kernels for end, formula in (("", _sdpa_flops), ("_backward", _sdpa_backward_flops))}}
-        self.flops, self.forwards, self.thread, self.functions = 0, 1, threading.get_ident(), xla and _FunctionFlops(
-            self)
+        self.flops, self.forwards, self.thread = 0, 1, threading.get_ident()
+        self.functions = xla and _FunctionFlops(self)
 
     @classmethod
     def ignore_compile_internals(cls):
@@ -3655,10 +3571,9 @@ class _FlopCount(TorchDispatchMode):
 
 
 class _FunctionFlops(torch.overrides.TorchFunctionMode):
-    """XLA: the FLOPs of the matmul-like calls the step makes, from their shapes: forward, plus the same again for
-    each operand the backward computes a gradient of (attention: its backward's products; an RNN: its weights' and
-    its states' gradients). A call inside a counted one (the trainer's matmul kernel's einsum) is not seen: a
-    function mode is off inside its own handler."""
+    """XLA: the FLOPs of the step's matmul-like calls, from shapes: forward, plus as much again per operand the backward
+    computes a gradient of (attention: its backward's products; an RNN: its weights' and states'). A call inside a
+    counted one (the matmul kernel's einsum) is not seen: a function mode is off in its own handler."""
 
     def __init__(self, count):
         super().__init__()
@@ -3707,16 +3622,14 @@ def _einsum_call_flops(equation, *operands):
 
 
 def _attention_flops(out, query, key, value, *args, **kwargs):
-    """Forward: the scores and their product with the values; backward on XLA: 4 products (the scores are kept,
-    where torch's flash kernels compute them again)."""
-    backward = 2 * math.prod(query.shape[:-2]) * query.shape[-2] * key.shape[-2] * 2 * (query.shape[-1] + value.shape[
-        -1])
-    return _sdpa_flops(query.shape, key.shape, value.shape) + (backward if _grads(query, key, value) else 0)
+    """Forward: the scores and their product with the values; backward on XLA twice that, 4 products (the scores are
+    kept, where torch's flash kernels compute them again)."""
+    return _sdpa_flops(query.shape, key.shape, value.shape) * (3 if _grads(query, key, value) else 1)
 
 
 _FUNCTION_FLOPS = {
-    **dict.fromkeys(("linear",), lambda out, input, weight, *rest, **kwargs: 2 * out.numel() * weight.shape[-1] * (
-        1 + _grads(input, weight))),
+    "linear": lambda out, input, weight, *rest, **kwargs: 2 * out.numel() * weight.shape[-1] * (
+        1 + _grads(input, weight)),
     **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm"), _product_flops("ab")),
     **dict.fromkeys(("addmm", "baddbmm"), _product_flops("addmm")),
     "einsum": lambda out, equation, *operands, **kwargs: _einsum_call_flops(equation, *operands),
@@ -3753,11 +3666,10 @@ def _sdpa_backward_flops(grad, query, key, value, *args, out_shape=None, **kwarg
 
 def _save_file(obj, path):
     """trainer.save: one torch.save file written by process 0, every rank returning together."""
-    saved = _STATE.preemption.saving()  # a held SIGTERM exit waits for this save to end
+    saved, error = _STATE.preemption.saving(), None  # a held SIGTERM exit waits for this save to end
     try:
         _sync_if_xla()
         cpu = _map_tensors(_state_dicts(obj), _cpu_copy)
-        error = None
         if _is_main_process():
             try:
                 _atomic_write(cpu, path)
@@ -3788,7 +3700,7 @@ def _save_checkpoint(directory, state, blocking=True, keep_last=1):
         for value in state.values():  # a meta-built model not used yet is initialised before it is saved
             if isinstance(value, torch.nn.Module) and (_STATE.meta_init.pending or _STATE.meta_init.unset):
                 _initialize_pending(value, refuse=True)
-        attempt, error, ready = None, None, None
+        attempt, error = None, None
         try:  # all that reads the state happens now, blocking or not; a failure on any rank is shared below
             dicts = {k: _state_dicts(v) for k, v in state.items()
                      if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))}
@@ -3827,24 +3739,20 @@ class _Saves:
     staging: object = None  # CUDA: the _Staging buffers the saves copy the state into, one set, reused
 
     def staging_for(self, dicts):
-        """The _Staging of a save of `dicts` (state_dicts) when it holds CUDA tensors (DTensors: their local parts),
-        with its buffers fitted to them; else None. Called after wait(): the buffers are free."""
-        found = []
-        _map_tensors(dicts, lambda t: found.append(t.to_local() if hasattr(t, "to_local") else t) or t)
-        cuda = [t for t in found if t.is_cuda]
-        if not cuda:
+        """The _Staging of a save of `dicts` when they hold CUDA tensors, its buffers fitted to them; else None."""
+        local = []  # DTensors: their local parts
+        _map_tensors(dicts, lambda t: local.append(t.to_local() if hasattr(t, "to_local") else t) or t)
+        if not (cuda := [t for t in local if t.is_cuda]):
             return None
-        self.staging = self.staging or _Staging()
+        self.staging = self.staging or _Staging()  # after wait(): its buffers are free
         self.staging.begin([(tuple(t.shape), t.dtype) for t in cuda], cuda[0].device)
         return self.staging
 
     def start(self, write, path, saved):
-        """The Future of `write()` (a save into `path`), run on a thread of its own, which calls `saved` at the end."""
         if _torch_dist_ranks()[0] > 1 and self.group is None:
             self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank is here
         future = _SaveFuture()
         future.path = path
-
         def run():
             future.set_running_or_notify_cancel()
             try:
@@ -3853,7 +3761,6 @@ class _Saves:
                 future.set_exception(e)
             finally:
                 saved()
-
         threading.Thread(target=run, name="seamless_tpu-save").start()  # not a daemon: the exit waits for the save
         self.in_flight = future
         if _once("report_unasked_saves"):
@@ -3886,13 +3793,10 @@ class _SaveFuture(concurrent.futures.Future):
 
 
 def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking, ready=None):
-    """This process's shards, then (process 0) the other files and the commit; all ranks return or raise together.
-    `ready`: the CUDA event the host copies of `tensors` end at."""
-    group = None if blocking else _STATE.saves.group
-    path = os.path.join(directory, attempt)
-    error = None
+    """This process's shards, then (process 0) the other files and the commit; all ranks return or raise together."""
+    group, path, error = (None if blocking else _STATE.saves.group), os.path.join(directory, attempt), None
     try:
-        if ready is not None:
+        if ready is not None:  # the CUDA event the host copies of `tensors` end at
             ready.synchronize()
         dcp = importlib.import_module("torch.distributed.checkpoint")  # part of torch, slow to import: on use
         xla = _STATE.xla_device is not None
@@ -3921,9 +3825,8 @@ def _write_checkpoint(directory, attempt, tensors, files, keep_last, blocking, r
 
 def _saved_form(t, blocking, stage=None):
     """What the writer gets for `t`: the tensor (blocking) or a host copy taken now (a DTensor keeps its placements).
-    On XLA, this process's replica-0 shards of a split tensor when asynchronous, and when blocking of one also
-    replicated over some mesh axes (a multi-host ("data", "fsdp") mesh's parameters, a planned weight beside a data
-    axis): torch_xla 2.9's SPMDSavePlanner drops those silently (measured: key missing). TODO(remove when it doesn't)"""
+    XLA: this process's replica-0 shards of a split tensor (async) or of one also replicated over some mesh axes,
+    which torch_xla 2.9's SPMDSavePlanner drops (measured: key missing). TODO(remove when it doesn't)"""
     if _is_xla(t.device):
         spec = _import("torch_xla")._XLAC._get_xla_sharding_spec(t)
         if "last_tile_dim_replicate" in spec or (not blocking and _is_split(t)):
@@ -3964,8 +3867,7 @@ def _load_checkpoint(directory, state):
             raise TypeError(f"load_checkpoint loads modules, optimizers and other objects with load_state_dict() in "
                             f"place; {name!r} is a {type(obj).__name__}. Plain values come back from the call instead")
     path = _committed_attempt(directory)  # once: tensors, objects and values all come from this attempt
-    objects, rng, plain = _read_files(path)
-    release = _HostMemoryRelease()
+    (objects, rng, plain), release = _read_files(path), _HostMemoryRelease()
     reader, planner = _dcp_loader(path, release)
     saved = {}  # {saved name: [(path below it, flat key, TensorStorageMetadata or BytesStorageMetadata)]}
     metadata = reader.read_metadata()
@@ -4003,10 +3905,10 @@ def _load_checkpoint(directory, state):
 
 
 class _HostMemoryRelease:
-    """Hands host memory freed by a checkpoint load or a meta model's initialisation back to the OS (malloc_trim, Linux)
-    every `every` bytes handled: glibc keeps freed buffers of up to 32 MB for reuse. Measured: a 255 MB checkpoint on
-    4 XLA devices grew the process by 1.17x its size without, 0.13x releasing every 32 MB; a meta model's load (16 MB
-    tensors, 4 shards each) by 0.28-0.32x releasing every 32 MB, 0.23-0.25x every 4 MB, in the same 9.5 s."""
+    """Hands host memory freed by a checkpoint load or a meta model's initialisation back to the OS (malloc_trim,
+    Linux) every `every` bytes handled: glibc keeps freed buffers of up to 32 MB. Measured, growth of the process: a
+    255 MB checkpoint on 4 XLA devices 1.17x its size without, 0.13x releasing every 32 MB; a meta model's load (16 MB
+    tensors, 4 shards each) 0.28-0.32x every 32 MB, 0.23-0.25x every 4 MB, in the same 9.5 s."""
 
     def __init__(self, every=RELEASE_EVERY):
         self.release = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform.startswith("linux") else None
@@ -4021,10 +3923,9 @@ class _HostMemoryRelease:
 
 
 def _dcp_loader(path, release):
-    """DCP's (reader, planner) for `path` (torch_xla's SPMD planner on XLA), calling `release` after each read. The
-    reader reads and deserialises a stored chunk once for all of this process's shards that overlap it; torch's does
-    both per shard (measured: a replicated save loaded into 4 XLA shards read 4.04x the checkpoint; a whole-tensor one
-    held 4 copies of a tensor at once). On torch 2.9 private API: TODO(remove when DCP's reader reads chunks once)"""
+    """DCP's (reader, planner) for `path` (SPMD planner on XLA), calling `release` after each read. Its reader loads a
+    stored chunk once for all this process's shards in it, torch's per shard (measured: 4 XLA shards of a replicated
+    save read 4.04x the checkpoint, of a whole one held 4 copies). torch 2.9 private API: TODO(remove when fixed)"""
     dcp = importlib.import_module("torch.distributed.checkpoint")
     tensor_item = importlib.import_module("torch.distributed.checkpoint.planner").LoadItemType.TENSOR
     narrow = importlib.import_module("torch.distributed._shard._utils").narrow_tensor_by_index
@@ -4041,10 +3942,8 @@ def _dcp_loader(path, release):
             stored, mine, others = self.storage_data, {}, []  # mine: {(file, offset) of a stored chunk: its requests}
             for item in plan.items:  # plain tensors are mine; bytes and transformed streams go torch's way
                 chunk = stored[item.storage_index]
-                if item.type == tensor_item and not chunk.transform_descriptors:
-                    mine.setdefault((chunk.relative_path, chunk.offset), []).append(item)
-                else:
-                    others.append(item)
+                ours = item.type == tensor_item and not chunk.transform_descriptors
+                (mine.setdefault((chunk.relative_path, chunk.offset), []) if ours else others).append(item)
             done = super().read_data(dataclasses.replace(plan, items=others), planner)
             for (relative_path, _), requests in sorted(mine.items()):  # in file order (keys are unique)
                 chunk = stored[requests[0].storage_index]
@@ -4249,8 +4148,7 @@ def _committed_attempt(directory):
     parent, name = os.path.split(os.path.normpath(directory))
     if SAVE_ATTEMPT.fullmatch(name) and name in _history(parent):
         return directory
-    attempt = _read_name(directory, CHECKPOINT_POINTER)
-    if attempt is None:
+    if (attempt := _read_name(directory, CHECKPOINT_POINTER)) is None:
         raise FileNotFoundError(f"{directory!r} is not a seamless_tpu checkpoint: it has no {CHECKPOINT_POINTER} "
                                 "file, which save_checkpoint writes last (a save that was killed leaves none). Pass "
                                 "the directory given to save_checkpoint")
@@ -4260,22 +4158,20 @@ def _committed_attempt(directory):
                                 f"is missing or incomplete")
     return path
 
+
 class _Staging:
-    """CUDA: the pinned host buffers an asynchronous save copies the state into (host memory: one copy of the state,
-    kept for the next save and made anew when the tensors' shapes or dtypes change). The copies run on a side stream
-    after the work queued so far (the state at the call). Where the GPU has room for the state twice over (free, or
-    cached by torch's allocator), it first takes a copy on the GPU (~1 ms for 2 GB), and the training stream waits
-    for that alone; the host copies (pinned: ~55 GB/s on an H100) run from it beside the next steps, and its memory
-    goes back to the side stream's pool as they are queued (freed blocks serve that stream's later work only, so
-    nothing overwrites it early). Without room, the training stream waits for the host copies: a stall of their
-    length. The writer thread waits for the copies' event before it reads the buffers."""
+    """CUDA: the pinned host buffers an asynchronous save copies the state into (one copy of the state, kept, made anew
+    when shapes or dtypes change), on a side stream after the work queued so far. With GPU room for the state twice
+    (free, or cached by torch's allocator) it first takes a GPU copy (~1 ms for 2 GB), all the training stream waits
+    for; the host copies (pinned: ~55 GB/s on an H100) run from it beside the next steps, its memory back in the side
+    stream's pool (freed blocks serve that stream only: nothing overwrites it early). Without room the training stream
+    waits for the host copies. The writer thread waits for their event."""
 
     def __init__(self):
         self.buffers, self.stream, self.left, self.pending, self.on_gpu = [], None, None, [], False
 
     def begin(self, specs, device):
-        self.buffers = _staging_buffers(self.buffers, specs, lambda shape, dtype: torch.empty(
-            shape, dtype=dtype, pin_memory=True))
+        self.buffers = _staging_buffers(self.buffers, specs, lambda s, d: torch.empty(s, dtype=d, pin_memory=True))
         self.stream = self.stream or torch.cuda.Stream(device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
         room = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(
@@ -4291,24 +4187,21 @@ class _Staging:
         return buffer
 
     def issued(self):
-        """The event the host copies end at. The training stream waits on the GPU, from here, for the GPU copy or, if
-        none was taken, for the host copies."""
+        """The event the host copies end at. The training stream waits (on the GPU) for the GPU copy, else for them."""
         current = torch.cuda.current_stream(self.device)
         if self.on_gpu:
             current.wait_event(self.stream.record_event())
         with torch.cuda.stream(self.stream):
             for buffer, source in self.pending:
                 buffer.copy_(source, non_blocking=True)
-        self.pending = []
-        event = self.stream.record_event()
+        self.pending, event = [], self.stream.record_event()
         if not self.on_gpu:
             current.wait_event(event)
         return event
 
 
 def _staging_buffers(held, specs, alloc):
-    """The host buffers of a save of tensors with `specs` [(shape, dtype), in order]: `held` when it was made for the
-    same specs, else new ones from alloc(shape, dtype) (`held` is dropped first: one set at a time)."""
+    """`held` if made for `specs` [(shape, dtype)], else new ones from alloc(shape, dtype), `held` cleared first."""
     if [(tuple(b.shape), b.dtype) for b in held] == list(specs):
         return held
     held.clear()
@@ -4319,11 +4212,9 @@ def _staging_buffers(held, specs, alloc):
 
 
 def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
-    """Before any Ray worker starts: the slice must hold exactly num_workers x TPU-per-worker chips."""
     if topology is None:
         return
-    chips = math.prod(parse_topology(topology))
-    requested = num_workers * tpu_per_worker
+    chips, requested = math.prod(parse_topology(topology)), num_workers * tpu_per_worker
     if requested != chips:
         raise ValueError(f"ScalingConfig asks for num_workers={num_workers} x TPU per worker={tpu_per_worker} = "
                          f"{requested:g} chips, but topology {topology!r} has {chips} chips. The xla_tpu backend runs "
@@ -4332,7 +4223,6 @@ def _check_tpu_scaling(num_workers, tpu_per_worker, topology):
 
 
 def _xla_worker_env(*, rank, world_size, local_rank, local_world_size, node_rank, master_addr, master_port, hostnames):
-    """The env one Ray worker of the xla_tpu backend needs (one SPMD process per TPU host)."""
     return {"PJRT_DEVICE": "TPU", "MASTER_ADDR": str(master_addr), "MASTER_PORT": str(master_port), "RANK": str(rank),
             "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
             "NODE_RANK": str(node_rank), "TPU_WORKER_ID": str(rank), "TPU_WORKER_HOSTNAMES": ",".join(hostnames)}
@@ -4397,8 +4287,7 @@ def _check_cluster_tpus(scaling_config):
     if not ray.is_initialized():
         ray.init()  # what fit() does a moment later anyway
     workers, per_worker = scaling_config.num_workers, scaling_config.num_tpus_per_worker
-    have = ray.cluster_resources().get("TPU", 0)
-    if have < workers * per_worker:
+    if (have := ray.cluster_resources().get("TPU", 0)) < workers * per_worker:
         raise RuntimeError(f"ScalingConfig(use_tpu=True) asks for num_workers={workers} x {per_worker:g} TPU = "
                            f"{workers * per_worker:g} TPU, but the Ray cluster has {have:g} (ray.cluster_resources())."
                            " Connect to a cluster of TPU hosts (ray.init(address=...)), fewer workers or TPU per "
@@ -4433,8 +4322,7 @@ def _ray_classes():
         def on_start(self, worker_group, backend_config):
             addresses = sorted(worker_group.execute(_worker_address))  # (rank, IP, a free port), in rank order
             _, master_addr, master_port = addresses[0]  # the gloo group's rendezvous, on rank 0
-            hostnames = [ip for _, ip, _ in addresses]
-            reports = worker_group.execute(_xla_worker_setup, master_addr, master_port, hostnames,
+            reports = worker_group.execute(_xla_worker_setup, master_addr, master_port, [ip for _, ip, _ in addresses],
                                            backend_config.xla_spmd_config, backend_config.timeout_s)
             worker_group.execute(_catch_sigterm)
             logger.info("seamless_tpu: xla_tpu backend started: %s", reports)
@@ -4455,7 +4343,6 @@ def _ray_classes():
     @dataclasses.dataclass
     class TorchConfig(ray_torch.TorchConfig):
         """Ray's TorchConfig plus backend='xla_tpu' (alias 'xla') and xla_spmd_config."""
-
         xla_spmd_config: dict = None
 
         def __post_init__(self):

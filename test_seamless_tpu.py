@@ -1703,7 +1703,8 @@ LAYOUT_CASES = {  # (device, ranks, trainer arguments) -> what the layout must s
 @pytest.mark.parametrize("meta", [False, True])
 def test_a_layout_is_decided_for_every_case_without_placing_anything(monkeypatch, fresh, case, meta):
     """_plan_layout gives the layout of every (device, ranks, strategy or plan, meta) case as a value; the model's
-    tensors stay where they were (CPU or meta): nothing is moved, split, wrapped or initialised."""
+    tensors stay where they were (CPU or meta): nothing is moved, split, wrapped or initialised, and the process mesh
+    is the one it was."""
     device, ranks, how = case
     if device == "xla":
         FakeXLA().install(monkeypatch)
@@ -1716,8 +1717,10 @@ def test_a_layout_is_decided_for_every_case_without_placing_anything(monkeypatch
     args = {"ddp": {}, "fsdp": {"strategy": "fsdp"},
             "tp": {"xla_spmd_config": {"model_parallel_size": 2}, "tp_plan": scenarios.MLP_PLAN,
                    "strategy": "ddp" if device == "xla" else "fsdp"}}[how]
+    process_mesh = st.get_device(device) and st.get_xla_mesh()  # on XLA: the default mesh, made by get_device
     layout = st._plan_layout(model, device, None, args.get("xla_spmd_config"), args.get("strategy", "ddp"),
                              args.get("tp_plan"))
+    assert st.get_xla_mesh() is process_mesh, "the trainer installs its mesh, not the plan"
     want = dict(LAYOUT_CASES[case], meta=meta)
     got = dict(
         kind=layout.kind,

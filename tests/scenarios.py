@@ -954,10 +954,10 @@ class LSTMNet(torch.nn.Module):
 
 def rnn_modules_load_their_state_after_a_trainer():
     """Issue 47: with a trainer made, load_state_dict works on every RNN module of the process (the user's LSTM model
-    on XLA, a GRU on the CPU) and loads the weights. torch's swap_module_params_on_conversion was on for the process,
-    so every load_state_dict swapped tensors, and RNNs (weakrefs to their weights) raised "Cannot swap t1 because it
-    has weakref associated with it". It is on around the trainer's own moves only: an optimizer made before the move
-    still trains the model's parameters."""
+    on XLA, a GRU on the CPU, an LSTM the user moved) and loads the weights. torch's swap_module_params_on_conversion
+    was on for the process, so every load_state_dict swapped tensors, and RNNs (weakrefs to their weights) raised
+    "Cannot swap t1 because it has weakref associated with it". It is on inside a module's .to(xla) only: the
+    trainer's move and the user's own keep the Parameter objects, so an optimizer made before either trains them."""
     torch.manual_seed(0)
     model, other = LSTMNet(), LSTMNet()
     params = list(model.parameters())
@@ -978,8 +978,13 @@ def rnn_modules_load_their_state_after_a_trainer():
     gru, source = torch.nn.GRU(3, 5), torch.nn.GRU(3, 5)
     gru.load_state_dict(source.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(gru.state_dict().values(), source.state_dict().values()))
-    lstm = torch.nn.LSTM(3, 5).to(trainer.device)  # the user's own move: torch_xla's new Parameters, as plain
-    lstm.load_state_dict(torch.nn.LSTM(3, 5).state_dict())
+    lstm = torch.nn.LSTM(3, 5)
+    weights = list(lstm.parameters())
+    lstm.to(trainer.device)  # the user's own move keeps its Parameters too
+    assert list(lstm.parameters()) == weights and all(w.device.type == "xla" for w in weights)
+    want = torch.nn.LSTM(3, 5).state_dict()
+    lstm.load_state_dict(want)
+    assert all(torch.equal(v.cpu(), want[k]) for k, v in lstm.state_dict().items())
 
 
 def fsdp_step_memory_and_losses(model, make_batch, loss_fn, steps):

@@ -121,6 +121,7 @@ def test_reset_undoes_every_process_wide_change(fake):
         ckpt._CheckpointFrame.__init__,
         torch.__future__.get_swap_module_params_on_conversion(),
         *functionals,
+        torch.nn.Module.to,
     )
     hooks = len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
     assert kernels_at_autograd_xla() == set()
@@ -130,18 +131,19 @@ def test_reset_undoes_every_process_wide_change(fake):
     assert all(new is not old for new, old in zip(now, functionals)), "the batch-keeping functionals are not in"
     assert kernels_at_autograd_xla() == aten_lowerings(), "the batch-keeping kernels are not in"
     assert {"group_norm", "batch_norm", "matmul", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= aten_lowerings()
-    assert not torch.__future__.get_swap_module_params_on_conversion(), "only around the trainer's own moves"
+    assert not torch.__future__.get_swap_module_params_on_conversion(), "only inside a module's .to(xla)"
+    assert torch.nn.Module.to is not originals[-1], "a module's .to(xla) keeps its Parameters"
     assert hasattr(torch, "xla")
     assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] + 1, "one pre-step hook"
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1, "one post-step hook"
     state = st._STATE
-    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 6
+    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 7
     st._reset_caches()
     assert (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
         torch.__future__.get_swap_module_params_on_conversion(),
-        F.multi_head_attention_forward, F.embedding_bag,
+        F.multi_head_attention_forward, F.embedding_bag, torch.nn.Module.to,
     ) == originals
     assert kernels_at_autograd_xla() == set(), "the dispatcher is back to torch's composite kernels"
     assert not hasattr(torch, "xla") and "torch.xla" not in sys.modules
