@@ -1467,6 +1467,7 @@ _RESIZES = {  # aten op -> (spatial dims, mode, whether it takes align_corners)
 for _op, (_spatial, _mode, _corners) in _RESIZES.items():  # nearest-exact: torch_xla ran it on the CPU
     _lowering(_op, family="resampling", why="cpu" if _mode == "nearest-exact" else "batch", hands_back=True)(
         _resize_kernel(_op, _spatial, _mode, _corners))
+del _op, _spatial, _mode, _corners  # the registration loops' names (7c's too): no module attributes
 
 
 @_lowering("grid_sampler", family="resampling", why="cpu", hands_back=True)
