@@ -8,6 +8,7 @@ a later trainer or create_xla_mesh does to the process mesh.
 import dataclasses
 import os
 import pathlib
+import re
 import signal
 import sys
 
@@ -324,3 +325,36 @@ def test_ray_workers_exit_is_held_while_a_trainer_can_save_and_the_attempt_then_
     assert st._RayTrainLoop(loop)({"signal": False}) == {"signal": False}, (
         "a run not preempted returns the loop's value"
     )
+
+
+BAD_INPUTS = {  # op -> arguments torch refuses (beside the first, the input, built from its shape)
+    "glu": [((3, 5), -1)],
+    "channel_shuffle": [((2, 5, 3), 2), ((2, 4, 3), 0)],
+    "adaptive_max_pool2d": [((2, 3), [2, 2]), ((1, 0, 3, 3), [2, 2])],
+    "im2col": [((2, 3), [2, 2], [1, 1], [0, 0], [1, 1]), ((1, 2, 3, 3), [5, 5], [1, 1], [0, 0], [1, 1])],
+    "col2im": [((1, 7, 4), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1]),
+               ((1, 8, 5), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1])],
+    "group_norm": [((2, 6, 4), 4), ((2, 6, 4), 0)],
+    "upsample_nearest2d.vec": [((1, 2, 4, 4), [0, 3], None)],
+    "upsample_bilinear2d.vec": [((1, 2, 4), [3, 3], False, None)],
+}
+
+
+@pytest.mark.parametrize("op, args", [(op, args) for op, cases in BAD_INPUTS.items() for args in cases],
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_a_lowering_refuses_bad_input_with_torchs_own_error(op, args):
+    """Issue 47: a kernel with no composite runs torch's own checks (its meta kernel, on a stand-in of the input's
+    shape); one with a composite hands what it does not handle to torch's path. Either way the error is torch's own,
+    type and message (until issue 47 group_norm, the resize kernels, im2col, col2im and adaptive_max_pool2d checked
+    nothing: a bad input raised something else, or nothing). The kernels run here on CPU tensors; on XLA the same
+    code runs."""
+    shape, *rest = args
+    lowering = st._LOWERINGS[op]
+    name, _, overload = op.partition(".")
+    torchs = getattr(getattr(torch.ops.aten, name), overload or "default")
+    reference = torchs.decompose if lowering.hands_back else torchs  # what torch itself runs for the op
+    device = "cpu" if lowering.hands_back else "meta"
+    with pytest.raises(Exception) as want:
+        reference(torch.ones(shape, device=device), *rest)
+    with pytest.raises(type(want.value), match=re.escape(str(want.value).partition("\n")[0])):
+        lowering.kernel(torch.ones(shape), *rest)
