@@ -1352,6 +1352,9 @@ def _xla_adaptive_max_pool2d(input, output_size):
     the flat index of the winner, as torch's. Every size: torch_xla ran those that do not divide the input's on the
     CPU, and the op has no composite to hand the others to."""
     _torch_checks("adaptive_max_pool2d", input, output_size)
+    if not all(output_size):  # an empty output, as torch's, still in the graph (windows of m = 0 divide by zero)
+        shape = (*input.shape[:-2], *output_size)
+        return input.amax((-2, -1), keepdim=True).expand(shape), input.new_zeros(shape, dtype=torch.long)
     windows = []
     for n, m in zip(input.shape[-2:], output_size):
         start, end = _adaptive_windows(n, m, input.device)

@@ -358,3 +358,16 @@ def test_a_lowering_refuses_bad_input_with_torchs_own_error(op, args):
         reference(torch.ones(shape, device=device), *rest)
     with pytest.raises(type(want.value), match=re.escape(str(want.value).partition("\n")[0])):
         lowering.kernel(torch.ones(shape), *rest)
+
+
+@pytest.mark.parametrize("output_size", [(0, 3), (2, 0), (7, 9)])
+def test_adaptive_max_pooling_to_any_size_torch_accepts(output_size):
+    """An output size of 0 is valid in torch (an empty result, still in the graph); the kernel's windows divided by
+    it (ZeroDivisionError). Values and indices equal torch's, and so does the input's gradient (an empty output's is
+    zeros: torch's CPU backward refuses an empty grad_output)."""
+    x = torch.randn(2, 3, 5, 4, requires_grad=True)
+    want = torch.ops.aten.adaptive_max_pool2d(x, list(output_size))
+    got = st._LOWERINGS["adaptive_max_pool2d"].kernel(x, list(output_size))
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and got[0].requires_grad
+    grad = torch.autograd.grad(got[0].sum(), x)[0]
+    assert torch.equal(grad, torch.autograd.grad(want[0].sum(), x)[0] if all(output_size) else torch.zeros_like(x))
