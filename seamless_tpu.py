@@ -1453,12 +1453,13 @@ def _resized(input, sizes, scales, mode, align_corners=False):
 def _resize_kernel(op, spatial, mode, with_corners):
     def kernel(input, output_size, *rest):
         align_corners, scales = rest if with_corners else (False, rest[0])
-        if input.dim() == spatial + 2 and output_size is None and scales and len(scales) == spatial:
-            output_size = [math.floor(n * s) for n, s in zip(input.shape[-spatial:], scales)]
-        if (input.dim() != spatial + 2 or output_size is None or len(output_size) != spatial
-                or not all(n > 0 for n in (*input.shape[2:], *output_size))):  # torch's answer, or its error
+        size = output_size
+        if input.dim() == spatial + 2 and size is None and scales and len(scales) == spatial:
+            size = [math.floor(n * s) for n, s in zip(input.shape[-spatial:], scales)]
+        if (input.dim() != spatial + 2 or size is None or len(size) != spatial
+                or not all(n > 0 for n in (*input.shape[2:], *size))):  # torch's answer, or its error, as called
             return _torch_path(op)(input, output_size, *rest)
-        return _resized(input, list(output_size), scales if scales else None, mode, align_corners)
+        return _resized(input, list(size), scales if scales else None, mode, align_corners)
     return kernel
 
 

@@ -335,7 +335,7 @@ BAD_INPUTS = {  # op -> arguments torch refuses (beside the first, the input, bu
     "col2im": [((1, 7, 4), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1]),
                ((1, 8, 5), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1])],
     "group_norm": [((2, 6, 4), 4), ((2, 6, 4), 0)],
-    "upsample_nearest2d.vec": [((1, 2, 4, 4), [0, 3], None)],
+    "upsample_nearest2d.vec": [((1, 2, 4, 4), [0, 3], None), ((1, 2, 4, 4), None, [0.1, 1.0])],
     "upsample_bilinear2d.vec": [((1, 2, 4), [3, 3], False, None)],
 }
 
@@ -347,17 +347,20 @@ def test_a_lowering_refuses_bad_input_with_torchs_own_error(op, args):
     shape); one with a composite hands what it does not handle to torch's path. Either way the error is torch's own,
     type and message (until issue 47 group_norm, the resize kernels, im2col, col2im and adaptive_max_pool2d checked
     nothing: a bad input raised something else, or nothing). The kernels run here on CPU tensors; on XLA the same
-    code runs."""
+    code runs. An input torch's path accepts (a scale that rounds a size to 0) gives torch's answer."""
     shape, *rest = args
     lowering = st._LOWERINGS[op]
     name, _, overload = op.partition(".")
     torchs = getattr(getattr(torch.ops.aten, name), overload or "default")
     reference = torchs.decompose if lowering.hands_back else torchs  # what torch itself runs for the op
     device = "cpu" if lowering.hands_back else "meta"
-    with pytest.raises(Exception) as want:
-        reference(torch.ones(shape, device=device), *rest)
-    with pytest.raises(type(want.value), match=re.escape(str(want.value).partition("\n")[0])):
-        lowering.kernel(torch.ones(shape), *rest)
+    try:
+        answer = reference(torch.ones(shape, device=device), *rest)
+    except Exception as e:  # torch refuses it: ours raises the same
+        with pytest.raises(type(e), match=re.escape(str(e).partition("\n")[0])):
+            lowering.kernel(torch.ones(shape), *rest)
+    else:  # torch accepts it (a scale that rounds a size to 0: an empty result): ours gives the same
+        assert torch.equal(lowering.kernel(torch.ones(shape), *rest), answer)
 
 
 @pytest.mark.parametrize("output_size", [(0, 3), (2, 0), (7, 9)])
