@@ -2844,7 +2844,8 @@ class SeamlessTPUTrainer:
         return _load_checkpoint(directory, state)
 
     def compile_stats(self):
-        """XLA compiles, cached compiles, executions and device->host transfers (all 0 off XLA)."""
+        """XLA compiles, cached compiles, executions, device->host transfers, and the persistent compile cache's hits,
+        misses and failures to read an executable back (all 0 off XLA)."""
         return _compile_stats(_is_xla(self.device))
 
     def memory_stats(self, *optimizers):
@@ -3057,13 +3058,18 @@ class _RunLog:
             self.bar.close()
 
 
+_COMPILE_COUNTERS = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile",
+                     "executions": "ExecuteReplicated", "persistent_cache_hits": "PersistentCacheHit",
+                     "persistent_cache_misses": "PersistentCacheMiss",
+                     "persistent_cache_failures": "PersistentCacheDeserializeFailure"}
+
+
 def _compile_stats(xla):
     if not xla:
-        return {"compiles": 0, "cached_compiles": 0, "executions": 0, "device_to_host_transfers": 0}
+        return {**dict.fromkeys(_COMPILE_COUNTERS, 0), "device_to_host_transfers": 0}
     met = _import("torch_xla.debug.metrics")
     transfers = met.metric_data("TransferFromDeviceTime")
-    names = {"compiles": "UncachedCompile", "cached_compiles": "CachedCompile", "executions": "ExecuteReplicated"}
-    stats = {key: met.counter_value(name) or 0 for key, name in names.items()}
+    stats = {key: met.counter_value(name) or 0 for key, name in _COMPILE_COUNTERS.items()}
     return {**stats, "device_to_host_transfers": transfers[0] if transfers else 0}
 
 
@@ -3077,7 +3083,16 @@ _HOST_READS = frozenset({"aten::_local_scalar_dense"})
 
 def _name_cpu_fallbacks(met, named):
     """Warns once per op torch_xla 2.9 ran on the CPU for lack of a lowering: its aten:: counters (its only use of that
-    prefix) less the host reads and `named` (those warned about). The watchdog's, at each cut: ~1 us."""
+    prefix) less the host reads and `named` (those warned about); and once if the persistent compile cache could
+    not be read back. The watchdog's, at each cut: ~1 us."""
+    if met.counter_value("PersistentCacheDeserializeFailure") and _once("cache_unreadable"):
+        logger.warning(
+            "seamless_tpu: torch_xla %s could not read back the executables in its persistent compile cache (%s): "
+            "it deletes each and compiles again, so a restart costs the whole first-run compile. This is "
+            "pytorch/xla#9094 (TPU: 'Deserializing serialized executable not supported'), fixed by pytorch/xla#9759 "
+            "in a later torch_xla; until you have it, %s=off (or unsetting XLA_PERSISTENT_CACHE_PATH) stops the "
+            "writes that buy nothing.", _version("torch_xla"), os.environ.get("XLA_PERSISTENT_CACHE_PATH"),
+            COMPILE_CACHE_ENV)
     ops = sorted(n for n in met.counter_names() if n.startswith("aten::") and n not in named and n not in _HOST_READS)
     if ops:
         named.update(ops)

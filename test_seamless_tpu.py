@@ -229,6 +229,9 @@ def test_trainer_cpu_extras(cpu, tmp_path):
         "compiles": 0,
         "cached_compiles": 0,
         "executions": 0,
+        "persistent_cache_hits": 0,
+        "persistent_cache_misses": 0,
+        "persistent_cache_failures": 0,
         "device_to_host_transfers": 0,
     }
     optimizer = torch.optim.Adam(model.parameters())
@@ -490,9 +493,10 @@ class CompileCounter:
 
     def __init__(self):
         self.compiles, self.on_cpu = 0, []  # on_cpu: the ops torch_xla ran on the CPU (its "aten::" counters)
+        self.unreadable = 0  # executables the persistent cache failed to read back
 
     def counter_value(self, name):
-        return self.compiles if name == "UncachedCompile" else 0
+        return {"UncachedCompile": self.compiles, "PersistentCacheDeserializeFailure": self.unreadable}.get(name, 0)
 
     def counter_names(self):
         return ["UncachedCompile", "xla::add", *self.on_cpu]
@@ -541,6 +545,28 @@ def test_watchdog_names_each_op_torch_xla_ran_on_the_cpu_once(fresh, caplog):
                                 " (no XLA lowering in torch_xla "), warned[0]
     assert "copies its inputs to the host and its result back" in warned[0] and "PT_XLA_DEBUG_LEVEL=1" in warned[0]
     assert warned[1].startswith("seamless_tpu: torch_xla ran aten::median.dim_values on the CPU"), warned[1]
+
+
+def test_watchdog_warns_once_when_the_compile_cache_cannot_be_read_back(fresh, caplog, monkeypatch):
+    """torch_xla 2.9 on TPU writes its persistent cache and fails to read each executable back (pytorch/xla#9094):
+    the first cut that sees a failure warns once, with the issue, the fix and how to stop the writes; a later failure
+    adds nothing. The real twin: test_real_xla's test_xla_cpu_writes_a_compile_cache_it_cannot_read_back."""
+    monkeypatch.setenv("XLA_PERSISTENT_CACHE_PATH", "/cache/v5e-host")
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    watchdog, met = st._CompileWatchdog(), CompileCounter()
+    with caplog.at_level(logging.WARNING, logger="seamless_tpu"):
+        watched_steps(watchdog, met, optimizer, {0}, 2)
+        assert caplog.records == []
+        met.unreadable = 2
+        watched_steps(watchdog, met, optimizer, set(), 2)
+        met.unreadable = 5
+        watched_steps(watchdog, met, optimizer, set(), 2)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("seamless_tpu: torch_xla ") and "(/cache/v5e-host)" in warned[0]
+    for said in ("a restart costs the whole first-run compile", "pytorch/xla#9094", "pytorch/xla#9759",
+                 "SEAMLESS_TPU_COMPILE_CACHE=off"):
+        assert said in warned[0], (said, warned[0])
 
 
 def test_watchdog_does_not_name_a_read_to_the_host_as_an_op_run_on_the_cpu(fresh, caplog):
