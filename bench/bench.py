@@ -5,8 +5,8 @@
                                         # unless --out is given
     ./dev.sh bench --only NAME [NAME..] [--out F]   # those sections alone (SECTIONS below: xla_spmd,
                                         # logging, eager_cpu, compiles, overhead, imports, ray, fsdp, compile,
-                                        # accumulate, checkpoints, preemption, ddp, tp, work); writes nothing
-                                        # unless --out is given
+                                        # accumulate, checkpoints, preemption, ddp, tp, work, memory); writes
+                                        # nothing unless --out is given
 
 RESULTS.md holds one block per section (between <!-- bench:NAME --> and <!-- /bench:NAME -->), whose
 first line names the commit it ran at and the command that runs it alone. A write to --out replaces
@@ -52,6 +52,7 @@ from sec_compiles import compiles_over_epochs, render_compiles, run_compiles
 from sec_ddp import ddp_rank, render_ddp, run_ddp
 from sec_fsdp import checkpoint_cost, fsdp_section, run_fsdp
 from sec_imports import import_child, import_cost, render_imports
+from sec_memory import render_memory, run_memory
 from sec_overhead import render_overhead, run_overhead, shim_overhead
 from sec_preemption import preemption_rank, render_preemption, run_preemption
 from sec_ray import ray_fit_child, ray_fit_times, render_ray
@@ -181,6 +182,10 @@ SECTIONS = {  # the order of a full run and of RESULTS.md
     ),
     "work": Section(
         "Every device's share of the work (4 devices, 3 AdamW steps per model and strategy)", run_work, render_work
+    ),
+    "memory": Section(
+        "Each device's peak under fsdp against depth (4 XLA devices, XLA's buffer assignment)", run_memory,
+        render_memory,
     ),
 }
 
