@@ -68,13 +68,16 @@ def _state_left():
 
 def _torch_as_patched():
     """What the module changes in torch process-wide (global optimizer hooks, activation checkpointing, module
-    conversion, the first step's FLOP-counting modes): _reset_caches() must put each back as the test found it. (The
-    SIGTERM handler: tests/test_state.py's sigterm_restored, which runs after this check.)"""
+    conversion, the iteration of repeated blocks, the first step's FLOP-counting modes): _reset_caches() must put each
+    back as the test found it. (The SIGTERM handler: tests/test_state.py's sigterm_restored, which runs after this
+    check.)"""
     from torch.optim import optimizer
 
     return (len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks),
             torch.utils.checkpoint.CheckpointFunction, torch.utils.checkpoint._CheckpointFrame.__init__,
             torch.__future__.get_swap_module_params_on_conversion(), hasattr(torch, "xla"), torch.nn.Module.to,
+            *(vars(cls)[name] for cls in (torch.nn.ModuleList, torch.nn.Sequential) for name in ("__iter__",
+                                                                                                  "__getitem__")),
             torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack())  # the FLOP count's modes
 
 

@@ -3,8 +3,7 @@
     trainer = SeamlessTPUTrainer(model)          # TPU, then GPU, then CPU; the optimizer may predate it
     x, y = trainer.to_device(x, y)               # on XLA: the batch dim split over the mesh's batch axes
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA: the forward+backward a graph, the step another
-
-Backends "tpu" (PJRT_DEVICE=TPU), "xla" (another PJRT device), "gpu", "cpu"; torch_xla and ray load when used. README.md
+Backends "tpu" (PJRT_DEVICE=TPU), "xla" (other PJRT devices), "gpu", "cpu"; torch_xla, ray load when used. README.md
 is the manual; `python -m seamless_tpu` reports the environment. Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a
 device), _SIGTERM_GRACE, _COMPILE_CACHE; PJRT_DEVICE (the user's, not torch_xla's import guess); TPU_ACCELERATOR_TYPE;
 RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER_ADDR, SEAMLESS_TPU_PORT. Written where
@@ -15,10 +14,11 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
   resampling) at the AutogradXLA key and F.multi_head_attention_forward, F.embedding_bag; without jax torch_xla's scan
   backward and GRU; nn.Module.to: a move to XLA keeps the Parameters (swap_module_params_on_conversion in it only).
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
-  torch modes counting its first step's FLOPs; log(): a thread, step closures.
+  torch modes counting its first step's FLOPs; log(): a thread, step closures. An XLA trainer with repeated blocks:
+  ModuleList's and Sequential's __iter__, __getitem__ (only a checked loop gets _BlockCalls); torch_xla scan's While.
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
-  kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread). Several
-  processes: a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
+  kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread). Processes:
+  a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
 - first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits), an atexit report of an unasked
   failure, a gloo group under torch.distributed; on CUDA a side stream and one pinned host copy, kept for the next.
 - Ray: xla_tpu workers get a gloo default group (ended at shutdown); fit(use_tpu=True) may ray.init() the driver.
@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 import argparse
+import ast
 import atexit
 import collections
 import contextlib
@@ -56,6 +57,7 @@ import socket
 import string
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import types
@@ -150,6 +152,7 @@ class _ProcessState:
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
     cuts: object = dataclasses.field(default_factory=lambda: _GraphCuts())  # 8. graph cuts and the watchdog
     work_check: object = dataclasses.field(default_factory=lambda: _WorkCheck())  # 14b. the first forward's work
+    loops: object = dataclasses.field(default_factory=lambda: _Loops())  # 9c. repeated blocks as one loop
     meta_init: object = dataclasses.field(default_factory=lambda: _MetaInit())  # 10. models built on meta
     preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # 12. SIGTERM -> trainer.preempted
     meter: object = dataclasses.field(default_factory=lambda: _Meter())  # 14. what the steps cost
@@ -179,6 +182,7 @@ def _owned(module, hook):
     @functools.wraps(hook)  # keeps its name for whoever lists a module's hooks
     def owned(mod, *args):
         return hook(mod, *args) if mod is owner() else None
+    owned.seamless_tpu = True  # ours: no reason to run a stack of blocks one by one (9c)
     return owned
 
 
@@ -1768,6 +1772,7 @@ class _Layout:
     wrap: str = None  # off XLA: "ddp", "fsdp2" or "tp" across ranks; None in one process
     meta_built: bool = False  # the model holds tensors on the meta device: made real as they are placed
     batch_dim: int = 0  # where batches hold their samples (on XLA also `batch.dim`, the one split)
+    scan: bool = True  # XLA: stacks of repeated blocks run as one loop (9c)
 
     def __repr__(self):  # the mesh and the batch sharding by their axes, the planned weights by their count
         brief = {"mesh": self.mesh and _axis_sizes(self.mesh), "batch": self.batch and self.batch.axes,
@@ -1953,15 +1958,21 @@ def _shard_activations(model, batch, matmul_outputs=False):
               and len(parent) > 1 and len({type(c) for c in parent}) == 1 for child in parent}
 
     def mark(t, dim):  # not data on the devices (a carried RNN state): marking that reshards it through the host
-        if (isinstance(t, torch.Tensor) and _is_xla(t.device) and t.dim() > dim and not t.shape[dim] % batch.ways
-                and not _is_device_data(t)):
+        if not (isinstance(t, torch.Tensor) and _is_xla(t.device) and t.dim() > dim and not t.shape[dim] % batch.ways):
+            return t
+        if _STATE.loops.tracing:  # a loop body's trace (9c): an op of the body, which marks it where it is lowered
+            spmd = _import("torch_xla.distributed.spmd.xla_sharding")
+            return spmd.MarkShardingFunction.apply(t, batch.mesh, batch.spec_for(t.dim(), dim))
+        if not _transformed(t) and not _is_device_data(t):  # torch.func's wrappers carry no sharding
             _mark_sharding(t, batch.mesh, batch.spec_for(t.dim(), dim))
+        return t
 
     def block_output(module, args, output):
         first = output[0] if isinstance(output, (tuple, list)) and output else output
         residual = args and isinstance(args[0], torch.Tensor) and isinstance(first, torch.Tensor)
         if residual and first.shape == args[0].shape:
-            mark(first, batch.batch_dim(first.dim()))
+            marked = mark(first, batch.batch_dim(first.dim()))
+            return marked if first is output else type(output)([marked, *output[1:]])
 
     def rnn_inputs(module, args):
         cell = isinstance(module, torch.nn.RNNCellBase)
@@ -1969,19 +1980,18 @@ def _shard_activations(model, batch, matmul_outputs=False):
         if not (isinstance(x, torch.Tensor) and _is_xla(x.device) and x.dim() == 3 - cell):
             return None  # unbatched, or a packed sequence
         dim = 0 if cell or module.batch_first else 1
-        mark(x, dim)
+        x = mark(x, dim)
         if state is None:  # torch would start from zeros made whole: the first step's state matmuls all-gathered
             lstm, layers = isinstance(module, (torch.nn.LSTM, torch.nn.LSTMCell)), () if cell else (
                 module.num_layers * (1 + module.bidirectional),)
             h = x.new_zeros(*layers, x.shape[dim], getattr(module, "proj_size", 0) or module.hidden_size)
             state = (h, x.new_zeros(*layers, x.shape[dim], module.hidden_size)) if lstm else h
-        for s in (state if isinstance(state, tuple) else (state,)):
-            mark(s, 0 if cell else 1)  # (layers * directions, B, hidden), or a cell's (B, hidden)
-        return (x, state, *args[2:])
+        marked = tuple(mark(s, 0 if cell else 1) for s in (state if isinstance(state, tuple) else (state,)))
+        return (x, marked if isinstance(state, tuple) else marked[0], *args[2:])  # (layers x dirs, B, h), or (B, h)
 
     def matmul_output(module, args, output):
         if isinstance(output, torch.Tensor):
-            mark(output, batch.batch_dim(output.dim()))
+            return mark(output, batch.batch_dim(output.dim()))
 
     for module in model.modules():
         if isinstance(module, (torch.nn.RNNBase, torch.nn.RNNCellBase)):
@@ -2029,7 +2039,7 @@ def _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed):
     return {}, plan, sizes
 
 
-def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim=None):
+def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim=None, scan=True):
     """The _Layout of a trainer, every argument and plan error raised before anything moves or the process mesh
     changes (_place installs it). On XLA the mesh is the one passed, one built, or the process mesh, and is kept for
     the trainer's life, whatever later replaces the process mesh."""
@@ -2055,8 +2065,10 @@ def _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_
     planned, styles, rank_axes = _tp_layout(model, tp_plan, mesh, xla_spmd_config, strategy, distributed)
     wrap = ("tp" if styles else "fsdp2" if strategy == "fsdp" else "ddp") if distributed else None
     data_ranks = (world // rank_axes[MODEL_AXIS], rank // rank_axes[MODEL_AXIS]) if rank_axes else None
+    if not isinstance(scan, bool):
+        raise TypeError(f"scan must be True (repeated blocks run as one loop on XLA) or False, got {_shown(scan)}")
     return _Layout(kind, device, strategy, mesh, batch, planned, styles, rank_axes, data_ranks, wrap,
-                   _has_meta_tensors(model), dim)
+                   _has_meta_tensors(model), dim, scan)
 
 # --- 9b. torch.distributed placement, optimizer rebinding, and the placement pipeline -------------
 
@@ -2239,6 +2251,8 @@ def _place(model, layout):
             if not _import("torch_xla")._XLAC._get_xla_sharding_spec(t):
                 _mark_sharding(t, layout.mesh, (None,) * t.dim())
         if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
+            if layout.scan:
+                _find_loops(model, layout.planned)
             _watch_inputs(model, layout.batch)
             _shard_activations(model, layout.batch, fsdp and not layout.planned)
             _check_work(model, layout)
@@ -2252,6 +2266,391 @@ def _place(model, layout):
     if layout.wrap == "ddp":
         return _replicate(model, layout.device)
     return model
+
+# --- 9c. repeated blocks as one loop --------------------------------------------------------------
+# A stack of identical blocks (a ModuleList or Sequential of one class, the same parameters, attributes apart from an
+# index) that its owner's forward runs as `x = block(x, ...)`, and nothing else, runs as one XLA While loop over the
+# blocks' stacked weights (torch_xla's scan): one block traced, compiled and, under fsdp, gathered at a time. The
+# owner's loop gets a _BlockCall per block: each records its arguments and hands its input on unchanged (the source
+# check says nothing reads it), and the last runs the loop, or the blocks one by one where a loop would differ.
+
+
+class _NotALoop(Exception):
+    """Raised inside a loop body's trace: these blocks, called so, stay unrolled (the message says why)."""
+
+
+@dataclasses.dataclass
+class _Loops:
+    """The stacks a trainer runs as loops (9c): container -> _Stack; the patches, installed once per process."""
+
+    stacks: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
+    patched: bool = False
+    ours: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # scan's forward and backward of ours
+    tracing: bool = False  # a loop body is being traced: activation marks become ops of the body (9a)
+    built: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # fn -> While
+
+
+class _Stack:
+    """Blocks run as one loop where `code` (their owner's forward) iterates them; what it learnt per way of calling."""
+
+    def __init__(self, blocks, code, where):
+        self.blocks, self.code, self.where = blocks, code, where
+        self.bodies = {}  # the calls' static signature -> the loop's body, or why those calls stay unrolled
+        self.slices = {}  # (start, stop) -> the _Stack of a slice the owner iterates (self.layers[:n])
+        self.calls = []  # (input, args, kwargs) of this pass's blocks so far
+
+    def block_calls(self):
+        self.calls = []
+        return [_BlockCall(self, k) for k in range(len(self.blocks))]
+
+    def call(self, k, x, args, kwargs):
+        if k != len(self.calls) or (k and x is not self.calls[0][0]):
+            raise RuntimeError(f"seamless_tpu bug: the loop over {self.where} called block {k} out of order")
+        self.calls.append((x, args, kwargs))
+        if k < len(self.blocks) - 1:
+            return x  # the next block's input: the source check proved nothing else reads it
+        calls, self.calls = self.calls, []
+        reason = _unrolled_because(self, calls)
+        if reason is None:
+            try:
+                return _run_loop(self, calls)
+            except _NotALoop as e:
+                reason = str(e)
+        if reason and _once(("unrolled", self.where, reason)):
+            _log("seamless_tpu: the %d blocks of %s run one by one, not as one loop: %s", len(self.blocks),
+                 self.where, reason)
+        for block, (_, args, kwargs) in zip(self.blocks, calls):
+            x = block(x, *args, **kwargs)
+        return x
+
+
+class _BlockCall:
+    """What the owner's loop gets for block `k`: the block's attributes, and a call that goes to the stack."""
+
+    __slots__ = ("_stack", "_k")
+
+    def __init__(self, stack, k):
+        self._stack, self._k = stack, k
+
+    def __getattr__(self, name):
+        return getattr(self._stack.blocks[self._k], name)
+
+    def __call__(self, x, *args, **kwargs):
+        return self._stack.call(self._k, x, args, kwargs)
+
+
+def _find_loops(model, planned):
+    """Register every stack of `model` that can run as a loop; log once why an identical-looking one cannot."""
+    named = dict(model.named_modules())
+    for path, container in named.items():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or len(container) < 2:
+            continue
+        blocks, where = list(container), path or type(model).__name__
+        if len({type(b) for b in blocks}) > 1 or next(blocks[0].parameters(), None) is None:
+            continue  # not a stack of blocks (a Sequential of layers, a list of parameterless modules)
+        reason = _blocks_differ(blocks) or next((
+            "its weights are split by the tensor-parallel plan, and inside a loop torch's matmul folds (batch, heads) "
+            "into one dimension, of which GSPMD keeps one split of two" for b in blocks for p in b.parameters()
+            if p in planned), None)
+        owner_path, _, attr = path.rpartition(".")
+        owner = named.get(owner_path) if path else None
+        code, loop_reason = _loop_code(owner, attr) if owner is not None else (None, "it has no owner module")
+        if code is None and isinstance(container, torch.nn.Sequential):
+            code, loop_reason = _loop_code(container, None)  # its own forward: called, not iterated, by its owner
+        reason = reason or (None if code is not None else loop_reason)
+        if reason:
+            if _once(("unrolled", where, reason)):
+                _log("seamless_tpu: the %d blocks of %s run one by one, not as one loop: %s", len(blocks), where,
+                     reason)
+            continue
+        _STATE.loops.stacks[container] = _Stack(blocks, code, where)
+    if _STATE.loops.stacks and not _STATE.loops.patched:
+        for cls in (torch.nn.ModuleList, torch.nn.Sequential):
+            _patch(cls, "__iter__", _iterate_blocks(cls.__dict__["__iter__"]))
+            _patch(cls, "__getitem__", _slice_blocks(cls.__dict__["__getitem__"]))
+        scan = _import("torch_xla.experimental.scan")
+        _patch(scan, "_scan_impl_pytree", _reuse_while(scan._scan_impl_pytree))
+        _STATE.loops.patched = True
+        _STATE.torch_patches.append(lambda: setattr(_STATE.loops, "patched", False))
+
+
+def _blocks_differ(blocks):
+    """Why `blocks` are not one block repeated (None if they are): class, parameters, buffers, hooks or attributes."""
+    first = _block_signature(blocks[0])
+    for k, block in enumerate(blocks[1:], 1):
+        other = _block_signature(block)
+        if other != first:
+            what = next(name for name, a, b in zip(("structure", "parameters", "attributes"), first, other) if a != b)
+            return f"block {k} differs from block 0 in its {what}"
+    if any(next(b.buffers(), None) is not None for b in blocks):
+        return "the blocks hold buffers, which a forward may update (running statistics)"
+    return None
+
+
+def _block_signature(block):
+    """(modules' names and classes, parameters' names, shapes, dtypes and requires_grad, public attributes), where an
+    index may differ: integers (layer_idx), and a module path's numbers (peft's target_name 'layers.3.q_proj')."""
+    def plain(v):
+        if isinstance(v, str):
+            return _name_pattern(v)
+        if isinstance(v, Mapping):
+            return {k: plain(w) for k, w in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(w) for w in v]
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), v.dtype)
+        return "int" if isinstance(v, int) and not isinstance(v, bool) else v
+    modules = tuple((name, type(m)) for name, m in block.named_modules())
+    params = tuple((name, p.shape, p.dtype, p.requires_grad) for name, p in block.named_parameters())
+    attrs = [(name, k, plain(v)) for name, m in block.named_modules() for k, v in sorted(vars(m).items())
+             if not k.startswith("_")]
+    return modules, params, repr(attrs)
+
+
+def _loop_code(owner, attr):
+    """(the code of owner's forward, None) if its one loop over self.<attr> (self, for attr None) is `x = block(x,
+    ...)` and reads the block only for attributes; else (None, why)."""
+    forward = inspect.unwrap(type(owner).forward)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):  # no source (a compiled or generated forward)
+        return None, f"the source of {type(owner).__name__}.forward is not available to check its loop"
+
+    def over(node):  # self.<attr>, self.<attr>[...], enumerate(either)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "enumerate":
+            node = node.args[0] if len(node.args) == 1 else None
+        node = node.value if isinstance(node, ast.Subscript) else node
+        if attr is None:
+            return isinstance(node, ast.Name) and node.id == "self"
+        return isinstance(node, ast.Attribute) and node.attr == attr and getattr(node.value, "id", None) == "self"
+
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and over(n.iter)]
+    name = type(owner).__name__ + ".forward"
+    if len(loops) != 1:
+        return None, f"{name} iterates it {len(loops)} times, not once" if loops else f"{name} does not iterate it"
+    loop = loops[0]
+    target = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
+    body = loop.body[0] if len(loop.body) == 1 else None
+    call = getattr(body, "value", None)
+    ok = (isinstance(body, ast.Assign) and len(body.targets) == 1 and isinstance(body.targets[0], ast.Name)
+          and isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == target.id
+          and call.args and isinstance(call.args[0], ast.Name) and call.args[0].id == body.targets[0].id
+          and not loop.orelse)
+    if ok:  # the carried value and the block appear nowhere else (the block's attributes may)
+        rest = [*call.args[1:], *call.keywords]
+        names = [n for r in rest for n in ast.walk(r) if isinstance(n, ast.Name)]
+        attrs = {id(n.value) for r in rest for n in ast.walk(r) if isinstance(n, ast.Attribute)}
+        ok = not any(n.id == body.targets[0].id or (n.id == target.id and id(n) not in attrs) for n in names)
+    if not ok:
+        return None, f"the loop in {name} (line {loop.lineno}) does more than `x = block(x, ...)`"
+    return forward.__code__, None
+
+
+def _iterate_blocks(iterate):
+    """ModuleList's or Sequential's __iter__: a registered stack, iterated by the forward whose loop was checked,
+    gives _BlockCalls; anything else, the modules."""
+    @functools.wraps(iterate)
+    def __iter__(self):
+        stack = _STATE.loops.stacks.get(self)
+        if stack is None or sys._getframe(1).f_code is not stack.code:
+            return iterate(self)
+        return iter(stack.block_calls())
+    return __iter__
+
+
+def _slice_blocks(getitem):
+    """ModuleList's or Sequential's __getitem__: a slice of a registered stack, taken by that forward, is one too."""
+    @functools.wraps(getitem)
+    def __getitem__(self, idx):
+        part, stack = getitem(self, idx), _STATE.loops.stacks.get(self)
+        if stack is not None and isinstance(idx, slice) and sys._getframe(1).f_code is stack.code:
+            key = idx.indices(len(stack.blocks))
+            blocks = stack.blocks[slice(*key)]
+            if len(blocks) > 1:
+                stack.slices.setdefault(key, _Stack(blocks, stack.code, f"{stack.where}[{key[0]}:{key[1]}]"))
+                _STATE.loops.stacks[part] = stack.slices[key]
+        return part
+    return __getitem__
+
+
+def _unrolled_because(stack, calls):
+    """Why these calls of `stack`'s blocks must run one by one (None: as one loop)."""
+    (x, args, kwargs), blocks = calls[0], stack.blocks
+    if not isinstance(x, torch.Tensor) or not _is_xla(x.device):
+        return f"its input is a {type(x).__name__}" + (f" on {x.device}" if isinstance(x, torch.Tensor) else "")
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    if _transformed(x, *(t for t in leaves if isinstance(t, torch.Tensor))):
+        return ""  # torch.func or forward-mode AD: the blocks one by one give their numbers
+    for x_k, args_k, kwargs_k in calls[1:]:
+        others = torch.utils._pytree.tree_leaves((args_k, kwargs_k))
+        if len(others) != len(leaves) or any(a is not b and (isinstance(a, torch.Tensor) or a != b)
+                                             for a, b in zip(leaves, others)):
+            return "the blocks are called with different arguments"
+    if any(not isinstance(v, (torch.Tensor, bool, int, float, str, type(None), torch.dtype)) for v in leaves):
+        kind = next(type(v).__name__ for v in leaves if not isinstance(v, (torch.Tensor, bool, int, float, str,
+                                                                            type(None), torch.dtype)))
+        return f"they are called with a {kind} (a cache, or another object a block may change)"
+    for block in blocks:
+        for name, m in block.named_modules():
+            hooks = [h for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+                     for h in d.values() if not getattr(h, "seamless_tpu", False)]
+            if hooks:
+                return f"a hook is registered on {stack.where}.{blocks.index(block)}{'.' + name if name else ''}"
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return "a global module hook is registered"
+    return None
+
+
+def _run_loop(stack, calls):
+    """The blocks as one XLA While loop (torch_xla's scan) over their stacked parameters; the body traced once per
+    way of calling them. The tensors among the arguments ride in the carry, unchanged."""
+    x, args, kwargs = calls[0]
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    # Floating tensors ride in the carry; scan's carry must be differentiable, so others (position ids, bool masks)
+    # are scanned over as N copies (an expand: N x their bytes)
+    carried = [i for i in tensors if leaves[i].is_floating_point() or leaves[i].is_complex()]
+    scanned = [i for i in tensors if i not in carried]
+    checkpointed = any(getattr(b, "gradient_checkpointing", False) and b.training for b in stack.blocks)
+    key = (spec, tuple(None if i in tensors else v for i, v in enumerate(leaves)), x.shape, x.dtype,
+           tuple((leaves[i].shape, leaves[i].dtype, leaves[i].requires_grad) for i in tensors),
+           torch.is_grad_enabled(), tuple(m.training for m in stack.blocks[0].modules()), checkpointed,
+           torch.is_autocast_enabled("xla"))
+    body = stack.bodies.get(key)
+    if isinstance(body, str):
+        raise _NotALoop(body)
+    scan = _import("torch_xla.experimental.scan")
+    functorch = importlib.import_module("functorch.compile")
+    if body is None:
+        body = stack.bodies[key] = _loop_body(stack.blocks[0], leaves, spec, carried, scanned, checkpointed)
+    names = [name for name, _ in stack.blocks[0].named_parameters()]
+    per_block = [dict(b.named_parameters()) for b in stack.blocks]
+    stacked = {name: _Stacked.apply(*(p[name] for p in per_block)) for name in names}
+    partition = functorch.min_cut_rematerialization_partition if checkpointed else functorch.default_partition
+    try:
+        n = len(stack.blocks)
+        xs = (stacked, tuple(leaves[i].expand(n, *leaves[i].shape) for i in scanned))
+        (out, *_), _ = scan.scan(body, (x, *(leaves[i] for i in carried)), xs, partition_fn=partition,
+                                 is_fn_pure=True)
+    except _NotALoop as e:
+        stack.bodies[key] = str(e)
+        raise
+    for forward, _, backward in scan._SCAN_COMPUTATION_CACHE.get(body, {}).values():
+        _STATE.loops.ours.update((forward, backward))  # from now on their While is built once (_reuse_while)
+    return _LoopOutput.apply(out) if out.requires_grad else out
+
+
+def _reuse_while(impl):
+    """torch_xla's _scan_impl_pytree, which builds the While computation anew on each call: for a LoRA decoder layer
+    ~20 ms of Python on each of the forward and backward of every step, more than tracing 4 layers unrolled. For
+    our loops' bodies (pure, no random ops) it is built once per body and shapes, then only called."""
+    @functools.wraps(impl)
+    def scan_impl(fn, init, xs, reverse=False):
+        inner = fn.keywords.get("backward") if isinstance(fn, functools.partial) else fn
+        if inner not in _STATE.loops.ours:
+            return impl(fn, init, xs, reverse)
+        scan, xlac = sys.modules[impl.__module__], _import("torch_xla")._XLAC
+        (flat_init, unflatten_carry), (flat_xs, _) = scan.tree_flatten_none(init), scan.tree_flatten_none(xs)
+        tree = torch.utils._pytree.tree_structure
+        key = (reverse, tree(init), tree(xs), tuple((t.shape, t.dtype, t.requires_grad) for t in flat_init + flat_xs))
+        built = _STATE.loops.built.setdefault(inner, {}).get(key)
+        c, x = len(flat_init), len(flat_xs)
+        if built is None:
+            user, recorded = xlac._xla_user_computation, []
+            xlac._xla_user_computation = lambda *args: recorded.append(args) or user(*args)
+            try:
+                carry, ys = impl(fn, init, xs, reverse)
+            finally:
+                xlac._xla_user_computation = user
+            (_, tensors, computation), = recorded
+            flat_ys, unflatten_y = scan.tree_flatten_none(ys)
+            y = len(flat_ys)
+            shapes = [(t.shape, t.dtype) for t in tensors[1 + c + x:1 + c + x + y]]
+            _STATE.loops.built[inner][key] = computation, shapes, tensors[1 + c + x + y:], unflatten_y
+            return carry, ys
+        computation, shapes, hoisted, unflatten_y = built
+        device = flat_init[0].device
+        ys = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+        out = xlac._xla_user_computation("xla::scan", [torch.tensor(0, device=device), *flat_init, *flat_xs, *ys,
+                                                       *hoisted], computation)
+        return unflatten_carry(list(out[1:1 + c])), unflatten_y(list(out[1 + c + x:1 + c + x + len(shapes)]))
+    return scan_impl
+
+
+def _loop_body(template, leaves, spec, carried, scanned, checkpointed):
+    """scan's fn: one block (`template`, block 0, with each block's parameters swapped in) on the carry."""
+    leaves = list(leaves)
+
+    def body(carry, xs):
+        (x, *values), (params, others) = carry, xs
+        for i, v in zip(carried + scanned, values + list(others)):
+            leaves[i] = v
+        args, kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+        _STATE.loops.tracing = True
+        try:
+            with _RandomOps(), _checkpointing_off(template, checkpointed):
+                out = torch.func.functional_call(template, params, (x, *args), kwargs, strict=False)
+        finally:
+            _STATE.loops.tracing = False
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+            raise _NotALoop("a block returns " + (f"shape {tuple(out.shape)} {out.dtype} for {tuple(x.shape)} "
+                                                   f"{x.dtype}" if isinstance(out, torch.Tensor) else
+                                                   f"a {type(out).__name__}, not a tensor like its input"))
+        return (out, *values), None
+    return body
+
+
+@contextlib.contextmanager
+def _checkpointing_off(block, checkpointed):
+    """Inside the loop the body's rematerialization is the partitioner's (min-cut): transformers' checkpointing of
+    each layer call stays off while the body is traced."""
+    modules = [m for m in block.modules() if getattr(m, "gradient_checkpointing", False)] if checkpointed else []
+    for m in modules:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.gradient_checkpointing = True
+
+
+class _RandomOps(TorchDispatchMode):
+    """A random op in a loop body would draw one mask for every block: such blocks stay unrolled."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise _NotALoop(f"a block draws random numbers ({func.__name__}: dropout in training?), which a loop "
+                            "would draw once for all blocks")
+        return func(*args, **(kwargs or {}))
+
+
+class _Stacked(torch.autograd.Function):
+    """torch.stack of the blocks' parameters, whose gradients are copies, not views of the stacked one: a view keeps
+    its base alive, and the graph computed both (the stacked gradients beside each block's: +0.25x the model)."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        return torch.stack(params)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(g.clone() for g in grad.unbind())
+
+
+class _LoopOutput(torch.autograd.Function):
+    """The loop's output: scan's backward is not differentiable again, so a second derivative raises here."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()  # not a view: a Function's view output refuses the in-place ops a model may do after
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError("seamless_tpu: a second derivative through repeated blocks run as one loop (torch_xla's "
+                               "scan, whose backward is not differentiable): build the trainer with scan=False to run "
+                               "them one by one")
+        return grad
 
 # --- 10. models built on meta ---------------------------------------------------------------------
 
@@ -2778,13 +3177,15 @@ class SeamlessTPUTrainer:
     - A "model" mesh axis: the tensor-parallel plan splits weights over it (GSPMD on XLA; off XLA torch TP, then FSDP2).
     - batch_dim: where batches hold their samples (default: 1 when the model's RNNs and attention are batch_first=False,
       else 0). On XLA that dimension is split, and stays split through linear, layer_norm and attention.
+    - scan: on XLA a stack of identical blocks (transformer layers) runs as one loop: one block compiled and, under
+      fsdp, gathered at a time; False runs them one by one.
     An optimizer passed here gets its existing state laid out like its parameters."""
 
     def __init__(self, model, optimizer=None, *, device=None, mesh=None, xla_spmd_config=None, precision=None,
                  drop_last=None, strategy="ddp", tp_plan=None, batch_dim=None, log_every=None, log_to=None,
-                 progress=None):
+                 progress=None, scan=True):
         _check_trainer_args(model, mesh, xla_spmd_config, precision, strategy)
-        self.layout = _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim)
+        self.layout = _plan_layout(model, device, mesh, xla_spmd_config, strategy, tp_plan, batch_dim, scan)
         self.device, self.kind, self.mesh = self.layout.device, self.layout.kind, self.layout.mesh
         self.precision, self.drop_last, self.strategy = precision, drop_last, strategy
         self.model = _place(model, self.layout)

@@ -7,7 +7,9 @@ WORKLOAD: gpt  an SDPA GPT (d=64, batch 8 x 32) of DEPTH blocks, AdamW (the defa
                teacher of the same shape, F.kl_div on log targets at T=2 (8 x 64 tokens), AdamW on the adapters;
                both built from configs with random weights (transformers, peft), no downloads
 MODE: hand       the hand-written torch_xla SPMD loop: the model moved, its batch marked, torch_xla.sync() a step
-      shim       the same loop through SeamlessTPUTrainer
+      shim       the same loop through SeamlessTPUTrainer (repeated blocks as one loop; kd: the teacher by a trainer
+                 of its own, so its layers loop too)
+      shim_unrolled  shim with scan=False: every block traced and compiled (kd: the teacher moved by .to)
       seed       kd only: the seeds' own loop, hand-written with a sync after the teacher's forward, the backward and
                  the optimizer's step (their xla_mark_step(), torch_xla.sync() today)
       hand_cut   hand, with a sync between the backward and the optimizer's step (the seed's second cut alone)
@@ -97,9 +99,11 @@ def main(mode, depth, steps=10, workload="gpt"):
     if mode.startswith("shim"):
         import seamless_tpu as st
 
-        trainer = st.SeamlessTPUTrainer(model)
-        if teacher is not None:
+        trainer = st.SeamlessTPUTrainer(model, scan=mode != "shim_unrolled")
+        if teacher is not None and mode == "shim_unrolled":
             teacher.to(trainer.device)
+        elif teacher is not None:  # the documented way: a trainer of its own runs its layers as one loop too
+            st.SeamlessTPUTrainer(teacher)
         x, y = trainer.to_device(*batch)
         end_step = lambda: None  # noqa: E731  the trainer cuts the graph at the step
     else:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
-DUMP = tempfile.mkdtemp(prefix="seamless_tpu_memory_")
+DUMP = os.environ.get("MEMORY_DUMP") or tempfile.mkdtemp(prefix="seamless_tpu_memory_")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP} --xla_dump_hlo_as_text".strip()
 
 

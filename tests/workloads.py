@@ -37,11 +37,11 @@ XLA_VARS = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "SEAMLESS_TPU_DEVICE", "XLA_FLAGS"
 # --- plumbing ------------------------------------------------------------------------------------
 
 
-def eager_reference(name):
-    """Run `name --eager` in a fresh CPU-only process and return its report. Call it before this
+def eager_reference(name, script=__file__):
+    """Run `script name --eager` in a fresh CPU-only process and return its report. Call it before this
     process touches XLA (it only waits on the child, so one XLA process runs at a time)."""
     start = time.time()
-    out = child.run([os.path.abspath(__file__), name, "--eager"], timeout=300,
+    out = child.run([os.path.abspath(script), name, "--eager"], timeout=300,
                     env=child.env(drop=XLA_VARS, SEAMLESS_TPU_DEVICE="cpu", PYTHONUNBUFFERED="1"))
     print(f"eager reference {name}: {time.time() - start:.1f}s")
     return child.result(out.stdout)

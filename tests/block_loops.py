@@ -1,0 +1,362 @@
+"""Repeated blocks as one loop (issue 48) on real torch_xla SPMD (4 virtual CPU devices), each scenario against eager
+PyTorch run in a separate process.
+
+    python tests/block_loops.py NAME            # XLA run; spawns `NAME --eager` first for the reference
+    python tests/block_loops.py NAME --eager    # the eager reference alone (child.report)
+
+tests/test_block_loops.py runs every name in SCENARIOS. Models are built from configs with random weights.
+"""
+
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [p for p in (ROOT, HERE, os.path.join(ROOT, "bench")) if p not in sys.path]
+
+import child  # noqa: E402
+import workloads  # noqa: E402  (the eager reference's plumbing)
+import seamless_tpu as st  # noqa: E402
+
+STEPS, VOCAB, SEQ, BATCH = 3, 128, 16, 8
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width, dropout=0.0, bias=True):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 2 * width, bias=bias), torch.nn.Linear(2 * width, width)
+        self.drop = torch.nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Stack(torch.nn.Module):
+    """A user's own ModuleList model."""
+
+    def __init__(self, depth=3, width=32, dropout=0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(VOCAB, width), torch.nn.Linear(width, VOCAB)
+        self.layers = torch.nn.ModuleList(Block(width, dropout) for _ in range(depth))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class Extra(Stack):
+    """Work between the blocks, which keeps them unrolled."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+            x = x * 0.5
+        return self.head(x)
+
+
+def hf(arch, seed=0, **extra):
+    import transformers
+
+    workloads.quiet()
+    small = dict(vocab_size=VOCAB, num_hidden_layers=3, max_position_embeddings=SEQ * 2)
+    config = {
+        "qwen3": lambda: transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=8, use_cache=False,
+                                                  attn_implementation="sdpa", **small),
+        "llama": lambda: transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                                  num_key_value_heads=2, use_cache=False, attn_implementation="sdpa",
+                                                  **small),
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=SEQ * 2,
+                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
+        "bert": lambda: transformers.BertConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small),
+    }[arch]()
+    for k, v in extra.items():
+        setattr(config, k, v)
+    torch.manual_seed(seed)
+    return (transformers.BertForMaskedLM if arch == "bert" else transformers.AutoModelForCausalLM.from_config)(config)
+
+
+def lora(model):
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+def encoder():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 32),
+                               torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False),
+                               torch.nn.Linear(32, VOCAB))
+
+
+def checkpointed_llama():
+    model = hf("llama")
+    model.gradient_checkpointing_enable()
+    return model
+
+
+# family -> (model builder, how many stacks loop, how its loss is computed)
+FAMILIES = {
+    "qwen3": (lambda: hf("qwen3"), 1, "lm"), "llama": (lambda: hf("llama"), 1, "lm"),
+    "gpt2": (lambda: hf("gpt2"), 1, "lm"), "bert": (lambda: hf("bert"), 1, "lm"),
+    "qwen3_lora": (lambda: lora(hf("qwen3")), 1, "lm"), "llama_checkpointed": (checkpointed_llama, 1, "lm"),
+    "transformer_encoder": (encoder, 1, "tokens"), "sequential": (lambda: torch.manual_seed(0) and torch.nn.Sequential(
+        torch.nn.Embedding(VOCAB, 32), torch.nn.Sequential(*(Block(32) for _ in range(4))),
+        torch.nn.Linear(32, VOCAB)), 1, "tokens"),
+    "module_list": (Stack, 1, "tokens"),
+}
+
+
+def batch():
+    return torch.randint(VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(model, how, ids):
+    if how == "lm":
+        return model(input_ids=ids, labels=ids).loss
+    return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+
+def train(model, how, trainer=None, steps=STEPS, teacher=None):
+    ids = batch()
+    ids = trainer.to_device(ids) if trainer else ids
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, compiles = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        if teacher is not None:  # the seeds' distillation: a frozen teacher's no-grad forward, KL at T=2
+            with torch.no_grad():
+                soft = F.log_softmax(teacher(input_ids=ids).logits / 2, -1)
+            logp = F.log_softmax(model(input_ids=ids).logits / 2, -1)
+            loss = F.kl_div(logp.flatten(0, 1), soft.flatten(0, 1), reduction="batchmean", log_target=True) * 4
+        else:
+            loss = loss_of(model, how, ids)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        compiles.append(trainer.compile_stats()["compiles"] if trainer else 0)
+    return workloads.host(losses), compiles
+
+
+class Spy:
+    """Counts the loops that ran, and collects seamless_tpu's log lines."""
+
+    def __init__(self):
+        self.loops, self.lines = 0, []
+        run = st._run_loop
+
+        def counted(*args):  # a loop that ran: not an attempt that stays unrolled (_NotALoop)
+            out = run(*args)
+            self.loops += 1
+            return out
+        st._run_loop = counted
+        handler = logging.Handler()
+        handler.emit = lambda record: self.lines.append(record.getMessage())
+        logging.getLogger("seamless_tpu").addHandler(handler)
+        logging.getLogger("seamless_tpu").setLevel(logging.INFO)
+
+
+def families_eager():
+    out = {name: train(build(), how)[0] for name, (build, _, how) in FAMILIES.items()}
+    student, teacher = lora(hf("qwen3")), hf("qwen3", seed=1).requires_grad_(False)
+    out["distillation"] = train(student, "lm", teacher=teacher)[0]
+    return out
+
+
+def families():
+    """Every family of issue 48's ask 1 trains as one loop under fsdp with eager's losses: the loop runs at each
+    forward, its body is traced once, compiles stop after step 2, and the model keeps its keys and Parameters."""
+    want = workloads.eager_reference("families", __file__)
+    spy = Spy()
+    for name, (build, stacks, how) in FAMILIES.items():
+        model = build()
+        keys, params = list(model.state_dict()), list(model.parameters())
+        before = spy.loops
+        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+        losses, compiles = train(model, how, trainer)
+        workloads.assert_close(losses, want[name], 1e-5, f"{name} looped vs eager")
+        assert spy.loops - before == STEPS * stacks, (name, spy.loops - before)
+        mine = [s for s in st._STATE.loops.stacks.values() if any(s.blocks[0] is m for m in model.modules())]
+        bodies = {id(x): len(x.bodies) for s in mine for x in (s, *s.slices.values()) if x.bodies}  # slices: [:n]
+        assert list(bodies.values()) == [1] * stacks, (name, "the loop's body traced once", bodies)
+        workloads.assert_flat(compiles, 2, name)
+        assert list(model.state_dict()) == keys and all(a is b for a, b in zip(model.parameters(), params)), name
+        print(f"{name}: {losses}")
+    student, teacher = lora(hf("qwen3")), hf("qwen3", seed=1).requires_grad_(False)
+    before = spy.loops
+    trainer = st.SeamlessTPUTrainer(student)
+    st.SeamlessTPUTrainer(teacher)  # the teacher's layers loop too: a trainer of its own
+    losses, compiles = train(student, "lm", trainer, teacher=teacher)
+    workloads.assert_close(losses, want["distillation"], 1e-5, "distillation, both stacks looped")
+    assert spy.loops - before == 2 * STEPS, spy.loops - before
+    assert not [line for line in spy.lines if "one by one" in line], spy.lines
+
+
+def differing():
+    model = Stack()
+    model.layers[2] = Block(32, bias=False)
+    return model
+
+
+def hidden_states(model, ids):  # transformers records each layer's output with hooks on the layers
+    out = model(input_ids=ids, output_hidden_states=True)
+    return out.logits.sum() * 0 + torch.stack([h.float().mean() for h in out.hidden_states]).sum()
+
+
+# name -> (model builder, a change by the user, the loss, the reason logged)
+FALLBACKS = {
+    "hook_on_a_layer": (Stack, lambda m: m.layers[1].register_forward_hook(lambda *a: None), "tokens",
+                        "a hook is registered on layers.1"),
+    "work_between_blocks": (Extra, None, "tokens", "does more than `x = block(x, ...)`"),
+    "blocks_differ": (differing, None, "tokens", "block 2 differs from block 0 in its parameters"),
+    "hidden_states_asked": (lambda: hf("qwen3"), None, hidden_states, "a hook is registered on model.layers"),
+    "dropout_in_training": (lambda: Stack(dropout=0.1), None, "tokens", "a block draws random numbers"),
+}
+
+
+def fallback_loss(model, how, ids):
+    return how(model, ids) if callable(how) else loss_of(model, how, ids)
+
+
+def train_fallback(name, trainer_made):
+    build, change, how, _ = FALLBACKS[name]
+    model = build()
+    if change:
+        change(model)
+    trainer = trainer_made(model)
+    ids = trainer.to_device(batch()) if trainer else batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = fallback_loss(model, how, ids)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return workloads.host(losses)
+
+
+def fallbacks_eager():
+    return {name: train_fallback(name, lambda m: None) for name in FALLBACKS if name != "dropout_in_training"}
+
+
+def fallbacks():
+    """A stack whose loop would differ stays unrolled, with eager's losses, and the reason is logged once: a user's
+    hook on one layer, work between the blocks, blocks that differ, every layer's output asked for (transformers'
+    hooks), dropout in training (one mask for all blocks). scan=False: nothing loops."""
+    want = workloads.eager_reference("fallbacks", __file__)
+    spy = Spy()
+    for name, (_, _, _, reason) in FALLBACKS.items():
+        losses = train_fallback(name, st.SeamlessTPUTrainer)
+        said = [line for line in spy.lines if "one by one" in line and reason in line]
+        assert len(said) == 1, (name, reason, spy.lines)
+        if name in want:
+            workloads.assert_close(losses, want[name], 1e-5, f"{name}: unrolled vs eager")
+        spy.lines.clear()
+    assert spy.loops == 0, spy.loops
+    model = Stack()
+    st.SeamlessTPUTrainer(model, scan=False)
+    assert not any(model.layers is c for c in st._STATE.loops.stacks), "scan=False registers no stack"
+
+
+def peak_bytes(scan):
+    """(each device's peak of the forward-and-backward program: XLA's buffer assignment, model bytes, a block's),
+    for 8 blocks of width 512 under fsdp, 3 SGD steps."""
+    import memory_peak  # first: it sets XLA_FLAGS to dump, before the runtime starts
+
+    model = torch.nn.Sequential(*(memory_peak.Block(512) for _ in range(8)))
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp", scan=scan)
+    x, y = trainer.to_device(torch.randn(16, 512, generator=torch.Generator().manual_seed(0)), torch.zeros(16, 512))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    __import__("torch_xla.core.xla_model", fromlist=["_"]).wait_device_ops()
+    nbytes = [p.numel() * p.element_size() for p in model.parameters()]
+    return max(memory_peak.peaks(memory_peak.DUMP).values()), sum(nbytes), sum(nbytes[:4])
+
+
+def fsdp_peak_unrolled():
+    return dict(zip(("peak", "model", "block"), peak_bytes(False)))
+
+
+def fsdp_peak():
+    """Under fsdp each device's peak (XLA's buffer assignment of the partitioned program) is at most 0.75x the model
+    + 4 blocks + 64 MB with the loop; the same blocks unrolled (another process) go over it: every layer's weights
+    gathered at once."""
+    unrolled = child.result(child.run([os.path.abspath(__file__), "fsdp_peak_unrolled"], timeout=300,
+                                      env=child.env(**child.XLA_ENV)).stdout)
+    peak, model, block = peak_bytes(True)
+    bound = 0.75 * model + 4 * block + 64e6
+    print(f"fsdp peak per device: looped {peak / model:.2f}x the model, unrolled {unrolled['peak'] / model:.2f}x, "
+          f"bound {bound / model:.2f}x")
+    assert peak <= bound < unrolled["peak"] and peak < unrolled["peak"] / 1.8, (peak, bound, unrolled)
+
+
+def derivatives_eager():
+    model = Stack()
+    ids = batch()
+    loss = loss_of(model, "tokens", ids)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    params = dict(model.named_parameters())
+    func = torch.func.grad(lambda p: loss_of(lambda i: torch.func.functional_call(model, p, (i,)), "tokens", ids))
+    return {"grads": [g.sum().item() for g in grads], "func": [g.sum().item() for g in func(params).values()]}
+
+
+def derivatives():
+    """First derivatives through the loop are eager's; torch.func runs the blocks one by one, with eager's numbers; a
+    backward that builds a graph for a second derivative (create_graph=True) raises the error that names scan=False."""
+    want = workloads.eager_reference("derivatives", __file__)
+    model = Stack()
+    trainer = st.SeamlessTPUTrainer(model)
+    spy = Spy()
+    ids = trainer.to_device(batch())
+    grads = torch.autograd.grad(loss_of(model, "tokens", ids), list(model.parameters()))
+    assert spy.loops == 1
+    workloads.assert_close([g.sum() for g in grads], want["grads"], 1e-4, "first derivatives through the loop")
+    try:
+        torch.autograd.grad(loss_of(model, "tokens", ids), list(model.parameters()), create_graph=True)
+    except RuntimeError as e:
+        assert "second derivative" in str(e) and "scan=False" in str(e), str(e)
+    else:
+        raise AssertionError("create_graph=True through the loop did not raise")
+    assert spy.loops == 2
+    params = dict(model.named_parameters())
+    func = torch.func.grad(lambda p: loss_of(lambda i: torch.func.functional_call(model, p, (i,)), "tokens", ids))
+    workloads.assert_close([g.sum() for g in func(params).values()], want["func"], 1e-4, "torch.func.grad")
+    assert spy.loops == 2, "torch.func ran the blocks one by one"
+
+
+SCENARIOS = {f.__name__: f for f in (families, fallbacks, fsdp_peak, derivatives)}
+REFERENCES = {"families": families_eager, "fallbacks": fallbacks_eager, "derivatives": derivatives_eager,
+              "fsdp_peak_unrolled": fsdp_peak_unrolled}
+
+
+def main(name, *flags):
+    start = time.time()
+    if "--eager" in flags:
+        assert st.device_type() == "cpu", f"the eager reference must run on CPU, got {st.device_type()}"
+        child.report(REFERENCES[name]())
+        return
+    if name in REFERENCES and name not in SCENARIOS:
+        child.report(REFERENCES[name]())
+        return
+    SCENARIOS[name]()
+    child.report({"scenario": name, "seconds": round(time.time() - start, 1)})
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
