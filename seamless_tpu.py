@@ -2384,6 +2384,10 @@ def _blocks_differ(blocks):
             return f"block {k} differs from block 0 in its {what}"
     if any(next(b.buffers(), None) is not None for b in blocks):
         return "the blocks hold buffers, which a forward may update (running statistics)"
+    held = next((f"{name + '.' if name else ''}{k}" for name, m in blocks[0].named_modules()
+                 for k, v in vars(m).items() if isinstance(v, torch.Tensor)), None)
+    if held:  # block 0's would stand for every block's in the loop's body
+        return f"a block holds the tensor {held!r}, neither parameter nor buffer"
     return None
 
 

@@ -1,0 +1,152 @@
+"""Fast tier of issue 48: which stacks of blocks may run as one loop, decided without torch_xla (room 9c's pure
+rules). Their real twins: tests/block_loops.py (the loops on real torch_xla, and the fallbacks' logged reasons)."""
+
+import pytest
+import torch
+
+import block_loops
+import seamless_tpu as st
+
+pytestmark = pytest.mark.fast
+
+
+class Checked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(block_loops.Block(8) for _ in range(3))
+
+
+def owner(forward):
+    """A Checked whose class has `forward`."""
+    return type("Owner", (Checked,), {"forward": forward})()
+
+
+def ok_enumerate(self, x, mask=None):
+    for i, layer in enumerate(self.layers[:2]):
+        x = layer(x, mask=mask, kind=layer.kind, at=i)
+    return x
+
+
+def ok_plain(self, x):
+    h = x * 2
+    for layer in self.layers:
+        h = layer(h)
+    return h
+
+
+def reads_carry_twice(self, x):
+    for layer in self.layers:
+        x = layer(x, x)
+    return x
+
+
+def passes_the_block(self, x):
+    for layer in self.layers:
+        x = layer(x, layer)
+    return x
+
+
+def two_statements(self, x):
+    for layer in self.layers:
+        x = layer(x)
+        x = torch.relu(x)
+    return x
+
+
+def other_target(self, x):
+    for layer in self.layers:
+        y = layer(x)
+    return y
+
+
+def breaks(self, x):
+    for layer in self.layers:
+        x = layer(x)
+    else:
+        x = x + 1
+    return x
+
+
+def twice(self, x):
+    for layer in self.layers:
+        x = layer(x)
+    for layer in self.layers:
+        x = layer(x)
+    return x
+
+
+def never(self, x):
+    return self.layers[0](x)
+
+
+@pytest.mark.parametrize("forward", [ok_enumerate, ok_plain])
+def test_a_loop_that_only_carries_its_value_through_the_blocks_may_run_as_one(forward):
+    code, why = st._loop_code(owner(forward), "layers")
+    assert code is forward.__code__ and why is None
+
+
+@pytest.mark.parametrize("forward, why", [
+    (reads_carry_twice, "does more than `x = block(x, ...)`"), (passes_the_block, "does more than"),
+    (two_statements, "does more than"), (other_target, "does more than"), (breaks, "does more than"),
+    (twice, "iterates it 2 times, not once"), (never, "does not iterate it"),
+])
+def test_a_loop_that_does_more_stays_unrolled_and_says_why(forward, why):
+    code, said = st._loop_code(owner(forward), "layers")
+    assert code is None and why in said and "Owner.forward" in said, said
+
+
+def test_the_loops_of_transformers_and_torch_are_checked_from_their_source(no_xla):
+    """Qwen3 and Llama iterate a slice with enumerate and keyword arguments; GPT-2 and BERT positional ones;
+    nn.TransformerEncoder its layers; nn.Sequential itself (its own forward)."""
+    transformers = pytest.importorskip("transformers")
+    for arch in ("qwen3", "llama", "gpt2", "bert"):
+        model = block_loops.hf(arch)
+        stack = next((path, m) for path, m in model.named_modules() if isinstance(m, torch.nn.ModuleList))
+        parent = model.get_submodule(stack[0].rpartition(".")[0])
+        code, why = st._loop_code(parent, stack[0].rpartition(".")[2])
+        assert code is not None and why is None, (arch, why)
+    assert isinstance(block_loops.hf("gpt2"), transformers.PreTrainedModel)
+    encoder = block_loops.encoder()[1]
+    assert st._loop_code(encoder, "layers")[0] is torch.nn.TransformerEncoder.forward.__code__
+    assert st._loop_code(torch.nn.Sequential(), None)[0] is torch.nn.Sequential.forward.__code__
+
+
+def test_a_forward_without_source_stays_unrolled_and_says_why():
+    namespace = {}
+    exec("def forward(self, x):\n    for layer in self.layers:\n        x = layer(x)\n    return x", namespace)
+    code, why = st._loop_code(owner(namespace["forward"]), "layers")
+    assert code is None and why == "the source of Owner.forward is not available to check its loop"
+
+
+def layers(**changes):
+    blocks = [block_loops.Block(8) for _ in range(3)]
+    for k, change in changes.items():
+        change(blocks[int(k[1:])])
+    return blocks
+
+
+@pytest.mark.parametrize("changes, why", [
+    ({}, None),
+    ({"b1": lambda b: setattr(b, "layer_idx", 1)}, "block 1 differs from block 0 in its attributes"),
+    ({"b0": lambda b: setattr(b, "layer_idx", 0), "b1": lambda b: setattr(b, "layer_idx", 1),
+      "b2": lambda b: setattr(b, "layer_idx", 2)}, None),  # an index may differ
+    ({"b0": lambda b: setattr(b, "name", "layers.0.up"), "b1": lambda b: setattr(b, "name", "layers.1.up"),
+      "b2": lambda b: setattr(b, "name", "layers.2.up")}, None),  # a module path's number too (peft's target_name)
+    ({"b2": lambda b: setattr(b.drop, "p", 0.5)}, "block 2 differs from block 0 in its attributes"),
+    ({"b1": lambda b: setattr(b, "up", torch.nn.Linear(8, 16, bias=False))}, "in its parameters"),
+    ({"b1": lambda b: b.add_module("extra", torch.nn.Identity())}, "in its structure"),
+    ({"b1": lambda b: b.up.weight.requires_grad_(False)}, "in its parameters"),
+    ({"b0": lambda b: b.register_buffer("seen", torch.zeros(1)), "b1": lambda b: b.register_buffer(
+        "seen", torch.zeros(1)), "b2": lambda b: b.register_buffer("seen", torch.zeros(1))}, "hold buffers"),
+    ({"b0": lambda b: setattr(b, "scale", torch.ones(2)), "b1": lambda b: setattr(b, "scale", torch.ones(2)),
+      "b2": lambda b: setattr(b, "scale", torch.ones(2) * 3)}, "holds the tensor 'scale', neither parameter nor "),
+])
+def test_blocks_repeat_one_block_apart_from_an_index(changes, why):
+    said = st._blocks_differ(layers(**changes))
+    assert said is None if why is None else why in said, said
+
+
+def test_scan_takes_a_bool(cpu):
+    with pytest.raises(TypeError, match=r"scan must be True \(repeated blocks run as one loop on XLA\) or False, got "
+                                        r"'yes'"):
+        st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), scan="yes")
