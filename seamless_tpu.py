@@ -2252,7 +2252,7 @@ def _place(model, layout):
                 _mark_sharding(t, layout.mesh, (None,) * t.dim())
         if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
             if layout.scan:
-                _find_loops(model, layout.planned)
+                _find_loops(model, layout)
             _watch_inputs(model, layout.batch)
             _shard_activations(model, layout.batch, fsdp and not layout.planned)
             _check_work(model, layout)
@@ -2312,13 +2312,13 @@ class _Stack:
         calls, self.calls = self.calls, []
         reason = _unrolled_because(self, calls)
         if reason is None:
+            _STATE.work_check.probe(self.blocks, *calls[0])
             try:
                 return _run_loop(self, calls)
             except _NotALoop as e:
                 reason = str(e)
-        if reason and _once(("unrolled", self.where, reason)):
-            _log("seamless_tpu: the %d blocks of %s run one by one, not as one loop: %s", len(self.blocks),
-                 self.where, reason)
+        if reason:
+            _say_unrolled(self.where, len(self.blocks), reason)
         for block, (_, args, kwargs) in zip(self.blocks, calls):
             x = block(x, *args, **kwargs)
         return x
@@ -2339,7 +2339,7 @@ class _BlockCall:
         return self._stack.call(self._k, x, args, kwargs)
 
 
-def _find_loops(model, planned):
+def _find_loops(model, layout):
     """Register every stack of `model` that can run as a loop; log once why an identical-looking one cannot."""
     named = dict(model.named_modules())
     for path, container in named.items():
@@ -2348,10 +2348,7 @@ def _find_loops(model, planned):
         blocks, where = list(container), path or type(model).__name__
         if len({type(b) for b in blocks}) > 1 or next(blocks[0].parameters(), None) is None:
             continue  # not a stack of blocks (a Sequential of layers, a list of parameterless modules)
-        reason = _blocks_differ(blocks) or next((
-            "its weights are split by the tensor-parallel plan, and inside a loop torch's matmul folds (batch, heads) "
-            "into one dimension, of which GSPMD keeps one split of two" for b in blocks for p in b.parameters()
-            if p in planned), None)
+        reason = _blocks_differ(blocks) or _splits_lost(blocks, layout)
         owner_path, _, attr = path.rpartition(".")
         owner = named.get(owner_path) if path else None
         code, loop_reason = _loop_code(owner, attr) if owner is not None else (None, "it has no owner module")
@@ -2359,9 +2356,7 @@ def _find_loops(model, planned):
             code, loop_reason = _loop_code(container, None)  # its own forward: called, not iterated, by its owner
         reason = reason or (None if code is not None else loop_reason)
         if reason:
-            if _once(("unrolled", where, reason)):
-                _log("seamless_tpu: the %d blocks of %s run one by one, not as one loop: %s", len(blocks), where,
-                     reason)
+            _say_unrolled(where, len(blocks), reason)
             continue
         _STATE.loops.stacks[container] = _Stack(blocks, code, where)
     if _STATE.loops.stacks and not _STATE.loops.patched:
@@ -2374,8 +2369,29 @@ def _find_loops(model, planned):
         _STATE.torch_patches.append(lambda: setattr(_STATE.loops, "patched", False))
 
 
+def _splits_lost(blocks, layout):
+    """Why a loop would lose the batch split where the blocks unrolled keep it (None: it would not). A loop's body is
+    traced by AOTAutograd, where the lowerings of 7c-7e give way to torch's composites (its einsum folds dimensions)."""
+    if any(p in layout.planned for b in blocks for p in b.parameters()):
+        return ("its weights are split by the tensor-parallel plan, and inside a loop torch's matmul folds (batch, "
+                "heads) into one dimension, of which GSPMD keeps one split of two")
+    if layout.batch_dim:
+        return (f"batches hold their samples on dim {layout.batch_dim}, and inside a loop torch's matmul folds (T, B) "
+                "into one dimension, of which GSPMD keeps no split")
+    if any(getattr(m, "groups", 1) > 1 for b in blocks for m in b.modules()
+           if isinstance(m, torch.nn.modules.conv._ConvNd)):
+        return "a block holds a grouped convolution, whose batch GSPMD gathers inside a loop (7c's lowering is off)"
+    return None
+
+
+def _say_unrolled(where, count, reason):
+    if _once(("unrolled", where, reason)):
+        _log("seamless_tpu: the %d blocks of %s run one by one, not as one loop: %s", count, where, reason)
+
+
 def _blocks_differ(blocks):
-    """Why `blocks` are not one block repeated (None if they are): class, parameters, buffers, hooks or attributes."""
+    """Why `blocks` are not one block repeated (None if they are): structure, parameters, attributes, buffers or plain
+    tensors."""
     first = _block_signature(blocks[0])
     for k, block in enumerate(blocks[1:], 1):
         other = _block_signature(block)
@@ -3603,6 +3619,19 @@ class _WorkCheck:
 
     held: list = dataclasses.field(default_factory=list)  # (name, module, output, input) of the first forwards
     checks: list = dataclasses.field(default_factory=list)  # a model's check, due once its first forward ended
+    armed: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # modules whose first forward it reads
+
+    def probe(self, blocks, x, args, kwargs):
+        """A loop of blocks (9c) in a first forward the check reads: blocks 0 and 1 run on their own as well, so the
+        check reads block 0's modules as unrolled (an outline of the loop's split); nothing keeps their results but
+        the held tensors, so the step's graph is the later steps'. Not counted as the step's FLOPs."""
+        if any(m in self.armed for m in blocks[0].modules()):
+            counting = _STATE.meter.counting
+            flops = counting and counting.flops
+            with torch.no_grad():
+                blocks[1](blocks[0](x, *args, **kwargs), *args, **kwargs)
+            if counting:
+                counting.flops = flops
 
     def outputs(self):
         """The held tensors, once a check is due: _state_first makes them data on the devices with the state."""
@@ -3665,6 +3694,7 @@ def _check_work(model, layout):
     def first_forward_done(module, args, output):
         for handle in handles:
             handle.remove()
+        _STATE.work_check.armed.clear()
         _STATE.work_check.checks.append(check)
 
     names = {m: n for n, m in model.named_modules()}
@@ -3675,6 +3705,7 @@ def _check_work(model, layout):
                 counts[pattern] += 1
                 if counts[pattern] == 1:
                     handles.append(module.register_forward_hook(_owned(module, hold)))
+                    _STATE.work_check.armed.add(module)
                 elif counts[pattern] == 2:
                     handles.append(module.register_forward_pre_hook(_owned(module, first_block_done)))
         handles.append(model.register_forward_hook(_owned(model, first_forward_done)))

@@ -56,23 +56,50 @@ def live(hlo):
                      or m[1] in seen)
 
 
+COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{[ \t]*$", re.M)
+
+
+def runs(hlo):
+    """[(a computation's text, how many times one run of the module runs it)]: a While body (a loop of repeated
+    blocks) its trip count, the constant its condition compares the counter with, per run of its caller."""
+    texts, entry = {}, None
+    for m in COMPUTATION.finditer(hlo):
+        texts[m[2]], entry = hlo[m.end():hlo.find("\n}", m.end())], m[2] if m[1] else entry
+    counts = dict.fromkeys(texts, 0)
+
+    def visit(name, times):
+        counts[name] += times
+        for line in texts[name].splitlines():
+            loop = re.search(r"condition=%([\w.\-]+), body=%([\w.\-]+)", line)
+            if loop:
+                trip = re.search(r"constant\(([0-9]+)\)", texts[loop[1]])
+                visit(loop[2], times * (int(trip[1]) if trip else 1))
+            for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line):
+                visit(callee, times)
+    if entry is None:  # a bare instruction list (a test's HLO snippet): run once
+        return [(hlo, 1)]
+    visit(entry, 1)
+    return [(texts[name], n) for name, n in counts.items() if n]
+
+
 def dot_flops(hlo):
     """2 x output elements x contracted size, summed over every live dot in an HLO module's text (batched ones,
-    such as attention's products, included)."""
+    such as attention's products, included), each as many times as its computation runs (a loop's body: N)."""
     hlo = live(hlo)
     shapes = {name: dims(shape) for name, shape in INSTRUCTION.findall(hlo)}
-    return sum(2 * math.prod(dims(out)) * math.prod(shapes[lhs][i] for i in dims(contracted))
-               for out, lhs, contracted in DOT.findall(hlo))
+    return sum(n * 2 * math.prod(dims(out)) * math.prod(shapes[lhs][i] for i in dims(contracted))
+               for text, n in runs(hlo) for out, lhs, contracted in DOT.findall(text))
 
 
 def conv_flops(hlo):
     """2 x output elements x what each one sums (the kernel's elements over its output features), summed over every
     convolution: forward, input gradient and weight gradient alike, grouped ones too (the kernel's 'i' is C/groups;
-    a weight gradient's kernel is the output gradient, whose 'o' is the features and the rest the batch and space)."""
+    a weight gradient's kernel is the output gradient, whose 'o' is the features and the rest the batch and space),
+    each as many times as its computation runs."""
     hlo = live(hlo)
     shapes = {name: dims(shape) for name, shape in INSTRUCTION.findall(hlo)}
-    return sum(2 * math.prod(dims(out)) * math.prod(shapes[rhs]) // shapes[rhs][labels.index("o")]
-               for out, rhs, labels in CONVOLUTION.findall(hlo))
+    return sum(n * 2 * math.prod(dims(out)) * math.prod(shapes[rhs]) // shapes[rhs][labels.index("o")]
+               for text, n in runs(hlo) for out, rhs, labels in CONVOLUTION.findall(text))
 
 
 def matmul_flops(hlo):

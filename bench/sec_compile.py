@@ -9,15 +9,16 @@ import statistics
 from harness import XLA_ENV, run_script
 
 
-# bench/compile_depth.py's loops per workload. Not hand_scan: torch_xla 2.9's scan backward under SPMD imports jax
-# (shard_as), which torch_xla[pallas] brings and this environment has not: ModuleNotFoundError; the trainer runs it
-COMPILE_MODES = {"gpt": ("hand", "shim", "shim_scan"), "kd": ("seed", "hand", "shim")}
-COMPILE_DEPTHS = {"gpt": (2, 8, 24), "kd": (4, 8)}
+# bench/compile_depth.py's loops per workload: shim runs repeated blocks as one loop (issue 48), shim_unrolled does not
+# (scan=False), shim_scan is torch_xla's scan_layers by hand. Not hand_scan: torch_xla 2.9's scan backward under SPMD
+# imports jax (shard_as), which torch_xla[pallas] brings and this environment has not; the trainer runs it
+COMPILE_MODES = {"gpt": ("hand", "shim", "shim_unrolled", "shim_scan"), "kd": ("seed", "hand", "shim_unrolled", "shim")}
+COMPILE_DEPTHS = {"gpt": (2, 8, 24), "kd": (4, 28, 56)}
 
 
 def run_compile(s):
     """bench/compile_depth.py: an SDPA GPT at 2, 8 and 24 blocks, and the seeds' workload (a Qwen3 + LoRA student,
-    a frozen teacher, KL divergence) at 4 and 8 layers (2 and 1 in a smoke run), each loop in a fresh process, the
+    a frozen teacher, KL divergence) at 4, 28 and 56 layers (2 and 1 in a smoke run), each loop in a fresh process, the
     loops in a random order per round, 3 rounds: XLA's compile seconds and graphs over the first 3 steps, the time
     to the end of step 3, and the steady step."""
     env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla")
