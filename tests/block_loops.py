@@ -4,7 +4,7 @@ PyTorch run in a separate process.
     python tests/block_loops.py NAME            # XLA run; spawns `NAME --eager` first for the reference
     python tests/block_loops.py NAME --eager    # the eager reference alone (child.report)
 
-tests/test_block_loops.py runs every name in SCENARIOS. Models are built from configs with random weights.
+tests/test_workloads.py runs every name in SCENARIOS. Models are built from configs with random weights.
 """
 
 import logging

@@ -150,3 +150,43 @@ def test_scan_takes_a_bool(cpu):
     with pytest.raises(TypeError, match=r"scan must be True \(repeated blocks run as one loop on XLA\) or False, got "
                                         r"'yes'"):
         st.SeamlessTPUTrainer(torch.nn.Linear(2, 2), scan="yes")
+
+
+LOOPED_HLO = """HloModule looped
+
+%cond (p: (s64[], f32[4,8])) -> pred[] {
+  %p = (s64[], f32[4,8]) parameter(0)
+  %i = s64[] get-tuple-element(%p), index=0
+  %n = s64[] constant(6)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s64[], f32[4,8])) -> (s64[], f32[4,8]) {
+  %p = (s64[], f32[4,8]) parameter(0)
+  %i = s64[] get-tuple-element(%p), index=0
+  %x = f32[4,8] get-tuple-element(%p), index=1
+  %w = f32[8,8] constant({...})
+  %y = f32[4,8] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s64[], f32[4,8]) tuple(%i, %y)
+}
+
+ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
+  %a = f32[4,8] parameter(0)
+  %b = f32[8,2] parameter(1)
+  %zero = s64[] constant(0)
+  %init = (s64[], f32[4,8]) tuple(%zero, %a)
+  %loop = (s64[], f32[4,8]) while(%init), condition=%cond, body=%body
+  %h = f32[4,8] get-tuple-element(%loop), index=1
+  ROOT %out = f32[4,2] dot(%h, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_the_hlo_reader_counts_a_loops_body_as_often_as_it_runs():
+    """bench/hlo.py's dot FLOPs of a program with a While: the body's dot 6 times (its condition's trip count), the
+    entry's once; the tiers' work split and FLOP checks read looped programs through it."""
+    import hlo
+
+    body_dot, head_dot = 2 * 4 * 8 * 8, 2 * 4 * 2 * 8
+    assert hlo.dot_flops(LOOPED_HLO) == 6 * body_dot + head_dot
+    assert sorted(n for _, n in hlo.runs(LOOPED_HLO)) == [1, 6]  # the entry once, the body 6 times

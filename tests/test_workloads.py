@@ -7,6 +7,7 @@ Every scenario runs in a fresh interpreter: SPMD cannot be switched off inside a
 
 import pytest
 
+import block_loops
 import child
 import workloads
 
@@ -17,11 +18,13 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("name", list(workloads.SCENARIOS))
-def test_workload_on_real_torch_xla(name):
-    out = child.run(["tests/workloads.py", name], env=child.env(**child.XLA_ENV), timeout=380, check=False)
+@pytest.mark.parametrize("script, name", [("workloads", n) for n in workloads.SCENARIOS]
+                         + [("block_loops", n) for n in block_loops.SCENARIOS], ids=lambda v: v)
+def test_workload_on_real_torch_xla(script, name):
+    """tests/workloads.py's scenarios, and tests/block_loops.py's: repeated blocks as one loop (issue 48)."""
+    out = child.run([f"tests/{script}.py", name], env=child.env(**child.XLA_ENV), timeout=380, check=False)
     print(out.stdout[-4000:])
-    child.assert_ok(out.returncode, out.stdout, out.stderr, f"workload {name}")
+    child.assert_ok(out.returncode, out.stdout, out.stderr, f"{script} {name}")
     assert child.result(out.stdout)["scenario"] == name
 
 
