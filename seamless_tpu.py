@@ -152,7 +152,7 @@ class _ProcessState:
     activation_lock: object = dataclasses.field(default_factory=threading.RLock)  # first use may come from threads
     cuts: object = dataclasses.field(default_factory=lambda: _GraphCuts())  # 8. graph cuts and the watchdog
     work_check: object = dataclasses.field(default_factory=lambda: _WorkCheck())  # 14b. the first forward's work
-    loops: object = dataclasses.field(default_factory=lambda: _Loops())  # 9c. repeated blocks as one loop
+    loops: object = dataclasses.field(default_factory=lambda: _Loops())  # 9c-9d. repeated blocks as one loop
     meta_init: object = dataclasses.field(default_factory=lambda: _MetaInit())  # 10. models built on meta
     preemption: object = dataclasses.field(default_factory=lambda: _Preemption())  # 12. SIGTERM -> trainer.preempted
     meter: object = dataclasses.field(default_factory=lambda: _Meter())  # 14. what the steps cost
@@ -1960,7 +1960,7 @@ def _shard_activations(model, batch, matmul_outputs=False):
     def mark(t, dim):  # not data on the devices (a carried RNN state): marking that reshards it through the host
         if not (isinstance(t, torch.Tensor) and _is_xla(t.device) and t.dim() > dim and not t.shape[dim] % batch.ways):
             return t
-        if _STATE.loops.tracing:  # a loop body's trace (9c): an op of the body, which marks it where it is lowered
+        if _STATE.loops.tracing:  # a loop body's trace (9d): an op of the body, which marks it where it is lowered
             spmd = _import("torch_xla.distributed.spmd.xla_sharding")
             return spmd.MarkShardingFunction.apply(t, batch.mesh, batch.spec_for(t.dim(), dim))
         if not _transformed(t) and not _is_device_data(t):  # torch.func's wrappers carry no sharding
@@ -2267,7 +2267,7 @@ def _place(model, layout):
         return _replicate(model, layout.device)
     return model
 
-# --- 9c. repeated blocks as one loop --------------------------------------------------------------
+# --- 9c. repeated blocks: which stacks run as one loop ---------------------------------------------
 # A stack of identical blocks (a ModuleList or Sequential of one class, the same parameters, attributes apart from an
 # index) that its owner's forward runs as `x = block(x, ...)`, and nothing else, runs as one XLA While loop over the
 # blocks' stacked weights (torch_xla's scan): one block traced, compiled and, under fsdp, gathered at a time. The
@@ -2491,6 +2491,11 @@ def _slice_blocks(getitem):
                 _STATE.loops.stacks[part] = stack.slices[key]
         return part
     return __getitem__
+
+
+# --- 9d. repeated blocks: running the loop ---------------------------------------------------------
+# The last _BlockCall of a pass runs the blocks as one torch_xla scan (an XLA While) over their stacked parameters, or
+# one by one with the arguments each was given, where a loop would differ from them.
 
 
 def _unrolled_because(stack, calls):
