@@ -2506,21 +2506,21 @@ def _unrolled_because(stack, calls):
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     if _transformed(x, *(t for t in leaves if isinstance(t, torch.Tensor))):
         return ""  # torch.func or forward-mode AD: the blocks one by one give their numbers
-    for x_k, args_k, kwargs_k in calls[1:]:
+    for _, args_k, kwargs_k in calls[1:]:
         others = torch.utils._pytree.tree_leaves((args_k, kwargs_k))
         if len(others) != len(leaves) or any(a is not b and (isinstance(a, torch.Tensor) or a != b)
                                              for a, b in zip(leaves, others)):
             return "the blocks are called with different arguments"
-    if any(not isinstance(v, (torch.Tensor, bool, int, float, str, type(None), torch.dtype)) for v in leaves):
-        kind = next(type(v).__name__ for v in leaves if not isinstance(v, (torch.Tensor, bool, int, float, str,
-                                                                            type(None), torch.dtype)))
-        return f"they are called with a {kind} (a cache, or another object a block may change)"
-    for block in blocks:
+    odd = [type(v).__name__ for v in leaves
+           if not isinstance(v, (torch.Tensor, bool, int, float, str, type(None), torch.dtype))]
+    if odd:
+        return f"they are called with a {odd[0]} (a cache, or another object a block may change)"
+    for k, block in enumerate(blocks):
         for name, m in block.named_modules():
             hooks = [h for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
                      for h in d.values() if not getattr(h, "seamless_tpu", False)]
             if hooks:
-                return f"a hook is registered on {stack.where}.{blocks.index(block)}{'.' + name if name else ''}"
+                return f"a hook is registered on {stack.where}.{k}{'.' + name if name else ''}"
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return "a global module hook is registered"
     return None
@@ -2546,7 +2546,8 @@ def _run_loop(stack, calls):
         raise _NotALoop(body)
     scan = _import("torch_xla.experimental.scan")
     functorch = importlib.import_module("functorch.compile")
-    if body is None:
+    new = body is None
+    if new:
         body = stack.bodies[key] = _loop_body(stack.blocks[0], leaves, spec, carried, scanned, checkpointed)
     names = [name for name, _ in stack.blocks[0].named_parameters()]
     per_block = [dict(b.named_parameters()) for b in stack.blocks]
@@ -2560,7 +2561,7 @@ def _run_loop(stack, calls):
     except _NotALoop as e:
         stack.bodies[key] = str(e)
         raise
-    for forward, _, backward in scan._SCAN_COMPUTATION_CACHE.get(body, {}).values():
+    for forward, _, backward in scan._SCAN_COMPUTATION_CACHE.get(body, {}).values() if new else ():
         _STATE.loops.ours.update((forward, backward))  # from now on their While is built once (_reuse_while)
     return _LoopOutput.apply(out) if out.requires_grad else out
 

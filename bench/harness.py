@@ -340,5 +340,10 @@ def run_rows(rows):
     return md
 
 
+def by_depth(runs):
+    """The 'workload/depth' keys of `runs`, keyed 'workload/depth/loop', by workload, then depth as a number."""
+    return sorted({k.rsplit("/", 1)[0] for k in runs}, key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
+
+
 def mb(n):
     return f"{n / 1e6:.2f} MB" if n >= 10_000 else f"{n:,} B"

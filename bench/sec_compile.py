@@ -6,7 +6,7 @@ import os
 import random
 import statistics
 
-from harness import XLA_ENV, run_script
+from harness import XLA_ENV, by_depth, run_script
 
 
 # bench/compile_depth.py's loops per workload: shim runs repeated blocks as one loop (issue 48), shim_unrolled does not
@@ -42,7 +42,7 @@ def render_compile(runs, s):
           "| workload | depth | loop | graphs | compile s (median) | compile / hand [min, max] | first 3 steps s | "
           "step ms (median) | step / hand [min, max] | tracing ms (median) |", "|---" * 10 + "|"]
     headline = []
-    for key in sorted({k.rsplit("/", 1)[0] for k in runs}, key=lambda k: (k.split("/")[0], int(k.split("/")[1]))):
+    for key in by_depth(runs):
         workload, depth = key.split("/")
         hand = runs[f"{key}/hand"]
         for mode in COMPILE_MODES[workload]:

@@ -3,7 +3,7 @@ partitioned programs (bench/memory_peak.py), for the trainer, torch_xla by hand,
 
 import os
 
-from harness import XLA_ENV, mb, run_script
+from harness import XLA_ENV, by_depth, mb, run_script
 
 MEMORY_RUNS = {"mlp": (8, 16), "qwen3": (8, 16)}  # workload -> depths
 MEMORY_MODES = ("shim", "hand")
@@ -29,7 +29,7 @@ def render_memory(runs, s):
           "| workload | blocks | model | trainer | trainer / model | hand | hand / model | ideal | bound | "
           "trainer within bound |", "|---" * 10 + "|"]
     headline = []
-    for key in sorted({k.rsplit("/", 1)[0] for k in runs}, key=lambda k: (k.split("/")[0], int(k.split("/")[1]))):
+    for key in by_depth(runs):
         shim, hand = runs[f"{key}/shim"], runs[f"{key}/hand"]
         model = shim["model_bytes"]
         bound = 0.75 * model + 4 * shim["block_bytes"] + BOUND_SLACK
