@@ -10,9 +10,9 @@ RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER
 unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE,
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
-  for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, pooling, windows,
-  resampling) at the AutogradXLA key and F.multi_head_attention_forward, F.embedding_bag; without jax torch_xla's scan
-  backward and GRU; nn.Module.to: a move to XLA keeps the Parameters (swap_module_params_on_conversion in it only).
+  for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, masks, pooling,
+  windows, resampling) at AutogradXLA (addmm: XLA), F.multi_head_attention_forward, F.embedding_bag; without jax
+  torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps the Parameters (swap_module_params_on_conversion in it).
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
   torch modes counting its first step's FLOPs; log(): a thread, step closures. An XLA trainer with repeated blocks:
   ModuleList's and Sequential's __iter__, __getitem__ (only a checked loop gets _BlockCalls); torch_xla scan's While.
@@ -913,17 +913,18 @@ def _scan_backward_without_jax():
 
 @dataclasses.dataclass(frozen=True)
 class _Lowering:
-    kernel: object  # stands for aten `op` at the AutogradXLA key, or for torch.nn.functional's `op` (functional)
-    family: str  # products, attention, norms, pointwise, pooling, windows or resampling: how the docs group them
+    kernel: object  # stands for aten `op` at the dispatch `key`, or for torch.nn.functional's `op` (functional)
+    family: str  # products, attention, norms, pointwise, masks, pooling, windows or resampling: the docs' groups
     why: str  # torch_xla's own lost the batch split ("batch"), ran on the CPU ("cpu"), had no 2nd derivative ("grad2")
     hands_back: bool = False  # some inputs go to torch's own path, _torch_path(op)
     functional: object = None  # torch.nn.functional's own function, which a functional lowering replaces
+    key: str = "AutogradXLA"  # or "XLA": below autograd, which keeps torch's own derivative
 
 
 _LOWERINGS = {}  # op -> _Lowering, in definition order
 
 
-def _lowering(*ops, family, why, hands_back=False, functional=False):
+def _lowering(*ops, family, why, hands_back=False, functional=False, key="AutogradXLA"):
     """Registers the decorated kernel in _LOWERINGS for each of `ops` (aten op names, with their overload: "glu",
     "upsample_nearest2d.vec"; or torch.nn.functional names when `functional`)."""
     def register(kernel):
@@ -931,13 +932,13 @@ def _lowering(*ops, family, why, hands_back=False, functional=False):
             if op in _LOWERINGS:
                 raise RuntimeError(f"seamless_tpu bug: two lowerings of {op}")
             own = getattr(torch.nn.functional, op) if functional else None
-            _LOWERINGS[op] = _Lowering(kernel, family, why, hands_back or functional, own)
+            _LOWERINGS[op] = _Lowering(kernel, family, why, hands_back or functional, own, key)
         return kernel
     return register
 
 
 def _register_lowerings():
-    """The table's kernels at the AutogradXLA key and its functional patches, once per process (undone by
+    """The table's kernels at their keys (AutogradXLA, or XLA) and its functional patches, once per process (undone by
     _reset_caches); first, that torch has the path each hand-back takes (a composite kernel: .decompose() of an op
     with none returns NotImplemented, and the kernel would fail on what it leaves to torch)."""
     F, aten = torch.nn.functional, {op: low for op, low in _LOWERINGS.items() if not low.functional}
@@ -953,7 +954,7 @@ def _register_lowerings():
     with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
         warnings.simplefilter("ignore")
         for op, low in aten.items():
-            library.impl(op, low.kernel, "AutogradXLA")
+            library.impl(op, low.kernel, low.key)
     _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
     for op, low in _LOWERINGS.items():
         if low.functional:
@@ -973,12 +974,13 @@ def _torch_path(op):
     return getattr(getattr(torch.ops.aten, name), overload or "default").decompose
 
 
-def _torch_checks(op, input, *args):
+def _torch_checks(op, *args, **kwargs):
     """torch's own preconditions of aten `op` and their errors, for a kernel with no composite to hand back to: its
-    meta kernel run on a stand-in of `input` (shapes only: no compute, nothing in the graph; under a tracing mode,
-    which would record the stand-in, the op's own tracing checks)."""
+    meta kernel run on stand-ins of its tensors (shapes only: no compute, nothing in the graph; under a tracing mode,
+    which would record the stand-ins, the op's own tracing checks)."""
     if not is_in_torch_dispatch_mode():
-        getattr(torch.ops.aten, op)(torch.empty(input.shape, dtype=input.dtype, device="meta"), *args)
+        getattr(torch.ops.aten, op)(*(torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                      if isinstance(t, torch.Tensor) else t for t in args), **kwargs)
 
 
 def _transformed(*tensors):
@@ -1022,6 +1024,20 @@ def _xla_linear(input, weight, bias=None):
         return _torch_path("linear")(input, weight, bias)
     y = _xla_einsum("...n,mn->...m", (input, weight))
     return y if bias is None else y + bias
+
+
+@_lowering("addmm", family="products", why="cpu", key="XLA")
+def _xla_addmm(self, mat1, mat2, *, beta=1, alpha=1):
+    """Below autograd, so torch's derivative stays: torch_xla ran addmm on the CPU unless beta and alpha are 1 (torch's
+    Muon: a graph cut at each of its Newton-Schulz steps). The dot and sum its own kernel builds, each scaled."""
+    if not (self.dtype == mat1.dtype == mat2.dtype and mat1.dim() == mat2.dim() == 2 and self.dim() <= 2
+            and mat1.shape[1] == mat2.shape[0]):
+        _torch_checks("addmm", self, mat1, mat2, beta=beta, alpha=alpha)  # shapes; the meta kernel skips dtypes
+        torch._check(self.dtype == mat1.dtype == mat2.dtype, lambda: "addmm: self, mat1 and mat2 must have the same "
+                     f"dtype, but got {self.dtype}, {mat1.dtype} and {mat2.dtype}")
+    out = torch.mm(mat1, mat2)
+    out = out if alpha == 1 else out * alpha
+    return out if beta == 0 else out + (self if beta == 1 else self * beta)  # beta 0: self ignored, NaNs too
 
 
 @_lowering("einsum", family="products", why="grad2", hands_back=True)
@@ -1199,7 +1215,7 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
     total = (rows * weights[..., None]).sum(1)
     return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
 
-# --- 7d. lowerings: norms and pointwise ops ---------------------------------------------------------
+# --- 7d. lowerings: norms, pointwise ops and masks ------------------------------------------------
 # torch_xla's layer_norm, training batch_norm (so instance_norm) and group_norm are one op over the batch (a GroupNorm
 # conv net ran 0.32-0.61 of its convolutions per device): ours reduce over the normalized dims, with eager's unbiased
 # running variance. glu and channel_shuffle ran on the CPU; for XLA tensors autograd differentiates the ops ours are
@@ -1317,6 +1333,42 @@ def _xla_channel_shuffle(input, groups):  # torch_xla ran it on the CPU
 @_lowering("kl_div", family="pointwise", why="cpu", hands_back=True)
 def _xla_kl_div(input, target, reduction=1, *, log_target=False):
     return _torch_path("kl_div")(input, target, reduction, log_target=log_target)
+
+
+@_lowering("index_put_", family="masks", why="cpu")
+def _xla_index_put_(self, indices, values, accumulate=False):
+    """self[mask] = values, as a where: the selection's shape depends on the mask's values (torch_xla ran nonzero on
+    the CPU, and compiled a graph per count: Rprop's step, 15-30 graphs a step), a where's does not. Other forms go to
+    _index_put_impl_, all that index_put_'s own kernel calls (torch's path, its errors included)."""
+    where = _masked_where(self, indices, values, accumulate)
+    if where is None:
+        return torch.ops.aten._index_put_impl_(self, indices, values, accumulate)
+    return self.copy_(where)
+
+
+@_lowering("index_put", family="masks", why="cpu")
+def _xla_index_put(self, indices, values, accumulate=False):
+    where = _masked_where(self, indices, values, accumulate)
+    return torch.ops.aten.index_put_(self.clone(), indices, values, accumulate) if where is None else where
+
+
+def _masked_where(self, indices, values, accumulate):
+    """torch.where's form of index_put with one boolean mask (after any number of full slices), or None: another
+    index, a value with a dim of the selected count (a value per selected element), or input torch rejects."""
+    at = [i for i, index in enumerate(indices) if index is not None]
+    mask = indices[at[0]] if len(at) == 1 else None
+    if mask is None or mask.dtype != torch.bool or mask.dim() == 0 or values.dtype != self.dtype or (
+            mask.device != self.device or values.device != self.device and values.dim()):
+        return None
+    k, rest = at[0], self.dim() - at[0] - mask.dim()
+    selection = (*self.shape[:k], None, *self.shape[self.dim() - rest:])  # None: the count of True
+    shape = (1,) * (len(selection) - values.dim()) + tuple(values.shape)
+    if rest < 0 or self.shape[k:k + mask.dim()] != mask.shape or len(shape) > len(selection) or any(
+            v != 1 and v != s for v, s in zip(shape, selection)):
+        return None
+    values = values.to(self.device).reshape(*shape[:k], *(1,) * mask.dim(), *shape[k + 1:])  # as torch: a CPU scalar
+    mask = mask.reshape(*mask.shape, *(1,) * rest)
+    return self + torch.where(mask, values, 0) if accumulate else torch.where(mask, values, self)
 
 # --- 7e. lowerings: pooling, windows and resampling -----------------------------------------------
 # Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU), upsampling (each
@@ -1647,16 +1699,18 @@ def _before_forward(module, args, kwargs):
 def _state_first(optimizer, record):
     """Before an optimizer's first step, the state it would create (and the work check's outputs) become device data
     by a small graph of their own: step 1's graphs are then every later step's, compiled once (made inside it, step 2
-    read the state as input: a second compile of the step). Costs a small graph once (zeros; with the work check, the
-    forward up to its last held module). State zeros cannot stand for (_zero_state_exact) is left to the step."""
+    read the state as input: a second compile of the step). Costs a small graph once (the state's first values; with
+    the work check, the forward up to its last held module)."""
     if record.ready == record.groups and not _STATE.work_check.held:  # not a first step, new group or model
         return
     _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
     params = [p for group in optimizer.param_groups for p in group["params"]
               if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
-    if params and _zero_state_exact(optimizer):
-        for p, state in _zero_state(optimizer, params).items():
-            optimizer.state[p] = _state_like(state, p)
+    if params:
+        _init_state(optimizer)
+        for p in params:
+            if optimizer.state.get(p):
+                optimizer.state[p] = _state_like(optimizer.state[p], p)
     ready = [v for group in optimizer.param_groups for p in group["params"] if p.grad is not None
              for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and _is_xla(v.device)]
     ready = [t for t in ready + _STATE.work_check.outputs() if not _is_device_data(t)]
@@ -1665,31 +1719,26 @@ def _state_first(optimizer, record):
     record.ready = record.groups
 
 
-def _zero_state_exact(optimizer):
-    """Whether zeros stand exactly for the state `optimizer`'s first step makes (torch 2.9's code read): Adam, AdamW
-    and RMSprop make zeros and update them as later steps do; SGD's first step copies the gradient into its momentum
-    buffer, as a zero buffer gives unless dampening (from step 2) scales it. Not capturable, fused or differentiable,
-    nor a subclass, nor Adafactor (its step reads values to the host, and its first step's weight is a constant)."""
+def _init_state(optimizer):
+    """The state torch's first step makes, made by torch's own code: each group's _init_group, which every torch.optim
+    step calls first (NAdam's mu_product 1, ASGD's eta the lr, Rprop's step sizes the lr, Adam's zeros). Left to the
+    step: a step or _init_group not torch's (a subclass's own), fused or differentiable groups, optimizers with no
+    _init_group (LBFGS, SparseAdam), and SGD's momentum, which its first step copies from the gradient where later
+    steps scale it: zeros stand for that copy exactly without dampening, so only then are they made here."""
     kind = type(optimizer)
-    return kind in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop) and all(
-        not (group.get("capturable") or group.get("fused") or group.get("differentiable"))
-        and (kind is not torch.optim.SGD or not group["momentum"] or not group["dampening"])
-        for group in optimizer.param_groups)
-
-
-def _zero_state(optimizer, params):
-    """{param: the state its first step would make, as zeros on its device (a CPU step count on the CPU)}. The keys,
-    shapes and dtypes are torch's own: the optimizer's step runs on meta stand-ins, with no compute and without the
-    global hooks (type(optimizer).step.__wrapped__ is the step before torch wrapped it with them, this one included)."""
-    stand_ins = {p: torch.empty_like(p, device="meta") for p in params}
-    for s in stand_ins.values():
-        s.grad = torch.empty_like(s)
-    groups = [{**group, "foreach": False, "params": [stand_ins[p] for p in group["params"] if p in stand_ins]}
-              for group in optimizer.param_groups]
-    shadow = type(optimizer)([group for group in groups if group["params"]])
-    type(optimizer).step.__wrapped__(shadow)
-    return {p: {k: torch.zeros_like(v, device=p.device if v.is_meta else v.device) for k, v in shadow.state[s].items()}
-            for p, s in stand_ins.items() if shadow.state.get(s)}
+    init = getattr(kind, "_init_group", None)
+    if not all(getattr(f, "__module__", "").startswith("torch.optim.") for f in (kind.step, init)) or any(
+            group.get("fused") or group.get("differentiable") for group in optimizer.param_groups):
+        return
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            if isinstance(optimizer, torch.optim.SGD):
+                zeros = group["momentum"] and not group["dampening"]
+                for p in group["params"] if zeros else ():
+                    if p.grad is not None and not optimizer.state.get(p):
+                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            else:  # _init_group(group, params_with_grad, grads, one list per kind of state...) fills the lists
+                init(optimizer, group, *([] for _ in range(len(inspect.signature(init).parameters) - 2)))
 
 
 class _CompileWatchdog:
@@ -2003,9 +2052,11 @@ def _shard_activations(model, batch, matmul_outputs=False):
 
 
 def _is_device_data(tensor):
-    """Data on the devices (a moved batch, a graph's output), not a value the pending graph computes."""
-    ir = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(tensor).partition("IR: ")[2].partition("\n")[0]
-    return ir.startswith("None") or "device_data" in ir
+    """Data on the devices (a moved batch, a graph's output), not a value the pending graph computes: a copy of data
+    (ASGD's eta, clone() of the lr) is a device_data node with no data of its own, an output of the next graph."""
+    info = _import("torch_xla")._XLAC._get_xla_tensor_debug_info(tensor)
+    ir = info.partition("IR: ")[2].partition("\n")[0]
+    return ir.startswith("None") or "device_data" in ir and "XLAData: None" not in info
 
 
 def _is_split(tensor):

@@ -1,8 +1,9 @@
-"""Issue 40, ask 1: the optimizers users run, each plain, with an LR scheduler and with gradient clipping, on a tiny
-MLP through the trainer (XLA) or as written (eager, SEAMLESS_TPU_DEVICE=cpu).
+"""Issues 40 and 49: every torch.optim optimizer (LBFGS: tests/loops.py; SparseAdam needs sparse gradients, which XLA
+has not), each plain, with an LR scheduler and with gradient clipping, on a tiny MLP through the trainer (XLA) or as
+written (eager, SEAMLESS_TPU_DEVICE=cpu).
 
     python tests/first_step.py GROUP...  # a key of GROUPS, a case (adam/clip) or "all"; reports (child.report)
-    {case: {"losses": [...], "weights": [...], "state": [...], "compiles": [after step 1, 2, 3], "split_like": bool}}
+    {case: {"losses": [...], "weights": [...], "state": [...], "compiles": [after each step], "split_like": bool}}
 
 "compiles" counts torch_xla's UncachedCompile from the case's start. Each case's MLP has a width of its own, so no
 case meets a graph another compiled in the same process. "state" is the optimizer's state after the last step,
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 import child
 import seamless_tpu as st
 
-STEPS = 4
+STEPS = 8  # RAdam's step takes its other branch from step 6 (rho_t > 5)
 OPTIMIZERS = {  # name -> (the optimizer, the trainer's strategy)
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.01),
@@ -32,11 +33,30 @@ OPTIMIZERS = {  # name -> (the optimizer, the trainer's strategy)
     "rmsprop_centered": lambda p: torch.optim.RMSprop(p, lr=0.001, eps=1e-3, momentum=0.9, centered=True),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
     "adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=0.01, eps=1e-6),
+    "radam": lambda p: torch.optim.RAdam(p, lr=0.01, weight_decay=0.01),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=0.01),
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=0.5),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=0.01),  # writes sign[sign.gt(0)] = etaplus: a boolean-mask index_put_
+    "muon": lambda p: torch.optim.Muon(matrices_only(p), lr=0.01),
 }
+
+
+def matrices_only(params):
+    """Muon steps matrices: the biases are frozen here (its users give them to another optimizer); left to
+    accumulate, their gradients made step 2's backward a graph of its own, in eager and on XLA alike."""
+    params = list(params)
+    for p in params:
+        p.requires_grad_(p.dim() == 2)
+    return [p for p in params if p.dim() == 2]
+
+
 VARIANTS = ("plain", "scheduler", "clip")
 GROUPS = {"sgd": ("sgd", "sgd_momentum", "sgd_nesterov", "sgd_dampening"),
           "adam": ("adam", "adamw", "adamw_amsgrad", "adamw_fsdp"),
-          "others": ("rmsprop", "rmsprop_centered", "adagrad", "adafactor")}
+          "others": ("rmsprop", "rmsprop_centered", "adagrad", "adafactor"),
+          "more": ("nadam", "radam", "adamax", "asgd"), "rest": ("adadelta", "rprop", "muon")}
 CASES = [f"{name}/{variant}" for group in GROUPS.values() for name in group for variant in VARIANTS]
 
 
@@ -74,13 +94,14 @@ def run(case, width):
     split_like = True
     if xla:
         spec = __import__("torch_xla")._XLAC._get_xla_sharding_spec
-        split_like = all(spec(v) == spec(p) for p in model.parameters() for v in [p.grad, *optimizer.state[p].values()]
+        split_like = all(spec(v) == spec(p) for p in model.parameters() if p.requires_grad
+                         for v in [p.grad, *optimizer.state[p].values()]
                          if v.shape == p.shape)
     state = [v.detach().cpu().float().flatten() for p in model.parameters() for _, v in
              sorted(optimizer.state[p].items()) if isinstance(v, torch.Tensor)]
     return {"losses": torch.stack(losses).cpu().tolist(),
             "weights": torch.cat([p.detach().cpu().flatten() for p in model.parameters()]).tolist(),
-            "state": torch.cat(state).tolist() if state else [], "compiles": compiles[:3], "split_like": split_like}
+            "state": torch.cat(state).tolist() if state else [], "compiles": compiles, "split_like": split_like}
 
 
 def main(*names):

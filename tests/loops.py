@@ -14,6 +14,7 @@ after each iteration (always 0 on the CPU); "compile_s" the seconds XLA spent co
                    # hidden state carried across batches, then a no-grad evaluation that carries it too
     lbfgs          # pytorch/examples time_sequence_prediction: LSTM cells, LBFGS with a closure
     inference      # forwards only, under no_grad, outputs summed on the device
+    masked         # x[mask] = v each step (labels[labels < 8] = -100, scores[x < -1] = -5): a where, one graph
     sliced         # manual_rnn fed by slicing a device tensor at a moving offset: recompiles, and says why
     gan_eval [two|ema]  # DCGAN's order (D on real and fake, then G), two optimizers, a no-grad eval each
                    # epoch; "two": the discriminator gets a trainer of its own too; "ema": an EMA of G (as
@@ -215,6 +216,29 @@ def inference():
     return losses, compiles, transfers
 
 
+def masked():
+    """Loops write x[mask] = v at every step: labels[labels == pad] = -100 before a cross entropy, scores[~valid] = -5
+    before a softmax. On plain torch_xla each is nonzero on the CPU (a transfer) and a graph per count of True."""
+    model = torch.nn.Sequential(*mlp(depth=4)[:-1], torch.nn.Linear(64, 64))  # 64 classes
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainer = st.SeamlessTPUTrainer(model)
+    g = torch.Generator().manual_seed(1)
+    losses, compiles, transfers = [], [], []
+    for _ in range(STEPS):
+        x, labels = trainer.to_device(torch.randn(16, 64, generator=g), torch.randint(0, 64, (16,), generator=g))
+        labels[labels < 8] = -100  # padding, ignored by the loss
+        scores = model(x)
+        scores[x < -1.0] = -5.0  # invalid classes, a different count each step
+        loss = F.cross_entropy(scores, labels, ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(logged(loss))
+        compiles.append(stats(trainer)["compiles"])
+        transfers.append(stats(trainer)["device_to_host_transfers"])
+    return losses, compiles, transfers
+
+
 class Epochs:
     """The epoch loops' record: losses on the device, compiles after each step and each epoch; and, given draw(),
     their data: EPOCH_STEPS batches it draws once, moved to the device, the same every epoch."""
@@ -384,7 +408,7 @@ def main(name, *args):
     st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
     run = {"accumulate": lambda: accumulate(int(args[0])), "accumulate_lm": lambda: accumulate(int(args[0]), lm=True),
            "manual_rnn": manual_rnn, "lbfgs": lbfgs,
-           "inference": inference, "sliced": lambda: manual_rnn(sliced=True),
+           "inference": inference, "masked": masked, "sliced": lambda: manual_rnn(sliced=True),
            "gan_eval": lambda: gan_eval(two="two" in args, ema="ema" in args), "ema_eval": ema_eval,
            "ema_copy": lambda: ema_eval(copy_after=True), "functional": functional,
            "distill_eval": lambda: distill_eval(grow="grow" in args)}[name]

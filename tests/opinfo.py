@@ -55,6 +55,9 @@ OPINFO_NAMES = {
     "multi_head_attention_forward": ["nn.functional.multi_head_attention_forward"],
     "embedding_bag": ["nn.functional.embedding_bag"],
     "einsum": ["einsum"],
+    "addmm": ["addmm", "addmm.decomposed", "nn.functional.linear"],
+    "index_put_": ["index_put"],
+    "index_put": ["index_put"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
@@ -217,7 +220,7 @@ if __name__ == "__main__":
         torchs = torch.nn.functional.multi_head_attention_forward, torch.nn.functional.embedding_bag
         device = seamless_tpu.get_device()  # registers the kernels and patches, switches SPMD on
         # the run compares the trainer's kernels, not torch_xla's again: each is registered, each F function patched
-        assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "AutogradXLA")
+        assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", lowering.key)
                    for op, lowering in seamless_tpu._LOWERINGS.items() if not lowering.functional)
         assert torchs[0] is not torch.nn.functional.multi_head_attention_forward
         assert torchs[1] is not torch.nn.functional.embedding_bag

@@ -103,11 +103,12 @@ def test_default_ddp_mesh_has_no_model_axis_whatever_the_host_count(four_hosts):
 
 
 def kernels_at_autograd_xla():
-    """The aten ops whose kernel for XLA tensors at the AutogradXLA key is ours: one registered from Python (torch_xla
-    has its own C++ einsum there once its library is loaded; torch's composites have none)."""
+    """The aten ops whose kernel for XLA tensors at their lowering's key (AutogradXLA, or XLA for addmm) is ours: one
+    registered from Python (torch_xla has its own C++ einsum and addmm there once its library is loaded; torch's
+    composites have none)."""
     def active(op):
-        return torch._C._dispatch_dump(f"aten::{op}").partition("\nAutogradXLA: ")[2].partition("\n")[0]
-    return {op for op in st._LOWERINGS if ".py:" in active(op)}
+        return torch._C._dispatch_dump(f"aten::{op}").partition(f"\n{st._LOWERINGS[op].key}: ")[2].partition("\n")[0]
+    return {op for op in st._LOWERINGS if not st._LOWERINGS[op].functional and ".py:" in active(op)}
 
 
 def aten_lowerings():
@@ -176,7 +177,7 @@ def test_the_lowering_table_is_the_header_s_and_the_docs_list(fresh):
     family, and docs/design.md each family and each functional patch."""
     design = (pathlib.Path(__file__).parents[1] / "docs" / "design.md").read_text()
     families = {lowering.family for lowering in st._LOWERINGS.values()}
-    assert families == {"products", "attention", "norms", "pointwise", "pooling", "windows", "resampling"}
+    assert families == {"products", "attention", "norms", "pointwise", "masks", "pooling", "windows", "resampling"}
     for family in families:
         assert family in st.__doc__ and f"**{family}**" in design, family
     for op, lowering in st._LOWERINGS.items():
@@ -374,3 +375,88 @@ def test_adaptive_max_pooling_to_any_size_torch_accepts(output_size):
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and got[0].requires_grad
     grad = torch.autograd.grad(got[0].sum(), x)[0]
     assert torch.equal(grad, torch.autograd.grad(want[0].sum(), x)[0] if all(output_size) else torch.zeros_like(x))
+
+
+MASKED = [  # (input shape, indices (a bool mask, or None for a full slice), value shape, accumulate)
+    ((4, 5), [(4, 5)], (), False), ((4, 5), [(4,)], (5,), False), ((4, 5), [(4,)], (1, 5), True),
+    ((3, 4, 5), [None, (4,)], (), False), ((3, 4, 5), [None, (4, 5)], (1,), True), ((3, 4, 5), [(3,)], (4, 1), False),
+    ((2, 3, 4, 5), [None, (3, 4)], (2, 1, 5), False),
+]
+
+
+@pytest.mark.parametrize("shape, indices, value, accumulate", MASKED)
+def test_boolean_mask_assignment_is_torch_where(shape, indices, value, accumulate):
+    """Issue 49: x[mask] = v with one boolean mask (after full slices) and a value that does not depend on how many
+    elements the mask selects is a where: torch's numbers, and its gradients for the input and the value."""
+    g = torch.Generator().manual_seed(len(shape) + len(indices))
+    x, v = torch.randn(shape, generator=g, requires_grad=True), torch.randn(value, generator=g, requires_grad=True)
+    index = [None if i is None else torch.rand(i, generator=g) > 0.5 for i in indices]
+    got, want = st._masked_where(x, index, v, accumulate), torch.ops.aten.index_put(x, index, v, accumulate)
+    assert torch.equal(got, want)
+    for ours, torchs in zip(torch.autograd.grad(got.square().sum(), (x, v)),
+                            torch.autograd.grad(want.square().sum(), (x, v))):
+        torch.testing.assert_close(ours, torchs, rtol=1e-6, atol=1e-6)  # a sum over the mask, in another order
+
+
+def test_other_index_puts_are_left_to_torch():
+    """A value per selected element, an integer or uint8 index, two masks, a dtype or a mask shape torch refuses: no
+    where (None), so the kernel hands them to torch's own path."""
+    x, mask = torch.zeros(4, 5), torch.tensor([True, False, True, True])
+    assert st._masked_where(x, [mask], torch.ones(3, 5), False) is None
+    assert st._masked_where(x, [torch.tensor([0, 2])], torch.ones(()), False) is None
+    assert st._masked_where(x, [mask.to(torch.uint8)], torch.ones(()), False) is None
+    assert st._masked_where(x, [mask, torch.ones(5, dtype=torch.bool)], torch.ones(()), False) is None
+    assert st._masked_where(x, [mask], torch.ones((), dtype=torch.float64), False) is None
+    assert st._masked_where(x, [torch.ones(3, dtype=torch.bool)], torch.ones(()), False) is None
+    assert st._masked_where(x, [mask], torch.ones(2, 5), False) is None
+
+
+FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
+                and issubclass(kind, torch.optim.Optimizer) and kind not in (torch.optim.Optimizer, torch.optim.LBFGS,
+                                                                             torch.optim.SparseAdam)}
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_STATES))
+def test_the_state_made_before_step_one_is_torchs_own(name):
+    """Issue 49: _init_state makes an optimizer's state before its first step with torch's own _init_group; two
+    steps from there give the weights and state (values, dtypes, devices) of two steps from none, exactly. Every
+    torch.optim optimizer but LBFGS (no _init_group) and SparseAdam (sparse gradients)."""
+    def two_steps(first):
+        torch.manual_seed(0)
+        weights = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(4, 2))]  # Muon: matrices
+        optimizer = FIRST_STATES[name](weights, lr=0.01, **({"momentum": 0.9} if name == "SGD" else {}))
+        for step in range(2):
+            weights[0].grad, weights[1].grad = torch.randn(3, 4), torch.randn(4, 2)
+            if first and step == 0:
+                st._init_state(optimizer)
+                assert optimizer.state and all(optimizer.state[w] for w in weights), "no state made before step 1"
+            optimizer.step()
+        return weights, optimizer.state
+
+    (made_first, state_first), (made_in_step, state) = two_steps(True), two_steps(False)
+    assert all(torch.equal(a, b) for a, b in zip(made_first, made_in_step))
+    for a, b in zip(made_first, made_in_step):
+        assert state_first[a].keys() == state[b].keys()
+        for key, value in state[b].items():
+            assert torch.equal(state_first[a][key], value) and state_first[a][key].device == value.device, key
+
+
+def test_sgd_momentum_is_made_first_only_where_zeros_stand_for_its_first_copy():
+    """SGD's first step copies the gradient into its momentum buffer; zeros give that copy only without dampening."""
+    for dampening, made in ((0.0, True), (0.1, False)):
+        weight = torch.nn.Parameter(torch.ones(3))
+        weight.grad = torch.ones(3)
+        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9, dampening=dampening)
+        st._init_state(optimizer)
+        assert bool(optimizer.state[weight]) == made, dampening
+
+
+@pytest.mark.parametrize("beta, alpha", [(1, 1), (0.2, 0.6), (-4.7, 2.0), (0, 0.5)])
+def test_addmm_with_any_beta_and_alpha_gives_torchs_numbers(beta, alpha):
+    """The addmm kernel (at the XLA key, where torch_xla ran beta or alpha other than 1 on the CPU) on CPU tensors:
+    torch's values; beta 0 ignores the input, NaNs included."""
+    g = torch.Generator().manual_seed(0)
+    bias, a, b = torch.randn(5, generator=g), torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    bias[0] = float("nan") if beta == 0 else bias[0]
+    got = st._LOWERINGS["addmm"].kernel(bias, a, b, beta=beta, alpha=alpha)
+    torch.testing.assert_close(got, torch.addmm(bias, a, b, beta=beta, alpha=alpha), rtol=1e-6, atol=1e-6)
