@@ -12,7 +12,8 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
   for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, masks, pooling,
   windows, resampling) at AutogradXLA (addmm: XLA), F.multi_head_attention_forward, F.embedding_bag; without jax
-  torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps the Parameters (swap_module_params_on_conversion in it).
+  torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps the Parameters (swap_module_params_on_conversion in it);
+  torch.inference_mode() is no_grad.
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
   torch modes counting its first step's FLOPs; log(): a thread, step closures. An XLA trainer with repeated blocks:
   ModuleList's and Sequential's __iter__, __getitem__ (only a checked loop gets _BlockCalls); torch_xla scan's While.
@@ -842,6 +843,22 @@ def _to_keeping_parameters(module_to):
     return to
 
 
+def _inference_as_no_grad(enter):
+    """torch.inference_mode(), once XLA is in use, is no_grad, as Lightning's evaluation on XLA: under it a view of a
+    plain XLA tensor raised "Cannot set version_counter for inference tensor" (torch_xla makes each view a tensor of
+    its own, an inference tensor there, which autograd cannot give its base's version counter): nn.Linear, x @ w.t(),
+    layer norm and attention failed. No graph is recorded either way; tensors made inside are plain ones (CPU ones
+    too), which later autograd may use. inference_mode(False) stays torch's."""
+    @functools.wraps(enter)
+    def __enter__(self):
+        if not self.mode:
+            return enter(self)
+        self._inference_mode_context = torch.no_grad()  # what torch's __exit__ leaves
+        self._inference_mode_context.__enter__()
+    __enter__.no_grad = True
+    return __enter__
+
+
 def _patch_torch_for_xla():
     """The header's torch changes, each undone by _reset_caches. torch.utils.checkpoint needs a torch.xla module (the
     RNG state: ours restores the XLA seed, so a recomputed dropout draws the same mask). XLA's CSE merges a plain
@@ -862,6 +879,9 @@ def _patch_torch_for_xla():
     _scan_backward_without_jax()
     if not getattr(torch.nn.Module.to, "keeps_parameters", False):  # not patched by an earlier process state
         _patch(torch.nn.Module, "to", _to_keeping_parameters(torch.nn.Module.to))
+    inference = torch.autograd.grad_mode.inference_mode
+    if not getattr(inference.__enter__, "no_grad", False):
+        _patch(inference, "__enter__", _inference_as_no_grad(inference.__enter__))
     ckpt = importlib.import_module("torch.utils.checkpoint")
     if getattr(ckpt.CheckpointFunction, "routes_xla", False):  # patched by an earlier process state
         return

@@ -14,6 +14,7 @@ after each iteration (always 0 on the CPU); "compile_s" the seconds XLA spent co
                    # hidden state carried across batches, then a no-grad evaluation that carries it too
     lbfgs          # pytorch/examples time_sequence_prediction: LSTM cells, LBFGS with a closure
     inference      # forwards only, under no_grad, outputs summed on the device
+    inference_mode # an eval loop under torch.inference_mode() (context and decorator) through a transformer
     masked         # x[mask] = v each step (labels[labels < 8] = -100, scores[x < -1] = -5): a where, one graph
     sliced         # manual_rnn fed by slicing a device tensor at a moving offset: recompiles, and says why
     gan_eval [two|ema]  # DCGAN's order (D on real and fake, then G), two optimizers, a no-grad eval each
@@ -216,6 +217,35 @@ def inference():
     return losses, compiles, transfers
 
 
+def inference_mode():
+    """An evaluation loop under torch.inference_mode() (the context and the decorator), as loops and libraries write
+    it, through a transformer: linear, attention, layer norm. On torch_xla 2.9 each view raised "Cannot set
+    version_counter for inference tensor"; once XLA is in use the trainer makes it no_grad."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                torch.nn.Linear(32, 8)).eval()
+    trainer = st.SeamlessTPUTrainer(model)
+    g = torch.Generator().manual_seed(1)
+
+    @torch.inference_mode()
+    def score(x):
+        return model(x).softmax(-1).mean()
+
+    losses, compiles, transfers = [], [], []
+    for step in range(STEPS):
+        x = trainer.to_device(torch.randn(8, 6, 32, generator=g))
+        if step % 2:
+            out = score(x)
+        else:
+            with torch.inference_mode():
+                out = model(x).square().mean()
+        losses.append(logged(out))
+        compiles.append(stats(trainer)["compiles"])
+        transfers.append(stats(trainer)["device_to_host_transfers"])
+    return losses, compiles, transfers
+
+
 def masked():
     """Loops write x[mask] = v at every step: labels[labels == pad] = -100 before a cross entropy, scores[~valid] = -5
     before a softmax. On plain torch_xla each is nonzero on the CPU (a transfer) and a graph per count of True."""
@@ -407,8 +437,8 @@ def main(name, *args):
     HOST_READS, args = args[-1:] == ("reads",), args[:-1] if args[-1:] == ("reads",) else args
     st.get_device()  # XLA first: a CPU backward before it would break XLA's autograd
     run = {"accumulate": lambda: accumulate(int(args[0])), "accumulate_lm": lambda: accumulate(int(args[0]), lm=True),
-           "manual_rnn": manual_rnn, "lbfgs": lbfgs,
-           "inference": inference, "masked": masked, "sliced": lambda: manual_rnn(sliced=True),
+           "manual_rnn": manual_rnn, "lbfgs": lbfgs, "inference": inference, "inference_mode": inference_mode,
+           "masked": masked, "sliced": lambda: manual_rnn(sliced=True),
            "gan_eval": lambda: gan_eval(two="two" in args, ema="ema" in args), "ema_eval": ema_eval,
            "ema_copy": lambda: ema_eval(copy_after=True), "functional": functional,
            "distill_eval": lambda: distill_eval(grow="grow" in args)}[name]

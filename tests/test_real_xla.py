@@ -351,12 +351,13 @@ def test_accumulation_compiles_the_same_graphs_for_any_k():
     print(f"compile seconds: k=1 {one['compile_s']:.2f}, k=4 {four['compile_s']:.2f}, k=16 {sixteen['compile_s']:.2f}")
 
 
-@pytest.mark.parametrize("loop", ["manual_rnn", "lbfgs", "inference", "masked"])
+@pytest.mark.parametrize("loop", ["manual_rnn", "lbfgs", "inference", "inference_mode", "masked"])
 def test_loops_without_a_plain_step_have_bounded_graphs_and_eager_losses(loop):
     """word_language_model's manual updates with a carried hidden state (then a no-grad evaluation
-    that carries it), time_sequence_prediction's LBFGS closure, a forward-only loop, and a loop that writes
-    x[mask] = v (issue 49: on plain torch_xla nonzero on the CPU and a graph per count): a fixed graph count after
-    warm-up, no device->host transfer the loop did not make, and eager's losses."""
+    that carries it), time_sequence_prediction's LBFGS closure, a forward-only loop, an evaluation under
+    torch.inference_mode() through a transformer (issue 49: on torch_xla every view raised there), and a loop that
+    writes x[mask] = v (issue 49: on plain torch_xla nonzero on the CPU and a graph per count): a fixed graph count
+    after warm-up, no device->host transfer the loop did not make, and eager's losses."""
     xla, eager = _loops(("xla", [loop]), ("cpu", [loop]))
     compiles, transfers = xla["compiles"], xla["transfers"]
     # An iteration's graph runs when the next one starts; the second (AdamW state, a carried

@@ -124,6 +124,7 @@ def test_reset_undoes_every_process_wide_change(fake):
         torch.__future__.get_swap_module_params_on_conversion(),
         *functionals,
         torch.nn.Module.to,
+        torch.inference_mode.__enter__,
     )
     hooks = len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
     assert kernels_at_autograd_xla() == set()
@@ -134,19 +135,25 @@ def test_reset_undoes_every_process_wide_change(fake):
     assert kernels_at_autograd_xla() == aten_lowerings(), "the batch-keeping kernels are not in"
     assert {"group_norm", "batch_norm", "matmul", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= aten_lowerings()
     assert not torch.__future__.get_swap_module_params_on_conversion(), "only inside a module's .to(xla)"
-    assert torch.nn.Module.to is not originals[-1], "a module's .to(xla) keeps its Parameters"
+    assert torch.nn.Module.to is not originals[-2], "a module's .to(xla) keeps its Parameters"
+    assert torch.inference_mode.__enter__ is not originals[-1], "inference_mode is no_grad on XLA"
+    with torch.inference_mode():
+        assert not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        assert not torch.ones(1).is_inference()
     assert hasattr(torch, "xla")
     assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] + 1, "one pre-step hook"
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1, "one post-step hook"
     state = st._STATE
-    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 7
+    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 8
     st._reset_caches()
     assert (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
         torch.__future__.get_swap_module_params_on_conversion(),
-        F.multi_head_attention_forward, F.embedding_bag, torch.nn.Module.to,
+        F.multi_head_attention_forward, F.embedding_bag, torch.nn.Module.to, torch.inference_mode.__enter__,
     ) == originals
+    with torch.inference_mode():
+        assert torch.ones(1).is_inference(), "torch's own again"
     assert kernels_at_autograd_xla() == set(), "the dispatcher is back to torch's composite kernels"
     assert not hasattr(torch, "xla") and "torch.xla" not in sys.modules
     assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks
