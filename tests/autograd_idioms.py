@@ -21,6 +21,8 @@ weights, gradients), lists made of second derivatives (Hessian-vector products, 
                       matmul (which the trainer lowers to an einsum) by create_graph
     unbatched_fold    F.unfold of an unbatched (C, H, W) image and F.fold of an unbatched (C*K, L) input, a weight
                       between them trained by SGD
+    hessians          torch.func.hessian over slices of the batch-split input, all of it, per sample (vmap) and
+                      wrt a weight (functional_call)
 """
 
 import sys
@@ -304,8 +306,32 @@ def unbatched_fold(steps=3, lr=0.1):
             "second": {}, "shapes": shapes}
 
 
+def hessians():
+    """torch.func.hessian of a tanh MLP's output: over one sample, a slice of the batch-split input (x[0], x[1:3],
+    x[::2]), over the whole split input, per sample by vmap, and wrt the first layer's weight by functional_call.
+    REFERENCE.md's seventh round measured the first abort torch_xla 2.9 SPMD (a CHECK in spmd_partitioner_util.h:127);
+    none of these forms does now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    trainer = st.SeamlessTPUTrainer(model)
+    x = trainer.to_device(batches(1, (B, 4))[0][0])
+
+    def f(v):
+        return model(v).square().sum()
+
+    def of_weight(w):
+        return torch.func.functional_call(model, {"0.weight": w}, (x,)).square().sum()
+
+    hessian = torch.func.hessian
+    out = {"slice": hessian(f)(x[0]), "slices": hessian(f)(x[1:3]), "strided": hessian(f)(x[::2]),
+           "whole": hessian(f)(x), "per_sample": torch.func.vmap(hessian(f))(x),
+           "weight": hessian(of_weight)(model[0].weight.detach())}
+    return {"first": {}, "second": {k: flat([v]) for k, v in out.items()},
+            "shapes": {k: list(v.shape) for k, v in out.items()}}
+
+
 IDIOMS = {f.__name__: f for f in (wgan_gp, hvp, per_sample_grads, jvp_conv, global_max_pool, frozen_bn, einsum_twice,
-                                  unbatched_fold)}
+                                  unbatched_fold, hessians)}
 
 
 def main(*args):

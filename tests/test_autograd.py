@@ -39,7 +39,9 @@ def test_autograd_idiom_matches_eager(name):
     - einsum_twice: torch.einsum, and the 3-D matmul the trainer lowers to it, under create_graph (gradient
       penalties and MAML through attention and bilinear layers): torch_xla's einsum backward is not differentiable.
     - unbatched_fold: F.unfold on (C, H, W) and F.fold on (C*K, L), as torch documents them, have torch's shapes,
-      values and gradients."""
+      values and gradients.
+    - hessians (issue 49, ask 6): torch.func.hessian over a slice of the batch-split input, all of it, per sample
+      and wrt a weight; one form aborted torch_xla 2.9 SPMD in REFERENCE.md's seventh round, none does now."""
     xla, eager = (child.result(out) for out in child.run_together([
         (["tests/autograd_idioms.py", name], child.env(**child.XLA_ENV)),
         (["tests/autograd_idioms.py", "eager", name], child.env(SEAMLESS_TPU_DEVICE="cpu")),
