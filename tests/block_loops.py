@@ -9,6 +9,7 @@ tests/test_workloads.py runs every name in SCENARIOS. Models are built from conf
 
 import logging
 import os
+import shutil
 import sys
 import time
 
@@ -340,9 +341,38 @@ def derivatives():
     assert spy.loops == 2, "torch.func ran the blocks one by one"
 
 
-SCENARIOS = {f.__name__: f for f in (families, fallbacks, fsdp_peak, derivatives)}
+def resumed_eager():
+    return train(Stack(), "tokens")[0]
+
+
+def resumed():
+    """A stack built on meta under fsdp, loaded from a checkpoint before its first step (the checkpoint of the same
+    model built on the CPU, seed 0), trains as one loop with eager's losses from those weights; so does a stack built
+    on meta and initialised by its first forward, loaded after that."""
+    want = workloads.eager_reference("resumed", __file__)
+    spy = Spy()
+    directory = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"block_loops_resumed_{os.getpid()}")
+    saved = Stack()
+    st.SeamlessTPUTrainer(saved, strategy="fsdp").save_checkpoint(directory, model=saved)
+    for first_forward in (False, True):
+        with torch.device("meta"):
+            model = Stack()
+        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+        if first_forward:  # meta init at the first forward, through the loop, then the checkpoint over it
+            with torch.no_grad():
+                model(trainer.to_device(batch()))
+        trainer.load_checkpoint(directory, model=model)
+        before = spy.loops
+        losses, compiles = train(model, "tokens", trainer)
+        workloads.assert_close(losses, want, 1e-5, f"meta-built, loaded (first forward first: {first_forward})")
+        assert spy.loops - before == STEPS, spy.loops - before
+        assert not any(p.is_meta for p in model.parameters())
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+SCENARIOS = {f.__name__: f for f in (families, fallbacks, fsdp_peak, derivatives, resumed)}
 REFERENCES = {"families": families_eager, "fallbacks": fallbacks_eager, "derivatives": derivatives_eager,
-              "fsdp_peak_unrolled": fsdp_peak_unrolled}
+              "fsdp_peak_unrolled": fsdp_peak_unrolled, "resumed": resumed_eager}
 
 
 def main(name, *flags):
