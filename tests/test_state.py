@@ -8,7 +8,6 @@ a later trainer or create_xla_mesh does to the process mesh.
 import dataclasses
 import os
 import pathlib
-import re
 import signal
 import sys
 
@@ -364,9 +363,10 @@ def test_a_lowering_refuses_bad_input_with_torchs_own_error(op, args):
     device = "cpu" if lowering.hands_back else "meta"
     try:
         answer = reference(torch.ones(shape, device=device), *rest)
-    except Exception as e:  # torch refuses it: ours raises the same
-        with pytest.raises(type(e), match=re.escape(str(e).partition("\n")[0])):
+    except Exception as e:  # torch refuses it: ours raises the same, type and first line (which may be empty)
+        with pytest.raises(type(e)) as ours:
             lowering.kernel(torch.ones(shape), *rest)
+        assert str(ours.value).partition("\n")[0] == str(e).partition("\n")[0]
     else:  # torch accepts it (a scale that rounds a size to 0: an empty result): ours gives the same
         assert torch.equal(lowering.kernel(torch.ones(shape), *rest), answer)
 
