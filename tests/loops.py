@@ -232,18 +232,15 @@ def inference_mode():
     def score(x):
         return model(x).softmax(-1).mean()
 
-    losses, compiles, transfers = [], [], []
+    run = Epochs(trainer)
     for step in range(STEPS):
         x = trainer.to_device(torch.randn(8, 6, 32, generator=g))
         if step % 2:
-            out = score(x)
+            run.step(score(x))
         else:
             with torch.inference_mode():
-                out = model(x).square().mean()
-        losses.append(logged(out))
-        compiles.append(stats(trainer)["compiles"])
-        transfers.append(stats(trainer)["device_to_host_transfers"])
-    return losses, compiles, transfers
+                run.step(model(x).square().mean())
+    return run.losses, run.compiles, run.transfers
 
 
 def masked():
@@ -253,7 +250,7 @@ def masked():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     trainer = st.SeamlessTPUTrainer(model)
     g = torch.Generator().manual_seed(1)
-    losses, compiles, transfers = [], [], []
+    run = Epochs(trainer)
     for _ in range(STEPS):
         x, labels = trainer.to_device(torch.randn(16, 64, generator=g), torch.randint(0, 64, (16,), generator=g))
         labels[labels < 8] = -100  # padding, ignored by the loss
@@ -263,10 +260,8 @@ def masked():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(logged(loss))
-        compiles.append(stats(trainer)["compiles"])
-        transfers.append(stats(trainer)["device_to_host_transfers"])
-    return losses, compiles, transfers
+        run.step(loss)
+    return run.losses, run.compiles, run.transfers
 
 
 class Epochs:
