@@ -1440,6 +1440,89 @@ def _windows(input, kernel, dilation, padding, stride):
     return torch.stack(views, 2)
 
 
+def _pool_plan(spatial, kernel_size, stride, padding, ceil_mode, sizes):
+    """Per spatial dimension (kernel, stride, padding, output size) as torch's pooling: a single int or empty stride
+    spread, the output size rounded up under ceil_mode unless the last window would start in the right padding."""
+    def spread(v, default):
+        return [default[k] for k in range(spatial)] if len(v) == 0 else [v[0]] * spatial if len(v) == 1 else list(v)
+    kernel = spread(kernel_size, None)
+    plan = []
+    for n, k, s, p in zip(sizes, kernel, spread(stride, kernel), spread(padding, None)):
+        m = (n + 2 * p - k + (s - 1 if ceil_mode else 0)) // s + 1
+        plan.append((k, s, p, m - 1 if ceil_mode and (m - 1) * s >= n + p else m))
+    return plan
+
+
+def _avg_pool_divisor(input, sizes, plan, count_include_pad, divisor_override, dtype):
+    """The divisor of each output, as torch's: the window's size in the input and its padding (count_include_pad)
+    or in the input alone, clipped at the right padding's end: a product over the dimensions, built from iotas."""
+    if divisor_override is not None:  # (the checks of avg_pool3d's meta kernels and of 2-D's backward miss a 0)
+        torch._check(divisor_override != 0, lambda: "divisor must be not zero")
+        return divisor_override
+    divisor = 1
+    for j, (n, (k, s, p, m)) in enumerate(zip(sizes, plan)):
+        start = torch.arange(m, device=input.device) * s - p
+        end = (start + k).clamp(max=n + p)
+        count = end - start if count_include_pad else end.clamp(max=n) - start.clamp(min=0)
+        divisor = divisor * torch.ops.aten.view_copy(count, (m,) + (1,) * (len(plan) - j - 1))
+    return divisor.to(dtype)
+
+
+def _padded(x, d, left, right):  # x padded with zeros along dimension d
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - d) + [left, right])
+
+
+def _avg_pool(spatial):
+    """avg_pool{spatial}d below autograd (torch's derivative: avg_pool_backward, ours, whose own is this one): each
+    window's sum by strided slices, one dimension at a time (the batch stays split), over torch's divisor. torch_xla
+    ran the backward on the CPU under ceil_mode, count_include_pad=False or a divisor_override, and ignored the
+    override in its forward (wrong numbers). Below autograd the tensors are torch_xla's own, not functionalized: a
+    view of a view read the base's layout, so every step is a copy (slice_copy, view_copy), never a view."""
+    op = f"avg_pool{spatial}d"
+
+    def kernel(input, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+        _torch_checks(op, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        sizes = input.shape[input.dim() - spatial:]
+        plan = _pool_plan(spatial, kernel_size, stride, padding, ceil_mode, sizes)
+        x = input.to(_computation_dtype(input))
+        for d, (n, (k, s, p, m)) in enumerate(zip(sizes, plan), input.dim() - spatial):
+            x = _padded(x, d, p, max(0, (m - 1) * s + k - n - p))
+            x = functools.reduce(torch.add, [torch.slice_copy(x, d, t, t + (m - 1) * s + 1, s) for t in range(k)])
+        divisor = _avg_pool_divisor(input, sizes, plan, count_include_pad, divisor_override, x.dtype)
+        if not x.is_floating_point():  # torch's integer division truncates
+            return x.div(divisor, rounding_mode="trunc").to(input.dtype)
+        return (x / divisor).to(input.dtype)
+
+    def backward(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+        """The adjoint of the forward: the gradient over the divisor, spread back over each window (each offset's
+        stride-dilated gradient padded into place), one dimension at a time."""
+        _torch_checks(f"{op}_backward", grad_output, input, kernel_size, stride, padding, ceil_mode,
+                      count_include_pad, divisor_override)
+        sizes = input.shape[input.dim() - spatial:]
+        plan = _pool_plan(spatial, kernel_size, stride, padding, ceil_mode, sizes)
+        g = grad_output.to(_computation_dtype(grad_output))
+        g = g / _avg_pool_divisor(input, sizes, plan, count_include_pad, divisor_override, g.dtype)
+        for d, (n, (k, s, p, m)) in enumerate(zip(sizes, plan), input.dim() - spatial):
+            if s > 1:  # the gradient of output o at o * s
+                g = _padded(torch.unsqueeze_copy(g, d + 1), d + 1, 0, s - 1)
+                g = torch.slice_copy(torch.ops.aten.view_copy(g, (*g.shape[:d], m * s, *g.shape[d + 2:])), d, 0,
+                                     (m - 1) * s + 1)
+            length = max(n + 2 * p, (m - 1) * s + k)
+            g = functools.reduce(torch.add, [_padded(g, d, t, length - t - g.shape[d]) for t in range(k)])
+            g = torch.slice_copy(g, d, p, p + n)
+        return g.to(input.dtype)
+
+    return kernel, backward
+
+
+for _spatial in (2, 3):  # (1-D average pooling is 2-D underneath)
+    _forward, _backward = _avg_pool(_spatial)
+    _lowering(f"avg_pool{_spatial}d", family="pooling", why="cpu", key="XLA")(_forward)
+    _lowering(f"avg_pool{_spatial}d_backward", family="pooling", why="cpu", key="XLA")(_backward)
+del _forward, _backward
+
+
 @_lowering("im2col", family="windows", why="cpu")
 def _xla_im2col(input, kernel_size, dilation, padding, stride):
     _torch_checks("im2col", input, kernel_size, dilation, padding, stride)

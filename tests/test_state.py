@@ -338,6 +338,8 @@ BAD_INPUTS = {  # op -> arguments torch refuses (beside the first, the input, bu
     "group_norm": [((2, 6, 4), 4), ((2, 6, 4), 0)],
     "upsample_nearest2d.vec": [((1, 2, 4, 4), [0, 3], None), ((1, 2, 4, 4), None, [0.1, 1.0])],
     "upsample_bilinear2d.vec": [((1, 2, 4), [3, 3], False, None)],
+    "avg_pool2d": [((1, 2, 4, 4), [2], [], [2]), ((1, 2, 4, 4), [2], [], [0], False, True, 0), ((2, 3), [2])],
+    "avg_pool3d": [((1, 2, 4, 4, 4), [2], [], [2]), ((2, 3), [2])],
 }
 
 
@@ -375,6 +377,30 @@ def test_adaptive_max_pooling_to_any_size_torch_accepts(output_size):
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and got[0].requires_grad
     grad = torch.autograd.grad(got[0].sum(), x)[0]
     assert torch.equal(grad, torch.autograd.grad(want[0].sum(), x)[0] if all(output_size) else torch.zeros_like(x))
+
+
+AVG_POOLS = [  # (spatial dims, input shape, (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor))
+    (2, (2, 3, 9, 9), ([3], [1], [1], True, False, 2)), (2, (1, 3, 9, 9), ([4, 4], [2, 3], [1], True, False, None)),
+    (2, (3, 7, 6), ([3, 2], [], [1, 0], True, True, None)), (3, (1, 2, 4, 4, 4), ([2], [1], [1], True, False, None)),
+    (3, (1, 1, 7, 5, 7), ([6, 3, 4], [2, 3, 2], [3, 1, 0], False, False, -2)),
+    (3, (2, 5, 5, 5), ([2, 3, 4], [1, 2, 2], [0, 1, 2], True, True, None)),
+]
+
+
+@pytest.mark.parametrize("spatial, shape, options", AVG_POOLS)
+def test_average_pooling_divides_as_torch(spatial, shape, options):
+    """Issue 49: under ceil_mode a window may run past the padding (torch's divisor stops at the padding's end), and
+    count_include_pad=False divides by the window's part in the input: the forward and its backward (the adjoint,
+    one strided slice per offset) equal torch's, unbatched too."""
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(shape)))
+    want = getattr(torch.ops.aten, f"avg_pool{spatial}d")(x, *options)
+    torch.testing.assert_close(st._LOWERINGS[f"avg_pool{spatial}d"].kernel(x, *options), want)
+    grad = torch.randn_like(want)
+    torch.testing.assert_close(st._LOWERINGS[f"avg_pool{spatial}d_backward"].kernel(grad, x, *options),
+                               getattr(torch.ops.aten, f"avg_pool{spatial}d_backward")(grad, x, *options))
+    for op in (f"avg_pool{spatial}d", f"avg_pool{spatial}d_backward"):  # 3-D's meta kernels miss a zero divisor
+        with pytest.raises(RuntimeError, match="divisor must be not zero"):
+            st._LOWERINGS[op].kernel(*([grad] if "backward" in op else []), x, *options[:-1], 0)
 
 
 MASKED = [  # (input shape, indices (a bool mask, or None for a full slice), value shape, accumulate)
