@@ -1402,29 +1402,56 @@ def _xla_adaptive_avg_pool(input, output_size):
     return input
 
 
-@_lowering("adaptive_max_pool2d", family="pooling", why="cpu")
-def _xla_adaptive_max_pool2d(input, output_size):
-    """Each output's window as gathered candidates (a short window repeats its last), the max along W, then along H;
-    the flat index of the winner, as torch's. Every size: torch_xla ran those that do not divide the input's on the
-    CPU, and the op has no composite to hand the others to."""
-    _torch_checks("adaptive_max_pool2d", input, output_size)
-    if not all(output_size):  # an empty output, as torch's, still in the graph (windows of m = 0 divide by zero)
-        shape = (*input.shape[:-2], *output_size)
-        return input.amax((-2, -1), keepdim=True).expand(shape), input.new_zeros(shape, dtype=torch.long)
-    windows = []
-    for n, m in zip(input.shape[-2:], output_size):
-        start, end = _adaptive_windows(n, m, input.device)
-        width = -(-n // m) + 1  # the widest window: ceil(n / m) + 1
-        windows.append(torch.minimum(start[:, None] + torch.arange(width, device=input.device), end[:, None] - 1))
-    (rows, cols), ow = windows, output_size[1]
-    along_w = input.index_select(-1, cols.flatten()).unflatten(-1, cols.shape)  # (..., H, ow, kw)
-    value, pick = along_w.max(-1)
-    col = cols.expand(*pick.shape[:-1], *cols.shape).gather(-1, pick[..., None])[..., 0]  # (..., H, ow)
-    along_h = value.index_select(-2, rows.flatten()).unflatten(-2, rows.shape)  # (..., oh, kh, ow)
-    value, pick = along_h.max(-2)
-    row = rows[:, :, None].expand(*pick.shape[:-2], *rows.shape, ow).gather(-2, pick[..., None, :])[..., 0, :]
-    col = col.index_select(-2, rows.flatten()).unflatten(-2, rows.shape).gather(-2, pick[..., None, :])[..., 0, :]
-    return value, row * input.shape[-1] + col
+def _adaptive_max_pool(spatial):
+    """Each output's window as gathered candidates (a short window repeats its last), reduced one dimension at a
+    time (_windowed_max). Every size: torch_xla ran 2-D's to sizes that do not divide the input's, and 3-D's always,
+    on the CPU, and the ops have no composite to hand the others to."""
+    op = f"adaptive_max_pool{spatial}d"
+
+    def kernel(input, output_size):
+        _torch_checks(op, input, output_size)
+        shape = (*input.shape[:input.dim() - spatial], *output_size)
+        if not all(output_size):  # an empty output, as torch's, still in the graph (windows of m = 0 divide by 0)
+            return input.amax(tuple(range(-spatial, 0)), keepdim=True).expand(shape), input.new_zeros(
+                shape, dtype=torch.long)
+        windows = []
+        for n, m in zip(input.shape[input.dim() - spatial:], output_size):
+            start, end = _adaptive_windows(n, m, input.device)
+            width = -(-n // m) + 1  # the widest window: ceil(n / m) + 1
+            windows.append(torch.minimum(start[:, None] + torch.arange(width, device=input.device), end[:, None] - 1))
+        return _windowed_max(input, windows)
+    return kernel
+
+
+for _spatial in (2, 3):
+    _lowering(f"adaptive_max_pool{_spatial}d", family="pooling", why="cpu")(_adaptive_max_pool(_spatial))
+
+
+def _windowed_max(input, windows):
+    """The max over each output's window, a box given along each spatial dimension by its candidates' indices: (m,
+    width), or one set per plane (N, C, m, width). The max along the last dimension's candidates, then along the
+    next, ... (the batch stays split); the flat index of the winner, as torch's (the first max in row-major order).
+    At the AutogradXLA key: autograd differentiates the gathers and maxima."""
+    spatial, value, flat, inner = len(windows), input, None, 1
+    for k in reversed(range(spatial)):
+        d, at = input.dim() - spatial + k, windows[k]
+        m, width = at.shape[-2:]
+        rest = (1,) * (spatial - 1 - k)
+
+        def candidates(t):  # (..., m, width, *rest): t's values at each output's candidates along d
+            if at.dim() == 2:
+                return t.index_select(d, at.flatten()).unflatten(d, (m, width))
+            index = at.reshape(*at.shape[:-2], *(1,) * (d - at.dim() + 2), m * width, *rest)
+            return t.gather(d, index.expand(*t.shape[:d], m * width, *t.shape[d + 1:])).unflatten(d, (m, width))
+
+        found = candidates(value)
+        value, pick = found.max(d + 1)
+        pick = pick.unsqueeze(d + 1)
+        where = at.reshape(*at.shape[:-2], *(1,) * (d - at.dim() + 2), m, width, *rest).expand(found.shape)
+        where = where.gather(d + 1, pick).squeeze(d + 1) * inner
+        flat = where if flat is None else where + candidates(flat).gather(d + 1, pick).squeeze(d + 1)
+        inner *= input.shape[d]
+    return value, flat
 
 
 def _windows(input, kernel, dilation, padding, stride):

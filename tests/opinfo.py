@@ -62,6 +62,7 @@ OPINFO_NAMES = {
     "avg_pool2d_backward": ["nn.functional.avg_pool1d", "nn.functional.avg_pool2d"],
     "avg_pool3d": ["nn.functional.avg_pool3d"],
     "avg_pool3d_backward": ["nn.functional.avg_pool3d"],
+    "adaptive_max_pool3d": ["nn.functional.adaptive_max_pool3d"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

@@ -332,6 +332,7 @@ BAD_INPUTS = {  # op -> arguments torch refuses (beside the first, the input, bu
     "glu": [((3, 5), -1)],
     "channel_shuffle": [((2, 5, 3), 2), ((2, 4, 3), 0)],
     "adaptive_max_pool2d": [((2, 3), [2, 2]), ((1, 0, 3, 3), [2, 2])],
+    "adaptive_max_pool3d": [((2, 3, 4), [2, 2, 2]), ((1, 2, 3, 3, 3), [2, 2])],
     "im2col": [((2, 3), [2, 2], [1, 1], [0, 0], [1, 1]), ((1, 2, 3, 3), [5, 5], [1, 1], [0, 0], [1, 1])],
     "col2im": [((1, 7, 4), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1]),
                ((1, 8, 5), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1])],
@@ -366,14 +367,16 @@ def test_a_lowering_refuses_bad_input_with_torchs_own_error(op, args):
         assert torch.equal(lowering.kernel(torch.ones(shape), *rest), answer)
 
 
-@pytest.mark.parametrize("output_size", [(0, 3), (2, 0), (7, 9)])
+@pytest.mark.parametrize("output_size", [(0, 3), (2, 0), (7, 9), (3, 0, 2), (2, 4, 3), (5, 1, 7)])
 def test_adaptive_max_pooling_to_any_size_torch_accepts(output_size):
     """An output size of 0 is valid in torch (an empty result, still in the graph); the kernel's windows divided by
     it (ZeroDivisionError). Values and indices equal torch's, and so does the input's gradient (an empty output's is
-    zeros: torch's CPU backward refuses an empty grad_output)."""
-    x = torch.randn(2, 3, 5, 4, requires_grad=True)
-    want = torch.ops.aten.adaptive_max_pool2d(x, list(output_size))
-    got = st._LOWERINGS["adaptive_max_pool2d"].kernel(x, list(output_size))
+    zeros: torch's CPU backward refuses an empty grad_output). 3-D: the flat index over (D, H, W), ties included."""
+    op = f"adaptive_max_pool{len(output_size)}d"
+    x = torch.randn(2, 3, 5, 4, requires_grad=True) if len(output_size) == 2 else (
+        torch.randint(0, 3, (2, 2, 5, 4, 6)).double().requires_grad_())  # ties: the first in row-major order wins
+    want = getattr(torch.ops.aten, op)(x, list(output_size))
+    got = st._LOWERINGS[op].kernel(x, list(output_size))
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and got[0].requires_grad
     grad = torch.autograd.grad(got[0].sum(), x)[0]
     assert torch.equal(grad, torch.autograd.grad(want[0].sum(), x)[0] if all(output_size) else torch.zeros_like(x))
