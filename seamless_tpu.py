@@ -1040,6 +1040,103 @@ def _xla_addmm(self, mat1, mat2, *, beta=1, alpha=1):
     return out if beta == 0 else out + (self if beta == 1 else self * beta)  # beta 0: self ignored, NaNs too
 
 
+def _norms(diff, p):
+    """torch's p-norm (p >= 0) of each row of diff over its last dimension, as cdist's and pdist's kernels."""
+    a = diff.abs()
+    if p == 0:
+        return (a != 0).to(diff.dtype).sum(-1)
+    if p == 1:
+        return a.sum(-1)
+    if p == 2:
+        return a.square().sum(-1).sqrt()
+    return a.amax(-1) if math.isinf(p) else a.pow(p).sum(-1).pow(1 / p)
+
+
+def _norm_grads(diff, grad, dist, p):
+    """Each row of diff's gradient through its p-norm `dist`, times its `grad`: the formulas of torch's cdist and
+    pdist backward kernels (0 where the distance is 0; for p < 1 where the coordinate's difference is, too; for
+    p = inf every coordinate whose |difference| is the distance)."""
+    grad, dist, sign = torch.unsqueeze_copy(grad, -1), torch.unsqueeze_copy(dist, -1), diff.sign()
+    if p == 0:
+        return torch.zeros_like(diff)
+    if p == 1:
+        return grad * sign
+    if math.isinf(p):
+        return grad * sign * (diff.abs() == dist).to(diff.dtype)
+    if p < 2:
+        out = sign * diff.abs().pow(p - 1) * grad / dist.pow(p - 1)
+        out = out.masked_fill(diff == 0, 0) if p < 1 else out
+    else:
+        out = diff * grad / dist if p == 2 else diff * diff.abs().pow(p - 2) * grad / dist.pow(p - 1)
+    return out.masked_fill(dist == 0, 0)
+
+
+def _pair_diffs(x1, x2):  # (*batch, r1, r2, m): every row of x1 minus every row of x2, the batch dims broadcast
+    return torch.unsqueeze_copy(x1, -2) - torch.unsqueeze_copy(x2, -3)
+
+
+@_lowering("_cdist_forward", family="products", why="cpu", key="XLA")
+def _xla_cdist_forward(x1, x2, p, compute_mode=None):
+    """Below autograd (torch's derivative: _cdist_backward, ours): torch_xla's raised on batch dims that broadcast
+    (and so under vmap) and ran the backward on the CPU. Every pair of rows' difference, normed; p = 2 with
+    compute_mode's matrix products goes to _euclidean_dist, as torch's kernel does. Below autograd the tensors are
+    torch_xla's own: every step a copy, never a view (see _avg_pool)."""
+    _torch_checks("_cdist_forward", x1, x2, p, compute_mode)
+    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    (r1, m), r2 = x1.shape[-2:], x2.shape[-2]
+    if not (r1 and r2 and m and math.prod(batch)):  # empty, as torch's (no rows: empty; no columns: zeros)
+        return x1.new_zeros((*batch, r1, r2))
+    if p == 2 and (compute_mode == 1 or not compute_mode and (r1 > 25 or r2 > 25)):
+        return torch._euclidean_dist(torch.expand_copy(x1, (*batch, r1, m)), torch.expand_copy(x2, (*batch, r2, m)))
+    return _norms(_pair_diffs(x1, x2), p)
+
+
+@_lowering("_cdist_backward", family="products", why="cpu", key="XLA")
+def _xla_cdist_backward(grad, x1, x2, p, cdist):
+    """x1's gradient, over the broadcast batch as torch's (autograd sums it back to x1's shape)."""
+    _torch_checks("_cdist_backward", grad, x1, x2, p, cdist)
+    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    if not (x1.shape[-2] and x2.shape[-2] and x1.shape[-1] and math.prod(batch)):
+        return torch.zeros_like(x1)
+    return _norm_grads(_pair_diffs(x1, x2), grad, cdist, p).sum(-2)
+
+
+def _pairs(n, device):
+    """(i, j) of pdist's pairs, i < j in row-major order, computed on the device (torch_xla's triu_indices runs on
+    the CPU): pair k's row is the last i whose first pair, i * (2n - i - 1) / 2, is at most k (a binary search)."""
+    k = torch.arange(n * (n - 1) // 2, device=device)
+    low, high = torch.zeros_like(k), torch.full_like(k, n - 2)
+    for _ in range(max(1, (n - 1).bit_length())):
+        mid = (low + high + 1) // 2
+        fits = mid * (2 * n - mid - 1) // 2 <= k
+        low, high = torch.where(fits, mid, low), torch.where(fits, high, mid - 1)
+    return low, k - low * (2 * n - low - 1) // 2 + low + 1
+
+
+@_lowering("_pdist_forward", family="products", why="cpu", key="XLA")
+def _xla_pdist_forward(input, p=2):
+    """Below autograd (torch's derivative: _pdist_backward, ours): torch_xla's gave wrong distances for p = 0 and
+    p = inf, and ran the backward on the CPU. Each pair's rows gathered, their difference normed."""
+    _torch_checks("_pdist_forward", input, p)
+    n, m = input.shape
+    if n < 2 or m == 0:
+        return input.new_zeros(n * (n - 1) // 2)
+    i, j = _pairs(n, input.device)
+    return _norms(input.index_select(0, i) - input.index_select(0, j), p)
+
+
+@_lowering("_pdist_backward", family="products", why="cpu", key="XLA")
+def _xla_pdist_backward(grad, input, p, pdist):
+    """Each pair's gradient added to its first row and taken from its second (index_add: a scatter-add)."""
+    _torch_checks("_pdist_backward", grad, input, p, pdist)
+    n, m = input.shape
+    if n < 2 or m == 0:
+        return torch.zeros_like(input)
+    i, j = _pairs(n, input.device)
+    g = _norm_grads(input.index_select(0, i) - input.index_select(0, j), grad, pdist, p)
+    return torch.zeros_like(input).index_add(0, i, g).index_add(0, j, -g)
+
+
 @_lowering("einsum", family="products", why="grad2", hands_back=True)
 def _xla_einsum(equation, tensors, *, path=None):
     """Two operands: torch_xla's einsum (one dot that keeps every batch dim), with a backward of einsums, so that it

@@ -406,6 +406,33 @@ def test_average_pooling_divides_as_torch(spatial, shape, options):
             st._LOWERINGS[op].kernel(*([grad] if "backward" in op else []), x, *options[:-1], 0)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")])
+def test_distances_and_their_gradients_are_torchs(p):
+    """Issue 49: cdist's and pdist's kernels and backwards (the XLA key's) give torch's numbers where its backward
+    kernels have rules of their own: 0 at a zero distance, and for p < 1 at a zero coordinate difference; for p =
+    inf every coordinate at the distance (ties: equal rows, shared coordinates). cdist's batch dims broadcast; p = 2
+    with more than 25 rows takes the matrix-product form, as torch's; pdist's pairs are triu_indices' order."""
+    g = torch.Generator().manual_seed(int(p * 10) if p < 10 else 99)
+    x1, x2 = torch.randn(2, 1, 5, 3, generator=g, dtype=torch.float64), torch.randn(3, 6, 3, generator=g,
+                                                                                       dtype=torch.float64)
+    x1[..., 1, :], x1[..., 2, 0] = x2[0, 0], x2[0, 1, 0]
+    for a, b in ((x1, x2), (x1.flatten(0, 2), x2.flatten(0, 1).repeat(2, 1)[:30])):  # 30 rows: matrix products
+        want = torch.ops.aten._cdist_forward(a, b, p, None)
+        torch.testing.assert_close(st._LOWERINGS["_cdist_forward"].kernel(a, b, p, None), want)
+        grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(st._LOWERINGS["_cdist_backward"].kernel(grad, a, b, p, want),
+                                   torch.ops.aten._cdist_backward(grad, a.expand(*want.shape[:-2], -1, -1).contiguous(),
+                                                                  b.expand(*want.shape[:-2], -1, -1).contiguous(),
+                                                                  p, want))
+    x = x1.flatten(0, 2)
+    want = torch.ops.aten._pdist_forward(x, p)
+    torch.testing.assert_close(st._LOWERINGS["_pdist_forward"].kernel(x, p), want)
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(st._LOWERINGS["_pdist_backward"].kernel(grad, x, p, want),
+                               torch.ops.aten._pdist_backward(grad, x, p, want))
+    assert all(torch.equal(torch.stack(st._pairs(n, "cpu")), torch.triu_indices(n, n, 1)) for n in (2, 3, 17, 64))
+
+
 MASKED = [  # (input shape, indices (a bool mask, or None for a full slice), value shape, accumulate)
     ((4, 5), [(4, 5)], (), False), ((4, 5), [(4,)], (5,), False), ((4, 5), [(4,)], (1, 5), True),
     ((3, 4, 5), [None, (4,)], (), False), ((3, 4, 5), [None, (4, 5)], (1,), True), ((3, 4, 5), [(3,)], (4, 1), False),
