@@ -1294,23 +1294,41 @@ def _xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, bat
 def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
                        mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False,
                        padding_idx=None):
-    """(B, L) bags as an embedding and a reduction over L: torch flattens them into offsets for aten's embedding_bag,
-    which torch_xla runs on the CPU (two transfers a step, and the batch came back whole). Bags given by offsets,
-    max_norm, sparse, and whatever torch refuses (it checks before its own kernel runs) take torch's path."""
-    if not (_is_xla(input.device) and input.dim() == 2 and offsets is None and max_norm is None and not sparse
+    """(B, L) bags as an embedding and a reduction over L; 1-D indices with offsets as a reduction over a fixed
+    number of bags, each index's bag the count of the bags' starts up to it (a scatter of ones and a cumulative sum):
+    sums and means an index_add, maxima a scatter_reduce. torch flattens (B, L) bags into offsets for aten's
+    embedding_bag, which torch_xla runs on the CPU (two transfers a step, and the batch came back whole). max_norm,
+    sparse, and whatever torch refuses (it checks before its own kernel runs) take torch's path; offsets that do not
+    start at 0 or decrease (torch's CPU kernel reads them on the host to refuse them) are not checked."""
+    bags = input.dim() == 2 and offsets is None or (
+        input.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and _is_xla(offsets.device)
+        and offsets.dtype in (torch.int32, torch.int64) and len(offsets) > include_last_offset)
+    if not (_is_xla(input.device) and bags and max_norm is None and not sparse
             and not input.is_nested and not input.is_floating_point() and weight.dim() == 2
             and mode in ("sum", "mean", "max") and not (mode == "max" and scale_grad_by_freq)
             and (per_sample_weights is None or mode == "sum" and per_sample_weights.shape == input.shape)
             and (padding_idx is None or -len(weight) <= padding_idx < len(weight))):
         return _torch_path("embedding_bag")(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode,
                                             sparse, per_sample_weights, include_last_offset, padding_idx)
-    rows = torch.nn.functional.embedding(input, weight, scale_grad_by_freq=scale_grad_by_freq)  # (B, L, E)
+    rows = torch.nn.functional.embedding(input, weight, scale_grad_by_freq=scale_grad_by_freq)  # (..., L, E)
     keep = torch.ones_like(input, dtype=torch.bool) if padding_idx is None else input != padding_idx % len(weight)
-    if mode == "max":  # an empty bag is zeros, as torch's
-        return rows.masked_fill(~keep[..., None], -math.inf).amax(1).where(keep.any(1, keepdim=True), 0)
     weights = keep.to(rows.dtype) if per_sample_weights is None else per_sample_weights * keep
-    total = (rows * weights[..., None]).sum(1)
-    return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
+    if input.dim() == 2:
+        if mode == "max":  # an empty bag is zeros, as torch's
+            return rows.masked_fill(~keep[..., None], -math.inf).amax(1).where(keep.any(1, keepdim=True), 0)
+        total = (rows * weights[..., None]).sum(1)
+        return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
+    n, count = len(offsets), len(offsets) - include_last_offset  # include_last_offset: indices past its end dropped
+    starts = torch.zeros(len(input) + 1, dtype=torch.long, device=input.device).index_add(
+        0, offsets.long().clamp(0, len(input)), torch.ones_like(offsets, dtype=torch.long))
+    bag = starts.cumsum(0)[:-1] - 1  # (L,): each index's bag, in [0, n)
+    size = torch.zeros(n, dtype=rows.dtype, device=input.device).index_add(0, bag, keep.to(rows.dtype))[:count, None]
+    if mode == "max":
+        peak = rows.new_full((n, rows.shape[1]), -math.inf).scatter_reduce(
+            0, bag[:, None].expand(rows.shape), rows.masked_fill(~keep[:, None], -math.inf), "amax")
+        return peak[:count].where(size > 0, 0)
+    total = rows.new_zeros((n, rows.shape[1])).index_add(0, bag, rows * weights[:, None])[:count]
+    return total / size.clamp(min=1) if mode == "mean" else total
 
 # --- 7d. lowerings: norms, pointwise ops and masks ------------------------------------------------
 # torch_xla's layer_norm, training batch_norm (so instance_norm) and group_norm are one op over the batch (a GroupNorm

@@ -433,6 +433,31 @@ def test_distances_and_their_gradients_are_torchs(p):
     assert all(torch.equal(torch.stack(st._pairs(n, "cpu")), torch.triu_indices(n, n, 1)) for n in (2, 3, 17, 64))
 
 
+BAGS = [  # (mode, offsets, include_last_offset, padding_idx, per-sample weights) over 9 indices
+    ("sum", [0, 2, 2, 7], False, None, True), ("mean", [0, 3, 3, 9], True, 1, False),
+    ("max", [0, 4, 4], False, 2, False), ("max", [0, 1, 5, 9], True, None, False), ("mean", [0], False, None, False),
+    ("sum", [0, 9, 9], False, 3, True),
+]
+
+
+@pytest.mark.parametrize("mode, offsets, last, padding_idx, weighted", BAGS)
+def test_embedding_bags_by_offsets_are_torchs(monkeypatch, mode, offsets, last, padding_idx, weighted):
+    """Issue 49: 1-D indices with offsets are reduced over a fixed number of bags (each index's bag counted from the
+    bags' starts): empty bags (zeros), padding (out of sums, counts and maxima), per-sample weights, and an
+    include_last_offset end give torch's bags and gradients (the kernel, on CPU tensors standing for XLA ones)."""
+    monkeypatch.setattr(st, "_is_xla", lambda device: True)
+    g = torch.Generator().manual_seed(len(offsets))
+    ids, weight = torch.randint(0, 5, (9,), generator=g), torch.randn(5, 3, generator=g, requires_grad=True)
+    scale = torch.randn(9, generator=g, requires_grad=True) if weighted else None
+    options = dict(mode=mode, include_last_offset=last, padding_idx=padding_idx, per_sample_weights=scale)
+    want = torch.nn.functional.embedding_bag(ids, weight, torch.tensor(offsets), **options)
+    got = st._xla_embedding_bag(ids, weight, torch.tensor(offsets, dtype=torch.int32), **options)
+    torch.testing.assert_close(got, want)
+    grad, leaves = torch.randn(want.shape, generator=g), [weight] + ([scale] if weighted else [])
+    for ours, torchs in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(ours, torchs)
+
+
 MASKED = [  # (input shape, indices (a bool mask, or None for a full slice), value shape, accumulate)
     ((4, 5), [(4, 5)], (), False), ((4, 5), [(4,)], (5,), False), ((4, 5), [(4,)], (1, 5), True),
     ((3, 4, 5), [None, (4,)], (), False), ((3, 4, 5), [None, (4, 5)], (1,), True), ((3, 4, 5), [(3,)], (4, 1), False),
