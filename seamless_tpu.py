@@ -1542,6 +1542,38 @@ for _spatial in (2, 3):
     _lowering(f"adaptive_max_pool{_spatial}d", family="pooling", why="cpu")(_adaptive_max_pool(_spatial))
 
 
+def _fractional_max_pool(spatial):
+    """Each plane's pseudo-random windows (F.fractional_max_pool draws their samples on the input's device, from its
+    generator), reduced as adaptive max pooling's (_windowed_max), with per-plane candidates: torch_xla ran both the
+    op and its backward on the CPU. The windows' starts as torch's kernel computes them, in the samples' dtype."""
+    op = f"fractional_max_pool{spatial}d"
+    order = (1, 0) if spatial == 2 else (0, 1, 2)  # which sample each dimension uses: 2-D's are (W, H)
+
+    def kernel(input, kernel_size, output_size, random_samples):
+        _torch_checks(op, input, kernel_size, output_size, random_samples)
+        if input.numel() == 0:  # an empty batch (XLA's gather refuses a slice of it), still in the graph
+            shape = (*input.shape[:input.dim() - spatial], *output_size)
+            return input.sum().expand(shape), input.new_zeros(shape, dtype=torch.long)
+        samples = random_samples if input.dim() == spatial + 2 else random_samples[0]  # unbatched: (1, C, spatial)
+        windows = []
+        for n, k, m, j in zip(input.shape[input.dim() - spatial:], kernel_size, output_size, order):
+            u = samples[..., j]
+            if m > 1:
+                alpha = torch.full((), n - k, dtype=u.dtype, device=u.device) / (m - 1)
+                at = torch.arange(m - 1, dtype=u.dtype, device=u.device)
+                start = ((at + u[..., None]) * alpha).long() - (u * alpha).long()[..., None]
+                start = torch.cat([start, start.new_full((*u.shape, 1), n - k)], -1)
+            else:
+                start = torch.full((*u.shape, 1), n - k, device=u.device)
+            windows.append(start[..., None] + torch.arange(k, device=u.device))  # (N, C, m, k)
+        return _windowed_max(input, windows)
+    return kernel
+
+
+for _spatial in (2, 3):
+    _lowering(f"fractional_max_pool{_spatial}d", family="pooling", why="cpu")(_fractional_max_pool(_spatial))
+
+
 def _windowed_max(input, windows):
     """The max over each output's window, a box given along each spatial dimension by its candidates' indices: (m,
     width), or one set per plane (N, C, m, width). The max along the last dimension's candidates, then along the

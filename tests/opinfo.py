@@ -67,6 +67,8 @@ OPINFO_NAMES = {
     "_cdist_backward": ["cdist"],
     "_pdist_forward": ["nn.functional.pdist"],
     "_pdist_backward": ["nn.functional.pdist"],
+    "fractional_max_pool2d": ["nn.functional.fractional_max_pool2d"],
+    "fractional_max_pool3d": ["nn.functional.fractional_max_pool3d"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

@@ -433,6 +433,27 @@ def test_distances_and_their_gradients_are_torchs(p):
     assert all(torch.equal(torch.stack(st._pairs(n, "cpu")), torch.triu_indices(n, n, 1)) for n in (2, 3, 17, 64))
 
 
+FRACTIONAL = [((2, 3, 9, 8), [3, 2], [4, 5]), ((3, 7, 7), [2, 2], [1, 6]), ((2, 2, 7, 6, 5), [2, 3, 2], [3, 2, 3]),
+              ((0, 2, 5, 5, 5), [2, 2, 2], [2, 2, 2])]
+
+
+@pytest.mark.parametrize("shape, kernel_size, output_size", FRACTIONAL)
+def test_fractional_max_pooling_windows_are_torchs(shape, kernel_size, output_size):
+    """Issue 49: given the samples (F draws them on the input's device), each plane's windows start where torch's
+    kernel puts them (2-D's samples are (W, H), 3-D's (T, H, W)); values, indices (ties: the first in row-major
+    order) and the gradient equal torch's, unbatched and for an empty batch too."""
+    g, spatial = torch.Generator().manual_seed(len(shape)), len(kernel_size)
+    x = torch.randint(0, 4, shape, generator=g).double().requires_grad_()
+    samples = torch.rand(shape[0] if len(shape) == spatial + 2 else 1, shape[-spatial - 1], spatial, generator=g,
+                         dtype=torch.float64)
+    op = f"fractional_max_pool{spatial}d"
+    want, got = (f(x, kernel_size, output_size, samples) for f in (getattr(torch.ops.aten, op),
+                                                                    st._LOWERINGS[op].kernel))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0].requires_grad
+    grad = torch.randn(want[0].shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(got[0], x, grad)[0], torch.autograd.grad(want[0], x, grad)[0])
+
+
 BAGS = [  # (mode, offsets, include_last_offset, padding_idx, per-sample weights) over 9 indices
     ("sum", [0, 2, 2, 7], False, None, True), ("mean", [0, 3, 3, 9], True, 1, False),
     ("max", [0, 4, 4], False, 2, False), ("max", [0, 1, 5, 9], True, None, False), ("mean", [0], False, None, False),
