@@ -11,7 +11,7 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
   for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, masks, pooling,
-  windows, resampling) at AutogradXLA (addmm: XLA), F.multi_head_attention_forward, F.embedding_bag; without jax
+  windows, resampling) at AutogradXLA (a few: XLA), F.multi_head_attention_forward, F.embedding_bag; without jax
   torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps the Parameters (swap_module_params_on_conversion in it).
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
   torch modes counting its first step's FLOPs; log(): a thread, step closures. An XLA trainer with repeated blocks:
@@ -997,8 +997,9 @@ def _computation_dtype(x):
 
 # --- 7c. lowerings: products and attention --------------------------------------------------------
 # torch_xla folds matmul's (T, B, E) into (T*B, E) and (B, H, T, d) into (B*H, T, d), where GSPMD kept one split of
-# two; GSPMD all-gathered a grouped convolution's batch; attention viewed (T, B, H, d) as (T*B, E); (B, L) embedding
-# bags ran on the CPU; einsum's C++ backward had no second derivative (silently 0). Ours keep every dimension.
+# two; GSPMD all-gathered a grouped convolution's batch; attention viewed (T, B, H, d) as (T*B, E); embedding bags,
+# cdist's and pdist's backwards ran on the CPU; einsum's C++ backward had no second derivative (silently 0). Ours
+# keep every dimension.
 
 
 @_lowering("matmul", family="products", why="batch", hands_back=True)
@@ -1486,7 +1487,8 @@ def _masked_where(self, indices, values, accumulate):
     return self + torch.where(mask, values, 0) if accumulate else torch.where(mask, values, self)
 
 # --- 7e. lowerings: pooling, windows and resampling -----------------------------------------------
-# Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU), upsampling (each
+# Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU, 3-D always), average
+# pooling's backward under ceil_mode, count_include_pad=False or a divisor, fractional max pooling, upsampling (each
 # device gathered the whole upsampled image; nearest-exact ran on the CPU), im2col/col2im (F.unfold/F.fold) and 2-D
 # grid_sample (on the CPU): separable windows, strided slices and per-dimension gathers that keep the batch split.
 

@@ -103,9 +103,9 @@ def test_default_ddp_mesh_has_no_model_axis_whatever_the_host_count(four_hosts):
 
 
 def kernels_at_autograd_xla():
-    """The aten ops whose kernel for XLA tensors at their lowering's key (AutogradXLA, or XLA for addmm) is ours: one
-    registered from Python (torch_xla has its own C++ einsum and addmm there once its library is loaded; torch's
-    composites have none)."""
+    """The aten ops whose kernel for XLA tensors at their lowering's key (AutogradXLA, or XLA: addmm, average pooling,
+    cdist, pdist) is ours: one registered from Python (torch_xla has its own C++ einsum, addmm, avg_pool2d, ... there
+    once its library is loaded; torch's composites have none)."""
     def active(op):
         return torch._C._dispatch_dump(f"aten::{op}").partition(f"\n{st._LOWERINGS[op].key}: ")[2].partition("\n")[0]
     return {op for op in st._LOWERINGS if not st._LOWERINGS[op].functional and ".py:" in active(op)}
