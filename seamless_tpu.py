@@ -11,7 +11,7 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
   for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, masks, pooling,
-  windows, resampling) at AutogradXLA (addmm: XLA), F.multi_head_attention_forward, F.embedding_bag; without jax
+  windows, resampling) at AutogradXLA (a few: XLA), F.multi_head_attention_forward, F.embedding_bag; without jax
   torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps the Parameters (swap_module_params_on_conversion in it);
   torch.inference_mode() is no_grad.
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
@@ -1002,8 +1002,10 @@ def _torch_path(op):
 
 
 def _torch_xla_path(op):
-    """torch_xla's own kernel of aten `op`, which a key="XLA" lowering replaced: for the inputs it lowers well."""
-    return functools.partial(_STATE.xla_kernels[op].call_boxed, torch._C.DispatchKeySet(torch._C.DispatchKey.XLA))
+    """torch_xla's own kernel of aten `op`, which a key="XLA" lowering replaced, for the inputs it lowers well; None
+    where there is none (a fake torch_xla, the kernels run on CPU tensors in the fast tests)."""
+    kernel = _STATE.xla_kernels.get(op)
+    return kernel and functools.partial(kernel.call_boxed, torch._C.DispatchKeySet(torch._C.DispatchKey.XLA))
 
 
 def _torch_checks(op, *args, **kwargs):
@@ -1029,8 +1031,9 @@ def _computation_dtype(x):
 
 # --- 7c. lowerings: products and attention --------------------------------------------------------
 # torch_xla folds matmul's (T, B, E) into (T*B, E) and (B, H, T, d) into (B*H, T, d), where GSPMD kept one split of
-# two; GSPMD all-gathered a grouped convolution's batch; attention viewed (T, B, H, d) as (T*B, E); (B, L) embedding
-# bags ran on the CPU; einsum's C++ backward had no second derivative (silently 0). Ours keep every dimension.
+# two; GSPMD all-gathered a grouped convolution's batch; attention viewed (T, B, H, d) as (T*B, E); embedding bags,
+# cdist's and pdist's backwards ran on the CPU; einsum's C++ backward had no second derivative (silently 0). Ours
+# keep every dimension.
 
 
 @_lowering("matmul", family="products", why="batch", hands_back=True)
@@ -1063,8 +1066,9 @@ def _xla_addmm(self, mat1, mat2, *, beta=1, alpha=1):
     """Below autograd, so torch's derivative stays: torch_xla ran addmm on the CPU unless beta and alpha are 1 (torch's
     Muon: a graph cut at each of its Newton-Schulz steps). The dot and sum its own kernel builds, each scaled; at 1
     and 1 torch_xla's kernel (a 2-D Linear's forward traced in 57 us, 75 through here, 121 as two ops)."""
-    if beta == 1 and alpha == 1:
-        return _torch_xla_path("addmm")(self, mat1, mat2)
+    own = _torch_xla_path("addmm")
+    if own and beta == 1 and alpha == 1:
+        return own(self, mat1, mat2)
     if not (self.dtype == mat1.dtype == mat2.dtype and mat1.dim() == mat2.dim() == 2 and self.dim() <= 2
             and mat1.shape[1] == mat2.shape[0]):
         _torch_checks("addmm", self, mat1, mat2, beta=beta, alpha=alpha)  # shapes; the meta kernel skips dtypes
@@ -1072,6 +1076,103 @@ def _xla_addmm(self, mat1, mat2, *, beta=1, alpha=1):
                      f"dtype, but got {self.dtype}, {mat1.dtype} and {mat2.dtype}")
     out = torch.mm(mat1, mat2) * alpha
     return out if beta == 0 else out + (self if beta == 1 else self * beta)  # beta 0: self ignored, NaNs too
+
+
+def _norms(diff, p):
+    """torch's p-norm (p >= 0) of each row of diff over its last dimension, as cdist's and pdist's kernels."""
+    a = diff.abs()
+    if p == 0:
+        return (a != 0).to(diff.dtype).sum(-1)
+    if p == 1:
+        return a.sum(-1)
+    if p == 2:
+        return a.square().sum(-1).sqrt()
+    return a.amax(-1) if math.isinf(p) else a.pow(p).sum(-1).pow(1 / p)
+
+
+def _norm_grads(diff, grad, dist, p):
+    """Each row of diff's gradient through its p-norm `dist`, times its `grad`: the formulas of torch's cdist and
+    pdist backward kernels (0 where the distance is 0; for p < 1 where the coordinate's difference is, too; for
+    p = inf every coordinate whose |difference| is the distance)."""
+    grad, dist, sign = torch.unsqueeze_copy(grad, -1), torch.unsqueeze_copy(dist, -1), diff.sign()
+    if p == 0:
+        return torch.zeros_like(diff)
+    if p == 1:
+        return grad * sign
+    if math.isinf(p):
+        return grad * sign * (diff.abs() == dist).to(diff.dtype)
+    if p < 2:
+        out = sign * diff.abs().pow(p - 1) * grad / dist.pow(p - 1)
+        out = out.masked_fill(diff == 0, 0) if p < 1 else out
+    else:
+        out = diff * grad / dist if p == 2 else diff * diff.abs().pow(p - 2) * grad / dist.pow(p - 1)
+    return out.masked_fill(dist == 0, 0)
+
+
+def _pair_diffs(x1, x2):  # (*batch, r1, r2, m): every row of x1 minus every row of x2, the batch dims broadcast
+    return torch.unsqueeze_copy(x1, -2) - torch.unsqueeze_copy(x2, -3)
+
+
+@_lowering("_cdist_forward", family="products", why="cpu", key="XLA")
+def _xla_cdist_forward(x1, x2, p, compute_mode=None):
+    """Below autograd (torch's derivative: _cdist_backward, ours): torch_xla's raised on batch dims that broadcast
+    (and so under vmap) and ran the backward on the CPU. Every pair of rows' difference, normed; p = 2 with
+    compute_mode's matrix products goes to _euclidean_dist, as torch's kernel does. Below autograd the tensors are
+    torch_xla's own: every step a copy, never a view (see _avg_pool)."""
+    _torch_checks("_cdist_forward", x1, x2, p, compute_mode)
+    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    (r1, m), r2 = x1.shape[-2:], x2.shape[-2]
+    if not (r1 and r2 and m and math.prod(batch)):  # empty, as torch's (no rows: empty; no columns: zeros)
+        return x1.new_zeros((*batch, r1, r2))
+    if p == 2 and (compute_mode == 1 or not compute_mode and (r1 > 25 or r2 > 25)):
+        return torch._euclidean_dist(torch.expand_copy(x1, (*batch, r1, m)), torch.expand_copy(x2, (*batch, r2, m)))
+    return _norms(_pair_diffs(x1, x2), p)
+
+
+@_lowering("_cdist_backward", family="products", why="cpu", key="XLA")
+def _xla_cdist_backward(grad, x1, x2, p, cdist):
+    """x1's gradient, over the broadcast batch as torch's (autograd sums it back to x1's shape)."""
+    _torch_checks("_cdist_backward", grad, x1, x2, p, cdist)
+    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    if not (x1.shape[-2] and x2.shape[-2] and x1.shape[-1] and math.prod(batch)):
+        return torch.zeros_like(x1)
+    return _norm_grads(_pair_diffs(x1, x2), grad, cdist, p).sum(-2)
+
+
+def _pairs(n, device):
+    """(i, j) of pdist's pairs, i < j in row-major order, computed on the device (torch_xla's triu_indices runs on
+    the CPU): pair k's row is the last i whose first pair, i * (2n - i - 1) / 2, is at most k (a binary search)."""
+    k = torch.arange(n * (n - 1) // 2, device=device)
+    low, high = torch.zeros_like(k), torch.full_like(k, n - 2)
+    for _ in range(max(1, (n - 1).bit_length())):
+        mid = (low + high + 1) // 2
+        fits = mid * (2 * n - mid - 1) // 2 <= k
+        low, high = torch.where(fits, mid, low), torch.where(fits, high, mid - 1)
+    return low, k - low * (2 * n - low - 1) // 2 + low + 1
+
+
+@_lowering("_pdist_forward", family="products", why="cpu", key="XLA")
+def _xla_pdist_forward(input, p=2):
+    """Below autograd (torch's derivative: _pdist_backward, ours): torch_xla's gave wrong distances for p = 0 and
+    p = inf, and ran the backward on the CPU. Each pair's rows gathered, their difference normed."""
+    _torch_checks("_pdist_forward", input, p)
+    n, m = input.shape
+    if n < 2 or m == 0:
+        return input.new_zeros(n * (n - 1) // 2)
+    i, j = _pairs(n, input.device)
+    return _norms(input.index_select(0, i) - input.index_select(0, j), p)
+
+
+@_lowering("_pdist_backward", family="products", why="cpu", key="XLA")
+def _xla_pdist_backward(grad, input, p, pdist):
+    """Each pair's gradient added to its first row and taken from its second (index_add: a scatter-add)."""
+    _torch_checks("_pdist_backward", grad, input, p, pdist)
+    n, m = input.shape
+    if n < 2 or m == 0:
+        return torch.zeros_like(input)
+    i, j = _pairs(n, input.device)
+    g = _norm_grads(input.index_select(0, i) - input.index_select(0, j), grad, pdist, p)
+    return torch.zeros_like(input).index_add(0, i, g).index_add(0, j, -g)
 
 
 @_lowering("einsum", family="products", why="grad2", hands_back=True)
@@ -1231,23 +1332,41 @@ def _xla_attention(*args, **kwargs):  # torch's (T, B, E) layout in and out, bat
 def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
                        mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False,
                        padding_idx=None):
-    """(B, L) bags as an embedding and a reduction over L: torch flattens them into offsets for aten's embedding_bag,
-    which torch_xla runs on the CPU (two transfers a step, and the batch came back whole). Bags given by offsets,
-    max_norm, sparse, and whatever torch refuses (it checks before its own kernel runs) take torch's path."""
-    if not (_is_xla(input.device) and input.dim() == 2 and offsets is None and max_norm is None and not sparse
+    """(B, L) bags as an embedding and a reduction over L; 1-D indices with offsets as a reduction over a fixed
+    number of bags, each index's bag the count of the bags' starts up to it (a scatter of ones and a cumulative sum):
+    sums and means an index_add, maxima a scatter_reduce. torch flattens (B, L) bags into offsets for aten's
+    embedding_bag, which torch_xla runs on the CPU (two transfers a step, and the batch came back whole). max_norm,
+    sparse, and whatever torch refuses (it checks before its own kernel runs) take torch's path; offsets that do not
+    start at 0 or decrease (torch's CPU kernel reads them on the host to refuse them) are not checked."""
+    bags = input.dim() == 2 and offsets is None or (
+        input.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and _is_xla(offsets.device)
+        and offsets.dtype in (torch.int32, torch.int64) and len(offsets) > include_last_offset)
+    if not (_is_xla(input.device) and bags and max_norm is None and not sparse
             and not input.is_nested and not input.is_floating_point() and weight.dim() == 2
             and mode in ("sum", "mean", "max") and not (mode == "max" and scale_grad_by_freq)
             and (per_sample_weights is None or mode == "sum" and per_sample_weights.shape == input.shape)
             and (padding_idx is None or -len(weight) <= padding_idx < len(weight))):
         return _torch_path("embedding_bag")(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode,
                                             sparse, per_sample_weights, include_last_offset, padding_idx)
-    rows = torch.nn.functional.embedding(input, weight, scale_grad_by_freq=scale_grad_by_freq)  # (B, L, E)
+    rows = torch.nn.functional.embedding(input, weight, scale_grad_by_freq=scale_grad_by_freq)  # (..., L, E)
     keep = torch.ones_like(input, dtype=torch.bool) if padding_idx is None else input != padding_idx % len(weight)
-    if mode == "max":  # an empty bag is zeros, as torch's
-        return rows.masked_fill(~keep[..., None], -math.inf).amax(1).where(keep.any(1, keepdim=True), 0)
     weights = keep.to(rows.dtype) if per_sample_weights is None else per_sample_weights * keep
-    total = (rows * weights[..., None]).sum(1)
-    return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
+    if input.dim() == 2:
+        if mode == "max":  # an empty bag is zeros, as torch's
+            return rows.masked_fill(~keep[..., None], -math.inf).amax(1).where(keep.any(1, keepdim=True), 0)
+        total = (rows * weights[..., None]).sum(1)
+        return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
+    n, count = len(offsets), len(offsets) - include_last_offset  # include_last_offset: indices past its end dropped
+    starts = torch.zeros(len(input) + 1, dtype=torch.long, device=input.device).index_add(
+        0, offsets.long().clamp(0, len(input)), torch.ones_like(offsets, dtype=torch.long))
+    bag = starts.cumsum(0)[:-1] - 1  # (L,): each index's bag, in [0, n)
+    size = torch.zeros(n, dtype=rows.dtype, device=input.device).index_add(0, bag, keep.to(rows.dtype))[:count, None]
+    if mode == "max":
+        peak = rows.new_full((n, rows.shape[1]), -math.inf).scatter_reduce(
+            0, bag[:, None].expand(rows.shape), rows.masked_fill(~keep[:, None], -math.inf), "amax")
+        return peak[:count].where(size > 0, 0)
+    total = rows.new_zeros((n, rows.shape[1])).index_add(0, bag, rows * weights[:, None])[:count]
+    return total / size.clamp(min=1) if mode == "mean" else total
 
 # --- 7d. lowerings: norms, pointwise ops and masks ------------------------------------------------
 # torch_xla's layer_norm, training batch_norm (so instance_norm) and group_norm are one op over the batch (a GroupNorm
@@ -1405,7 +1524,8 @@ def _masked_where(self, indices, values, accumulate):
     return self + torch.where(mask, values, 0) if accumulate else torch.where(mask, values, self)
 
 # --- 7e. lowerings: pooling, windows and resampling -----------------------------------------------
-# Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU), upsampling (each
+# Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU, 3-D always), average
+# pooling's backward under ceil_mode, count_include_pad=False or a divisor, fractional max pooling, upsampling (each
 # device gathered the whole upsampled image; nearest-exact ran on the CPU), im2col/col2im (F.unfold/F.fold) and 2-D
 # grid_sample (on the CPU): separable windows, strided slices and per-dimension gathers that keep the batch split.
 
@@ -1436,29 +1556,88 @@ def _xla_adaptive_avg_pool(input, output_size):
     return input
 
 
-@_lowering("adaptive_max_pool2d", family="pooling", why="cpu")
-def _xla_adaptive_max_pool2d(input, output_size):
-    """Each output's window as gathered candidates (a short window repeats its last), the max along W, then along H;
-    the flat index of the winner, as torch's. Every size: torch_xla ran those that do not divide the input's on the
-    CPU, and the op has no composite to hand the others to."""
-    _torch_checks("adaptive_max_pool2d", input, output_size)
-    if not all(output_size):  # an empty output, as torch's, still in the graph (windows of m = 0 divide by zero)
-        shape = (*input.shape[:-2], *output_size)
-        return input.amax((-2, -1), keepdim=True).expand(shape), input.new_zeros(shape, dtype=torch.long)
-    windows = []
-    for n, m in zip(input.shape[-2:], output_size):
-        start, end = _adaptive_windows(n, m, input.device)
-        width = -(-n // m) + 1  # the widest window: ceil(n / m) + 1
-        windows.append(torch.minimum(start[:, None] + torch.arange(width, device=input.device), end[:, None] - 1))
-    (rows, cols), ow = windows, output_size[1]
-    along_w = input.index_select(-1, cols.flatten()).unflatten(-1, cols.shape)  # (..., H, ow, kw)
-    value, pick = along_w.max(-1)
-    col = cols.expand(*pick.shape[:-1], *cols.shape).gather(-1, pick[..., None])[..., 0]  # (..., H, ow)
-    along_h = value.index_select(-2, rows.flatten()).unflatten(-2, rows.shape)  # (..., oh, kh, ow)
-    value, pick = along_h.max(-2)
-    row = rows[:, :, None].expand(*pick.shape[:-2], *rows.shape, ow).gather(-2, pick[..., None, :])[..., 0, :]
-    col = col.index_select(-2, rows.flatten()).unflatten(-2, rows.shape).gather(-2, pick[..., None, :])[..., 0, :]
-    return value, row * input.shape[-1] + col
+def _adaptive_max_pool(spatial):
+    """Each output's window as gathered candidates (a short window repeats its last), reduced one dimension at a
+    time (_windowed_max). Every size: torch_xla ran 2-D's to sizes that do not divide the input's, and 3-D's always,
+    on the CPU, and the ops have no composite to hand the others to."""
+    op = f"adaptive_max_pool{spatial}d"
+
+    def kernel(input, output_size):
+        _torch_checks(op, input, output_size)
+        shape = (*input.shape[:input.dim() - spatial], *output_size)
+        if not all(output_size):  # an empty output, as torch's, still in the graph (windows of m = 0 divide by 0)
+            return input.amax(tuple(range(-spatial, 0)), keepdim=True).expand(shape), input.new_zeros(
+                shape, dtype=torch.long)
+        windows = []
+        for n, m in zip(input.shape[input.dim() - spatial:], output_size):
+            start, end = _adaptive_windows(n, m, input.device)
+            width = -(-n // m) + 1  # the widest window: ceil(n / m) + 1
+            windows.append(torch.minimum(start[:, None] + torch.arange(width, device=input.device), end[:, None] - 1))
+        return _windowed_max(input, windows)
+    return kernel
+
+
+for _spatial in (2, 3):
+    _lowering(f"adaptive_max_pool{_spatial}d", family="pooling", why="cpu")(_adaptive_max_pool(_spatial))
+
+
+def _fractional_max_pool(spatial):
+    """Each plane's pseudo-random windows (F.fractional_max_pool draws their samples on the input's device, from its
+    generator), reduced as adaptive max pooling's (_windowed_max), with per-plane candidates: torch_xla ran both the
+    op and its backward on the CPU. The windows' starts as torch's kernel computes them, in the samples' dtype."""
+    op = f"fractional_max_pool{spatial}d"
+    order = (1, 0) if spatial == 2 else (0, 1, 2)  # which sample each dimension uses: 2-D's are (W, H)
+
+    def kernel(input, kernel_size, output_size, random_samples):
+        _torch_checks(op, input, kernel_size, output_size, random_samples)
+        if input.numel() == 0:  # an empty batch (XLA's gather refuses a slice of it), still in the graph
+            shape = (*input.shape[:input.dim() - spatial], *output_size)
+            return input.sum().expand(shape), input.new_zeros(shape, dtype=torch.long)
+        samples = random_samples if input.dim() == spatial + 2 else random_samples[0]  # unbatched: (1, C, spatial)
+        windows = []
+        for n, k, m, j in zip(input.shape[input.dim() - spatial:], kernel_size, output_size, order):
+            u = samples[..., j]
+            if m > 1:
+                alpha = torch.full((), n - k, dtype=u.dtype, device=u.device) / (m - 1)
+                at = torch.arange(m - 1, dtype=u.dtype, device=u.device)
+                start = ((at + u[..., None]) * alpha).long() - (u * alpha).long()[..., None]
+                start = torch.cat([start, start.new_full((*u.shape, 1), n - k)], -1)
+            else:
+                start = torch.full((*u.shape, 1), n - k, device=u.device)
+            windows.append(start[..., None] + torch.arange(k, device=u.device))  # (N, C, m, k)
+        return _windowed_max(input, windows)
+    return kernel
+
+
+for _spatial in (2, 3):
+    _lowering(f"fractional_max_pool{_spatial}d", family="pooling", why="cpu")(_fractional_max_pool(_spatial))
+
+
+def _windowed_max(input, windows):
+    """The max over each output's window, a box given along each spatial dimension by its candidates' indices: (m,
+    width), or one set per plane (N, C, m, width). The max along the last dimension's candidates, then along the
+    next, ... (the batch stays split); the flat index of the winner, as torch's (the first max in row-major order).
+    At the AutogradXLA key: autograd differentiates the gathers and maxima."""
+    spatial, value, flat, inner = len(windows), input, None, 1
+    for k in reversed(range(spatial)):
+        d, at = input.dim() - spatial + k, windows[k]
+        m, width = at.shape[-2:]
+        rest = (1,) * (spatial - 1 - k)
+
+        def candidates(t):  # (..., m, width, *rest): t's values at each output's candidates along d
+            if at.dim() == 2:
+                return t.index_select(d, at.flatten()).unflatten(d, (m, width))
+            index = at.reshape(*at.shape[:-2], *(1,) * (d - at.dim() + 2), m * width, *rest)
+            return t.gather(d, index.expand(*t.shape[:d], m * width, *t.shape[d + 1:])).unflatten(d, (m, width))
+
+        found = candidates(value)
+        value, pick = found.max(d + 1)
+        pick = pick.unsqueeze(d + 1)
+        where = at.reshape(*at.shape[:-2], *(1,) * (d - at.dim() + 2), m, width, *rest).expand(found.shape)
+        where = where.gather(d + 1, pick).squeeze(d + 1) * inner
+        flat = where if flat is None else where + candidates(flat).gather(d + 1, pick).squeeze(d + 1)
+        inner *= input.shape[d]
+    return value, flat
 
 
 def _windows(input, kernel, dilation, padding, stride):
@@ -1472,6 +1651,96 @@ def _windows(input, kernel, dilation, padding, stride):
         index = tuple(slice(o * d, o * d + (m - 1) * s + 1, s) for o, d, m, s in zip(offset, dilation, out, stride))
         views.append(input[(..., *index)])
     return torch.stack(views, 2)
+
+
+def _pool_plan(spatial, kernel_size, stride, padding, ceil_mode, sizes):
+    """Per spatial dimension (kernel, stride, padding, output size) as torch's pooling: a single int or empty stride
+    spread, the output size rounded up under ceil_mode unless the last window would start in the right padding."""
+    def spread(v, default):
+        return [default[k] for k in range(spatial)] if len(v) == 0 else [v[0]] * spatial if len(v) == 1 else list(v)
+    kernel = spread(kernel_size, None)
+    plan = []
+    for n, k, s, p in zip(sizes, kernel, spread(stride, kernel), spread(padding, None)):
+        m = (n + 2 * p - k + (s - 1 if ceil_mode else 0)) // s + 1
+        plan.append((k, s, p, m - 1 if ceil_mode and (m - 1) * s >= n + p else m))
+    return plan
+
+
+def _avg_pool_divisor(input, sizes, plan, count_include_pad, divisor_override, dtype):
+    """The divisor of each output, as torch's: the window's size in the input and its padding (count_include_pad)
+    or in the input alone, clipped at the right padding's end: a product over the dimensions, built from iotas."""
+    if divisor_override is not None:  # (the checks of avg_pool3d's meta kernels and of 2-D's backward miss a 0)
+        torch._check(divisor_override != 0, lambda: "divisor must be not zero")
+        return divisor_override
+    divisor = 1
+    for j, (n, (k, s, p, m)) in enumerate(zip(sizes, plan)):
+        start = torch.arange(m, device=input.device) * s - p
+        end = (start + k).clamp(max=n + p)
+        count = end - start if count_include_pad else end.clamp(max=n) - start.clamp(min=0)
+        divisor = divisor * torch.ops.aten.view_copy(count, (m,) + (1,) * (len(plan) - j - 1))
+    return divisor.to(dtype)
+
+
+def _padded(x, d, left, right):  # x padded with zeros along dimension d
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - d) + [left, right])
+
+
+def _avg_pool(spatial):
+    """avg_pool{spatial}d below autograd (torch's derivative: avg_pool_backward, ours, whose own is this one): each
+    window's sum by strided slices, one dimension at a time (the batch stays split), over torch's divisor. torch_xla
+    ran the backward on the CPU under ceil_mode, count_include_pad=False or a divisor_override, and ignored the
+    override in its forward (wrong numbers): the other inputs go to its own kernels. Below autograd the tensors are
+    torch_xla's own, not functionalized: a view of a view read the base's layout, so every step is a copy
+    (slice_copy, view_copy), never a view."""
+    op = f"avg_pool{spatial}d"
+
+    def kernel(input, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+        own = _torch_xla_path(op)
+        if own and divisor_override is None:  # one reduce-window, where ours is a slice per offset
+            return own(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        _torch_checks(op, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        sizes = input.shape[input.dim() - spatial:]
+        plan = _pool_plan(spatial, kernel_size, stride, padding, ceil_mode, sizes)
+        x = input.to(_computation_dtype(input))
+        for d, (n, (k, s, p, m)) in enumerate(zip(sizes, plan), input.dim() - spatial):
+            x = _padded(x, d, p, max(0, (m - 1) * s + k - n - p))
+            x = functools.reduce(torch.add, [torch.slice_copy(x, d, t, t + (m - 1) * s + 1, s) for t in range(k)])
+        divisor = _avg_pool_divisor(input, sizes, plan, count_include_pad, divisor_override, x.dtype)
+        if not x.is_floating_point():  # torch's integer division truncates
+            return x.div(divisor, rounding_mode="trunc").to(input.dtype)
+        return (x / divisor).to(input.dtype)
+
+    def backward(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+        """The adjoint of the forward: the gradient over the divisor, spread back over each window (each offset's
+        stride-dilated gradient padded into place), one dimension at a time."""
+        own = _torch_xla_path(f"{op}_backward")
+        if own and not ceil_mode and count_include_pad and divisor_override is None:
+            return own(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        _torch_checks(f"{op}_backward", grad_output, input, kernel_size, stride, padding, ceil_mode,
+                      count_include_pad, divisor_override)
+        sizes = input.shape[input.dim() - spatial:]
+        plan = _pool_plan(spatial, kernel_size, stride, padding, ceil_mode, sizes)
+        g = grad_output.to(_computation_dtype(grad_output))
+        g = g / _avg_pool_divisor(input, sizes, plan, count_include_pad, divisor_override, g.dtype)
+        for d, (n, (k, s, p, m)) in enumerate(zip(sizes, plan), input.dim() - spatial):
+            if s > 1:  # the gradient of output o at o * s
+                g = _padded(torch.unsqueeze_copy(g, d + 1), d + 1, 0, s - 1)
+                g = torch.slice_copy(torch.ops.aten.view_copy(g, (*g.shape[:d], m * s, *g.shape[d + 2:])), d, 0,
+                                     (m - 1) * s + 1)
+            length = max(n + 2 * p, (m - 1) * s + k)
+            g = functools.reduce(torch.add, [_padded(g, d, t, length - t - g.shape[d]) for t in range(k)])
+            g = torch.slice_copy(g, d, p, p + n)
+        return g.to(input.dtype)
+
+    return kernel, backward
+
+
+for _spatial in (2, 3):  # (1-D average pooling is 2-D underneath)
+    _forward, _backward = _avg_pool(_spatial)
+    _lowering(f"avg_pool{_spatial}d", family="pooling", why="cpu", key="XLA")(_forward)
+    _lowering(f"avg_pool{_spatial}d_backward", family="pooling", why="cpu", key="XLA")(_backward)
+del _forward, _backward
 
 
 @_lowering("im2col", family="windows", why="cpu")

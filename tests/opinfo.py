@@ -58,6 +58,17 @@ OPINFO_NAMES = {
     "addmm": ["addmm", "addmm.decomposed", "nn.functional.linear"],
     "index_put_": ["index_put"],
     "index_put": ["index_put"],
+    "avg_pool2d": ["nn.functional.avg_pool1d", "nn.functional.avg_pool2d"],
+    "avg_pool2d_backward": ["nn.functional.avg_pool1d", "nn.functional.avg_pool2d"],
+    "avg_pool3d": ["nn.functional.avg_pool3d"],
+    "avg_pool3d_backward": ["nn.functional.avg_pool3d"],
+    "adaptive_max_pool3d": ["nn.functional.adaptive_max_pool3d"],
+    "_cdist_forward": ["cdist"],
+    "_cdist_backward": ["cdist"],
+    "_pdist_forward": ["nn.functional.pdist"],
+    "_pdist_backward": ["nn.functional.pdist"],
+    "fractional_max_pool2d": ["nn.functional.fractional_max_pool2d"],
+    "fractional_max_pool3d": ["nn.functional.fractional_max_pool3d"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

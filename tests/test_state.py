@@ -102,9 +102,9 @@ def test_default_ddp_mesh_has_no_model_axis_whatever_the_host_count(four_hosts):
 
 
 def kernels_at_autograd_xla():
-    """The aten ops whose kernel for XLA tensors at their lowering's key (AutogradXLA, or XLA for addmm) is ours: one
-    registered from Python (torch_xla has its own C++ einsum and addmm there once its library is loaded; torch's
-    composites have none)."""
+    """The aten ops whose kernel for XLA tensors at their lowering's key (AutogradXLA, or XLA: addmm, average pooling,
+    cdist, pdist) is ours: one registered from Python (torch_xla has its own C++ einsum, addmm, avg_pool2d, ... there
+    once its library is loaded; torch's composites have none)."""
     def active(op):
         return torch._C._dispatch_dump(f"aten::{op}").partition(f"\n{st._LOWERINGS[op].key}: ")[2].partition("\n")[0]
     return {op for op in st._LOWERINGS if not st._LOWERINGS[op].functional and ".py:" in active(op)}
@@ -338,12 +338,15 @@ BAD_INPUTS = {  # op -> arguments torch refuses (beside the first, the input, bu
     "glu": [((3, 5), -1)],
     "channel_shuffle": [((2, 5, 3), 2), ((2, 4, 3), 0)],
     "adaptive_max_pool2d": [((2, 3), [2, 2]), ((1, 0, 3, 3), [2, 2])],
+    "adaptive_max_pool3d": [((2, 3, 4), [2, 2, 2]), ((1, 2, 3, 3, 3), [2, 2])],
     "im2col": [((2, 3), [2, 2], [1, 1], [0, 0], [1, 1]), ((1, 2, 3, 3), [5, 5], [1, 1], [0, 0], [1, 1])],
     "col2im": [((1, 7, 4), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1]),
                ((1, 8, 5), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1])],
     "group_norm": [((2, 6, 4), 4), ((2, 6, 4), 0)],
     "upsample_nearest2d.vec": [((1, 2, 4, 4), [0, 3], None), ((1, 2, 4, 4), None, [0.1, 1.0])],
     "upsample_bilinear2d.vec": [((1, 2, 4), [3, 3], False, None)],
+    "avg_pool2d": [((1, 2, 4, 4), [2], [], [2]), ((1, 2, 4, 4), [2], [], [0], False, True, 0), ((2, 3), [2])],
+    "avg_pool3d": [((1, 2, 4, 4, 4), [2], [], [2]), ((2, 3), [2])],
 }
 
 
@@ -371,17 +374,116 @@ def test_a_lowering_refuses_bad_input_with_torchs_own_error(op, args):
         assert torch.equal(lowering.kernel(torch.ones(shape), *rest), answer)
 
 
-@pytest.mark.parametrize("output_size", [(0, 3), (2, 0), (7, 9)])
+@pytest.mark.parametrize("output_size", [(0, 3), (2, 0), (7, 9), (3, 0, 2), (2, 4, 3), (5, 1, 7)])
 def test_adaptive_max_pooling_to_any_size_torch_accepts(output_size):
     """An output size of 0 is valid in torch (an empty result, still in the graph); the kernel's windows divided by
     it (ZeroDivisionError). Values and indices equal torch's, and so does the input's gradient (an empty output's is
-    zeros: torch's CPU backward refuses an empty grad_output)."""
-    x = torch.randn(2, 3, 5, 4, requires_grad=True)
-    want = torch.ops.aten.adaptive_max_pool2d(x, list(output_size))
-    got = st._LOWERINGS["adaptive_max_pool2d"].kernel(x, list(output_size))
+    zeros: torch's CPU backward refuses an empty grad_output). 3-D: the flat index over (D, H, W), ties included."""
+    op = f"adaptive_max_pool{len(output_size)}d"
+    x = torch.randn(2, 3, 5, 4, requires_grad=True) if len(output_size) == 2 else (
+        torch.randint(0, 3, (2, 2, 5, 4, 6)).double().requires_grad_())  # ties: the first in row-major order wins
+    want = getattr(torch.ops.aten, op)(x, list(output_size))
+    got = st._LOWERINGS[op].kernel(x, list(output_size))
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and got[0].requires_grad
     grad = torch.autograd.grad(got[0].sum(), x)[0]
     assert torch.equal(grad, torch.autograd.grad(want[0].sum(), x)[0] if all(output_size) else torch.zeros_like(x))
+
+
+AVG_POOLS = [  # (spatial dims, input shape, (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor))
+    (2, (2, 3, 9, 9), ([3], [1], [1], True, False, 2)), (2, (1, 3, 9, 9), ([4, 4], [2, 3], [1], True, False, None)),
+    (2, (3, 7, 6), ([3, 2], [], [1, 0], True, True, None)), (3, (1, 2, 4, 4, 4), ([2], [1], [1], True, False, None)),
+    (3, (1, 1, 7, 5, 7), ([6, 3, 4], [2, 3, 2], [3, 1, 0], False, False, -2)),
+    (3, (2, 5, 5, 5), ([2, 3, 4], [1, 2, 2], [0, 1, 2], True, True, None)),
+]
+
+
+@pytest.mark.parametrize("spatial, shape, options", AVG_POOLS)
+def test_average_pooling_divides_as_torch(spatial, shape, options):
+    """Issue 49: under ceil_mode a window may run past the padding (torch's divisor stops at the padding's end), and
+    count_include_pad=False divides by the window's part in the input: the forward and its backward (the adjoint,
+    one strided slice per offset) equal torch's, unbatched too."""
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(shape)))
+    want = getattr(torch.ops.aten, f"avg_pool{spatial}d")(x, *options)
+    torch.testing.assert_close(st._LOWERINGS[f"avg_pool{spatial}d"].kernel(x, *options), want)
+    grad = torch.randn_like(want)
+    torch.testing.assert_close(st._LOWERINGS[f"avg_pool{spatial}d_backward"].kernel(grad, x, *options),
+                               getattr(torch.ops.aten, f"avg_pool{spatial}d_backward")(grad, x, *options))
+    for op in (f"avg_pool{spatial}d", f"avg_pool{spatial}d_backward"):  # 3-D's meta kernels miss a zero divisor
+        with pytest.raises(RuntimeError, match="divisor must be not zero"):
+            st._LOWERINGS[op].kernel(*([grad] if "backward" in op else []), x, *options[:-1], 0)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")])
+def test_distances_and_their_gradients_are_torchs(p):
+    """Issue 49: cdist's and pdist's kernels and backwards (the XLA key's) give torch's numbers where its backward
+    kernels have rules of their own: 0 at a zero distance, and for p < 1 at a zero coordinate difference; for p =
+    inf every coordinate at the distance (ties: equal rows, shared coordinates). cdist's batch dims broadcast; p = 2
+    with more than 25 rows takes the matrix-product form, as torch's; pdist's pairs are triu_indices' order."""
+    g = torch.Generator().manual_seed(int(p * 10) if p < 10 else 99)
+    x1, x2 = torch.randn(2, 1, 5, 3, generator=g, dtype=torch.float64), torch.randn(3, 6, 3, generator=g,
+                                                                                       dtype=torch.float64)
+    x1[..., 1, :], x1[..., 2, 0] = x2[0, 0], x2[0, 1, 0]
+    for a, b in ((x1, x2), (x1.flatten(0, 2), x2.flatten(0, 1).repeat(2, 1)[:30])):  # 30 rows: matrix products
+        want = torch.ops.aten._cdist_forward(a, b, p, None)
+        torch.testing.assert_close(st._LOWERINGS["_cdist_forward"].kernel(a, b, p, None), want)
+        grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(st._LOWERINGS["_cdist_backward"].kernel(grad, a, b, p, want),
+                                   torch.ops.aten._cdist_backward(grad, a.expand(*want.shape[:-2], -1, -1).contiguous(),
+                                                                  b.expand(*want.shape[:-2], -1, -1).contiguous(),
+                                                                  p, want))
+    x = x1.flatten(0, 2)
+    want = torch.ops.aten._pdist_forward(x, p)
+    torch.testing.assert_close(st._LOWERINGS["_pdist_forward"].kernel(x, p), want)
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(st._LOWERINGS["_pdist_backward"].kernel(grad, x, p, want),
+                               torch.ops.aten._pdist_backward(grad, x, p, want))
+    assert all(torch.equal(torch.stack(st._pairs(n, "cpu")), torch.triu_indices(n, n, 1)) for n in (2, 3, 17, 64))
+
+
+FRACTIONAL = [((2, 3, 9, 8), [3, 2], [4, 5]), ((3, 7, 7), [2, 2], [1, 6]), ((2, 2, 7, 6, 5), [2, 3, 2], [3, 2, 3]),
+              ((0, 2, 5, 5, 5), [2, 2, 2], [2, 2, 2])]
+
+
+@pytest.mark.parametrize("shape, kernel_size, output_size", FRACTIONAL)
+def test_fractional_max_pooling_windows_are_torchs(shape, kernel_size, output_size):
+    """Issue 49: given the samples (F draws them on the input's device), each plane's windows start where torch's
+    kernel puts them (2-D's samples are (W, H), 3-D's (T, H, W)); values, indices (ties: the first in row-major
+    order) and the gradient equal torch's, unbatched and for an empty batch too."""
+    g, spatial = torch.Generator().manual_seed(len(shape)), len(kernel_size)
+    x = torch.randint(0, 4, shape, generator=g).double().requires_grad_()
+    samples = torch.rand(shape[0] if len(shape) == spatial + 2 else 1, shape[-spatial - 1], spatial, generator=g,
+                         dtype=torch.float64)
+    op = f"fractional_max_pool{spatial}d"
+    want, got = (f(x, kernel_size, output_size, samples) for f in (getattr(torch.ops.aten, op),
+                                                                    st._LOWERINGS[op].kernel))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0].requires_grad
+    grad = torch.randn(want[0].shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(got[0], x, grad)[0], torch.autograd.grad(want[0], x, grad)[0])
+
+
+BAGS = [  # (mode, offsets, include_last_offset, padding_idx, per-sample weights) over 9 indices
+    ("sum", [0, 2, 2, 7], False, None, True), ("mean", [0, 3, 3, 9], True, 1, False),
+    ("max", [0, 4, 4], False, 2, False), ("max", [0, 1, 5, 9], True, None, False), ("mean", [0], False, None, False),
+    ("sum", [0, 9, 9], False, 3, True),
+]
+
+
+@pytest.mark.parametrize("mode, offsets, last, padding_idx, weighted", BAGS)
+def test_embedding_bags_by_offsets_are_torchs(monkeypatch, mode, offsets, last, padding_idx, weighted):
+    """Issue 49: 1-D indices with offsets are reduced over a fixed number of bags (each index's bag counted from the
+    bags' starts): empty bags (zeros), padding (out of sums, counts and maxima), per-sample weights, and an
+    include_last_offset end give torch's bags and gradients (the kernel, on CPU tensors standing for XLA ones)."""
+    monkeypatch.setattr(st, "_is_xla", lambda device: True)
+    g = torch.Generator().manual_seed(len(offsets))
+    ids, weight = torch.randint(0, 5, (9,), generator=g), torch.randn(5, 3, generator=g, requires_grad=True)
+    scale = torch.randn(9, generator=g, requires_grad=True) if weighted else None
+    options = dict(mode=mode, include_last_offset=last, padding_idx=padding_idx, per_sample_weights=scale)
+    want = torch.nn.functional.embedding_bag(ids, weight, torch.tensor(offsets), **options)
+    got = st._xla_embedding_bag(ids, weight, torch.tensor(offsets, dtype=torch.int32), **options)
+    torch.testing.assert_close(got, want)
+    grad, leaves = torch.randn(want.shape, generator=g), [weight] + ([scale] if weighted else [])
+    for ours, torchs in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(ours, torchs)
 
 
 MASKED = [  # (input shape, indices (a bool mask, or None for a full slice), value shape, accumulate)
@@ -458,10 +560,10 @@ def test_sgd_momentum_is_made_first_only_where_zeros_stand_for_its_first_copy():
         assert bool(optimizer.state[weight]) == made, dampening
 
 
-@pytest.mark.parametrize("beta, alpha", [(0.2, 0.6), (-4.7, 2.0), (0, 0.5), (1, 3)])
+@pytest.mark.parametrize("beta, alpha", [(1, 1), (0.2, 0.6), (-4.7, 2.0), (0, 0.5), (1, 3)])
 def test_addmm_with_any_beta_and_alpha_gives_torchs_numbers(beta, alpha):
     """The addmm kernel (at the XLA key, where torch_xla ran beta or alpha other than 1 on the CPU) on CPU tensors:
-    torch's values; beta 0 ignores the input, NaNs included. (At 1 and 1 it is torch_xla's own: the OpInfo tier.)"""
+    torch's values; beta 0 ignores the input, NaNs included (at 1 and 1, on XLA, torch_xla's own kernel)."""
     g = torch.Generator().manual_seed(0)
     bias, a, b = torch.randn(5, generator=g), torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
     bias[0] = float("nan") if beta == 0 else bias[0]
