@@ -79,7 +79,6 @@ DYNAMIC = (
 # some do. A lowering that lands takes its entry out: the tier fails while a listed entry no longer falls back.
 STILL_ON_CPU = (
     "bucketize",  # bucketize.Tensor
-    "cdist",  # _cdist_backward (p=0)
     "cross", "linalg.cross",  # linalg_cross
     "cummin",  # _cummin_helper (cummax is lowered)
     "histc",  # histc: a static number of bins
@@ -89,19 +88,13 @@ STILL_ON_CPU = (
     "masked_scatter",  # masked_select, in its backward: the source's gradient, a static shape once padded
     "median", "nanmedian",  # median, median.dim_values; nanmedian, nanmedian.dim_values
     "mode",  # mode
-    "nn.functional.adaptive_max_pool3d",  # adaptive_max_pool3d and its backward (the trainer lowers 1-D and 2-D)
-    "nn.functional.avg_pool1d", "nn.functional.avg_pool2d",  # avg_pool2d_backward (ceil_mode=True, or a divisor)
-    "nn.functional.avg_pool3d",  # avg_pool3d_backward (ceil_mode=True with count_include_pad=False)
     "nn.functional.ctc_loss",  # _ctc_loss(.Tensor) and its backward
-    "nn.functional.embedding_bag",  # _embedding_bag and its backwards (1-D input with offsets)
-    "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",  # and their backwards
     "nn.functional.gaussian_nll_loss",  # _local_scalar_dense: F checks var >= 0 with a host read, no missing lowering
     "nn.functional.grid_sample",  # grid_sampler_2d (mode="bicubic"), grid_sampler_3d, and their backwards
     "nn.functional.huber_loss",  # huber_loss, huber_loss_backward.out
     "nn.functional.max_pool2d", "nn.functional.max_pool3d",  # max_pool{2,3}d_with_indices and backward (dilation)
     "nn.functional.multi_margin_loss",  # multi_margin_loss and its backward
     "nn.functional.multilabel_margin_loss",  # multilabel_margin_loss_forward and its backward
-    "nn.functional.pdist",  # _pdist_backward
     "nn.functional.rrelu",  # rrelu_with_noise_
     "norm",  # norm.ScalarOpt_dim (p=0)
     "renorm",  # renorm
