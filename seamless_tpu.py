@@ -10,9 +10,9 @@ RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER
 unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE,
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
-  for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, masks, pooling,
-  windows, resampling) at AutogradXLA (addmm: XLA), F.multi_head_attention_forward, F.embedding_bag; without jax
-  torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps the Parameters (swap_module_params_on_conversion in it).
+  for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, masks, losses,
+  reductions, pooling, windows, resampling) at AutogradXLA/XLA, F.multi_head_attention_forward, F.embedding_bag; without
+  jax torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps Parameters (swap_module_params_on_conversion in it).
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
   torch modes counting its first step's FLOPs; log(): a thread, step closures. An XLA trainer with repeated blocks:
   ModuleList's and Sequential's __iter__, __getitem__ (only a checked loop gets _BlockCalls); torch_xla scan's While.
@@ -914,7 +914,7 @@ def _scan_backward_without_jax():
 @dataclasses.dataclass(frozen=True)
 class _Lowering:
     kernel: object  # stands for aten `op` at the dispatch `key`, or for torch.nn.functional's `op` (functional)
-    family: str  # products, attention, norms, pointwise, masks, pooling, windows or resampling: the docs' groups
+    family: str  # products, attention, norms, pointwise, masks, losses, reductions, pooling, windows, resampling
     why: str  # torch_xla's own lost the batch split ("batch"), ran on the CPU ("cpu"), had no 2nd derivative ("grad2")
     hands_back: bool = False  # some inputs go to torch's own path, _torch_path(op)
     functional: object = None  # torch.nn.functional's own function, which a functional lowering replaces
@@ -1215,11 +1215,13 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
     total = (rows * weights[..., None]).sum(1)
     return total / keep.sum(1, keepdim=True).clamp(min=1).to(rows.dtype) if mode == "mean" else total
 
-# --- 7d. lowerings: norms, pointwise ops and masks ------------------------------------------------
+# --- 7d. lowerings: norms, pointwise ops, masks, losses and reductions ---------------------------
 # torch_xla's layer_norm, training batch_norm (so instance_norm) and group_norm are one op over the batch (a GroupNorm
 # conv net ran 0.32-0.61 of its convolutions per device): ours reduce over the normalized dims, with eager's unbiased
 # running variance. glu and channel_shuffle ran on the CPU; for XLA tensors autograd differentiates the ops ours are
-# made of. kl_div: torch's decomposition (torch_xla's kernel warned "an autograd kernel was not registered").
+# made of. kl_div: torch's decomposition (torch_xla's kernel warned "an autograd kernel was not registered"). cross,
+# losses and reductions torch_xla ran on the CPU (a graph cut and two transfers a call): static-shaped ops, below
+# autograd (key XLA) where torch's derivative is made of ops XLA has.
 
 
 def _statistics(x, dims, eps):
@@ -1369,6 +1371,87 @@ def _masked_where(self, indices, values, accumulate):
     values = values.to(self.device).reshape(*shape[:k], *(1,) * mask.dim(), *shape[k + 1:])  # as torch: a CPU scalar
     mask = mask.reshape(*mask.shape, *(1,) * rest)
     return self + torch.where(mask, values, 0) if accumulate else torch.where(mask, values, self)
+
+
+def _dtype_name(dtype):
+    """torch's C++ name of a dtype, as its CPU kernels' messages spell it: "Float", "BFloat16", "ComplexDouble"."""
+    return torch.empty(0, dtype=dtype, device="meta").type()[len("torch.meta."):-len("Tensor")]
+
+
+@_lowering("linalg_cross", family="pointwise", why="cpu", key="XLA")
+def _xla_linalg_cross(input, other, *, dim=-1):
+    """Each factor rolled by one and by two along `dim` (torch_xla ran it on the CPU); below autograd, so torch's
+    derivative (itself cross products) stays."""
+    _torch_checks("linalg_cross", input, other, dim=dim)  # dims, lengths of 3, broadcasting
+    torch._check(input.dtype == other.dtype, lambda: f"expected scalar type {_dtype_name(input.dtype)} but found "
+                 f"{_dtype_name(other.dtype)}")  # the CPU kernel's check, which the meta kernel skips
+    return input.roll(-1, dim) * other.roll(-2, dim) - input.roll(-2, dim) * other.roll(-1, dim)
+
+
+def _loss_reduced(loss, reduction, dtype):
+    """reduction 0 (none), 1 (mean) or 2 (sum) of a loss computed in the computation dtype, cast to `dtype`."""
+    return (loss if reduction == 0 else loss.mean() if reduction == 1 else loss.sum()).to(dtype)
+
+
+def _floating_loss(kernel, input, target):
+    """The computation dtype of a pointwise loss, and torch's CPU error for a dtype its kernel has no code for."""
+    dtype = torch.promote_types(_computation_dtype(input), _computation_dtype(target))
+    if not dtype.is_floating_point:
+        raise NotImplementedError(f'"{kernel}" not implemented for \'{_dtype_name(dtype)}\'')
+    return dtype
+
+
+@_lowering("huber_loss", family="losses", why="cpu", key="XLA")
+def _xla_huber_loss(input, target, reduction=1, delta=1.0):
+    """torch's formula in the computation dtype, in the input's dtype as its CPU kernel (torch_xla ran it there);
+    below autograd: torch's derivative is huber_loss_backward, the next kernel."""
+    _torch_checks("huber_loss", input, target, reduction, delta)  # delta > 0, broadcasting
+    dtype = _floating_loss("huber_cpu", input, target)
+    distance = (input.to(dtype) - target.to(dtype)).abs()
+    loss = torch.where(distance < delta, 0.5 * distance * distance, delta * (distance - 0.5 * delta))
+    return _loss_reduced(loss, reduction, input.dtype)
+
+
+@_lowering("huber_loss_backward", family="losses", why="cpu", key="XLA")
+def _xla_huber_loss_backward(grad_output, input, target, reduction, delta):
+    """torch's: the difference clamped to [-delta, delta], times the gradient (over input's numel for the mean)."""
+    _torch_checks("huber_loss_backward", grad_output, input, target, reduction, delta)
+    for t in (grad_output, target):  # the CPU kernel's check, which the meta kernel skips
+        torch._check(t.dtype == input.dtype, lambda: f"Found dtype {_dtype_name(t.dtype)} but expected "
+                     f"{_dtype_name(input.dtype)}")
+    dtype = _floating_loss("huber_backward_cpu_out", input, target)
+    scale = 1 / max(input.numel(), 1) if reduction == 1 else 1.0
+    difference = input.to(dtype) - target.to(dtype)
+    return (difference.clamp(-delta, delta) * (grad_output.to(dtype) * scale)).expand(input.shape).to(input.dtype)
+
+
+@_lowering("_logcumsumexp", family="reductions", why="cpu", key="XLA")
+def _xla_logcumsumexp(self, dim):
+    """A parallel prefix: log2(n) steps, each the log-add-exp of the partial results and themselves shifted by a
+    power of two (torch_xla ran it on the CPU, and its logaddexp too). Below autograd: torch's derivative."""
+    torch.empty(self.shape or (1,), device="meta").size(dim)  # torch's IndexError for a dim out of range
+    if not (self.is_floating_point() or self.is_complex()):
+        raise NotImplementedError(f'"logcumsumexp_out_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
+    if self.is_complex():  # as before, on the CPU: torch's complex special cases, for a rare input
+        return torch.ops.aten._logcumsumexp(self.cpu(), dim).to(self.device)
+    x = self.to(_computation_dtype(self)).reshape(self.shape or (1,))
+    dim, step = dim % x.dim(), 1
+    while step < x.shape[dim]:
+        pad = x.new_full((*x.shape[:dim], step, *x.shape[dim + 1:]), -math.inf)
+        x, step = _log_add_exp(x, torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - step)], dim)), 2 * step
+    return x.view(self.shape).to(self.dtype)
+
+
+def _log_add_exp(x, y):
+    """log(exp(x) + exp(y)) as torch's logcumsumexp kernel computes it: NaN kept; two equal infinities, x."""
+    low, high = torch.minimum(x, y), torch.maximum(x, y)  # both keep NaN
+    return torch.where((low != high) | low.isfinite(), torch.log1p(torch.exp(low - high)) + high, x)
+
+
+@_lowering("norm.ScalarOpt_dim", family="reductions", why="cpu", key="XLA")
+def _xla_norm(self, p, dim, keepdim=False):
+    """linalg_vector_norm, torch's own kernel of it (torch_xla ran p=0 on the CPU); torch's derivative."""
+    return torch.linalg.vector_norm(self, 2 if p is None else p, dim, keepdim)
 
 # --- 7e. lowerings: pooling, windows and resampling -----------------------------------------------
 # Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU), upsampling (each

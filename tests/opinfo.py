@@ -58,6 +58,11 @@ OPINFO_NAMES = {
     "addmm": ["addmm", "addmm.decomposed", "nn.functional.linear"],
     "index_put_": ["index_put"],
     "index_put": ["index_put"],
+    "linalg_cross": ["linalg.cross", "cross"],
+    "huber_loss": ["nn.functional.huber_loss"],
+    "huber_loss_backward": ["nn.functional.huber_loss"],
+    "_logcumsumexp": ["logcumsumexp"],
+    "norm.ScalarOpt_dim": ["norm"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

@@ -6,6 +6,7 @@ a later trainer or create_xla_mesh does to the process mesh.
 """
 
 import dataclasses
+import math
 import os
 import pathlib
 import re
@@ -177,7 +178,8 @@ def test_the_lowering_table_is_the_header_s_and_the_docs_list(fresh):
     family, and docs/design.md each family and each functional patch."""
     design = (pathlib.Path(__file__).parents[1] / "docs" / "design.md").read_text()
     families = {lowering.family for lowering in st._LOWERINGS.values()}
-    assert families == {"products", "attention", "norms", "pointwise", "masks", "pooling", "windows", "resampling"}
+    assert families == {"products", "attention", "norms", "pointwise", "masks", "losses", "reductions", "pooling",
+                        "windows", "resampling"}
     for family in families:
         assert family in st.__doc__ and f"**{family}**" in design, family
     for op, lowering in st._LOWERINGS.items():
@@ -409,6 +411,73 @@ def test_other_index_puts_are_left_to_torch():
     assert st._masked_where(x, [mask], torch.ones((), dtype=torch.float64), False) is None
     assert st._masked_where(x, [torch.ones(3, dtype=torch.bool)], torch.ones(()), False) is None
     assert st._masked_where(x, [mask], torch.ones(2, 5), False) is None
+
+
+
+def kernel(op):
+    return st._LOWERINGS[op].kernel
+
+
+def raises_as(reference, ours):
+    """ours() raises what reference() raises: type and first line."""
+    with pytest.raises(Exception) as want:
+        reference()
+    with pytest.raises(want.type, match=re.escape(str(want.value).partition("\n")[0])):
+        ours()
+
+
+@pytest.mark.parametrize("a, b, dim", [((4, 3), (4, 3), -1), ((3, 5), (3, 1), 0), ((2, 3, 4), (2, 3, 4), 1),
+                                       ((0, 3), (0, 3), 1)])
+def test_cross_is_two_rolls_and_keeps_torch_s_errors(a, b, dim):
+    """Issue 49: linalg_cross (so torch.cross) as rolls of its factors, broadcasting as torch; integers too."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(a, generator=g), torch.randn(b, generator=g)
+    torch.testing.assert_close(kernel("linalg_cross")(x, y, dim=dim), torch.linalg.cross(x, y, dim=dim))
+    ints = (x * 10).long(), (y * 10).long()
+    assert torch.equal(kernel("linalg_cross")(*ints, dim=dim), torch.linalg.cross(*ints, dim=dim))
+    for shapes, dim, dtype in [(((4, 3), (4, 3)), -1, torch.float64), (((4, 2), (4, 2)), -1, None),
+                               (((4, 3), (1, 4, 3)), -1, None), (((2, 3, 4), (2, 3, 2)), 1, None),
+                               (((4, 3), (4, 3)), 2, None)]:
+        bad = torch.ones(shapes[0]), torch.ones(shapes[1], dtype=dtype)
+        device = "cpu" if dtype else "meta"  # torch's meta kernel checks the shapes, its CPU kernel the dtypes
+        raises_as(lambda: torch.linalg.cross(*(t.to(device) for t in bad), dim=dim),
+                  lambda: kernel("linalg_cross")(*bad, dim=dim))
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("delta", [0.5, 1.0, 2.5])
+def test_huber_loss_and_its_backward_are_torch_s(reduction, delta):
+    """Issue 49: huber_loss and huber_loss_backward (torch's derivative of it) as torch computes them, in the input's
+    dtype (bfloat16 in fp32), with torch's errors (delta <= 0, integers, mixed dtypes in the backward)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 5, generator=g) * 2, torch.randn(5, generator=g) * 2
+    x[0, :2] = y[:2] + delta  # at the boundary
+    torch.testing.assert_close(kernel("huber_loss")(x, y, reduction, delta),
+                               torch.ops.aten.huber_loss(x, y, reduction, delta))
+    half = x.bfloat16()
+    assert torch.equal(kernel("huber_loss")(half, y, reduction, delta), torch.ops.aten.huber_loss(half, y, reduction,
+                                                                                                    delta))
+    grad = torch.randn(() if reduction else (4, 5), generator=g)
+    torch.testing.assert_close(kernel("huber_loss_backward")(grad, x, y.expand(4, 5), reduction, delta),
+                               torch.ops.aten.huber_loss_backward(grad, x, y.expand(4, 5), reduction, delta))
+    for bad in [(x, y, reduction, 0.0), (x.long(), y.long(), reduction, delta)]:
+        raises_as(lambda: torch.ops.aten.huber_loss(*bad), lambda: kernel("huber_loss")(*bad))
+    bad = (grad, x, y.expand(4, 5).double(), reduction, delta)
+    raises_as(lambda: torch.ops.aten.huber_loss_backward(*bad), lambda: kernel("huber_loss_backward")(*bad))
+
+
+@pytest.mark.parametrize("shape, dim", [((7,), 0), ((3, 17), 1), ((5, 4), 0), ((), 0), ((0, 4), 1), ((4, 1), -1)])
+def test_logcumsumexp_is_a_parallel_prefix_with_torch_s_special_values(shape, dim):
+    """Issue 49: the prefix's log-add-exp keeps torch's kernel's answers for -inf, inf and NaN, and for values far
+    apart (a global max would underflow the early terms to -inf); torch's errors for a bad dim or an integer."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 30
+    if x.numel() > 6:
+        x.view(-1)[:6] = torch.tensor([-math.inf, -math.inf, math.inf, 3.0, math.nan, -500.0])
+    torch.testing.assert_close(kernel("_logcumsumexp")(x, dim), torch.logcumsumexp(x, dim), equal_nan=True)
+    assert kernel("_logcumsumexp")(x.float(), dim).dtype == torch.float32
+    for bad in [(x, 2), (x.long(), dim)]:
+        raises_as(lambda: torch.logcumsumexp(*bad), lambda: kernel("_logcumsumexp")(*bad))
 
 
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
