@@ -1425,6 +1425,74 @@ def _xla_huber_loss_backward(grad_output, input, target, reduction, delta):
     return (difference.clamp(-delta, delta) * (grad_output.to(dtype) * scale)).expand(input.shape).to(input.dtype)
 
 
+def _margin_terms(input, target, p, margin, weight):
+    """multi_margin_loss's terms as its CPU kernel computes them: (N, C) inputs, (N,) targets, z = margin - x[y] + x
+    and where it counts (z > 0, the target's own class left out), weight[y] (or 1), and C. Targets out of range are
+    not checked: no host read (as torch_xla's nll_loss)."""
+    dtype = _computation_dtype(input)
+    x, classes = input.to(dtype).reshape(-1, max(input.shape[-1:] or (1,))), max(input.shape[-1:] or (1,))
+    y = target.reshape(-1, 1)
+    z = margin - x.gather(1, y) + x
+    counts = (z > 0) & (torch.arange(classes, device=x.device) != y)
+    scale = torch.ones((), dtype=dtype, device=x.device) if weight is None else weight.to(dtype).reshape(-1)[y]
+    return z, counts, scale, classes
+
+
+@_lowering("multi_margin_loss", family="losses", why="cpu", key="XLA")
+def _xla_multi_margin_loss(input, target, p=1, margin=1, weight=None, reduction=1):
+    """sum over the other classes of weight[y] * max(0, margin - x[y] + x)^p, over C; torch's derivative
+    (multi_margin_loss_backward, the next kernel)."""
+    _torch_checks("multi_margin_loss", input, target, p, margin, weight, reduction)
+    z, counts, scale, classes = _margin_terms(input, target, p, margin, weight)
+    loss = (torch.where(counts, z if p == 1 else z * z, 0) * scale).sum(1) / classes
+    return _loss_reduced(loss.reshape(target.shape) if input.dim() < 2 else loss, reduction, input.dtype)
+
+
+@_lowering("multi_margin_loss_backward", family="losses", why="cpu", key="XLA")
+def _xla_multi_margin_loss_backward(grad_output, input, target, p, margin, weight=None, reduction=1):
+    _torch_checks("multi_margin_loss", input, target, p, margin, weight, reduction)
+    z, counts, scale, classes = _margin_terms(input, target, p, margin, weight)
+    each = torch.where(counts, 1 if p == 1 else 2 * z, 0) * scale / classes  # d loss / d x, other classes
+    grad = each.scatter_add(1, target.reshape(-1, 1), -each.sum(1, keepdim=True))  # the target's: minus their sum
+    grad_output = grad_output.to(grad.dtype)
+    grad = grad * (grad_output.reshape(-1, 1) if reduction == 0 and input.dim() == 2 else grad_output)
+    return (grad / max(len(grad), 1) if reduction == 1 else grad).reshape(input.shape).to(input.dtype)
+
+
+def _multilabel_terms(input, target):
+    """multilabel_margin_loss's terms, as its CPU kernel: (N, K, C) z = 1 - x[y_k] + x where it counts (y_k before the
+    first -1, x's class not among those targets, z > 0), the targets as classes (is_target), and C."""
+    dtype, classes = _computation_dtype(input), max(input.shape[-1:] or (1,))
+    x, y = input.to(dtype).reshape(-1, classes), target.reshape(-1, classes)
+    valid = (y < 0).cumsum(1) == 0  # the targets before the first -1 (torch_xla ran an integer cumprod on the CPU)
+    y = torch.where(valid, y, 0)
+    is_target = torch.zeros_like(x).scatter_add(1, y, valid.to(dtype)) > 0
+    z = 1 - x.gather(1, y)[:, :, None] + x[:, None, :]
+    return z, valid[:, :, None] & ~is_target[:, None, :] & (z > 0), y, is_target, classes
+
+
+@_lowering("multilabel_margin_loss_forward", family="losses", why="cpu", key="XLA")
+def _xla_multilabel_margin_loss_forward(input, target, reduction):
+    """(loss, is_target): for each target before the first -1, the hinge to each class that is not a target, over
+    C; torch's derivative (multilabel_margin_loss_backward, the next kernel)."""
+    _torch_checks("multilabel_margin_loss_forward", input, target, reduction)
+    z, counts, _, is_target, classes = _multilabel_terms(input, target)
+    loss = torch.where(counts, z, 0).sum((1, 2)) / classes
+    loss = _loss_reduced(loss.reshape(input.shape[:-1]), reduction, input.dtype)
+    return loss, is_target.to(input.dtype).reshape(input.shape)
+
+
+@_lowering("multilabel_margin_loss_backward", family="losses", why="cpu", key="XLA")
+def _xla_multilabel_margin_loss_backward(grad_output, input, target, reduction, is_target):
+    _torch_checks("multilabel_margin_loss_forward", input, target, reduction)
+    z, counts, y, _, classes = _multilabel_terms(input, target)
+    counts = counts.to(z.dtype) / classes
+    grad = counts.sum(1).scatter_add(1, y, -counts.sum(2))  # + for each class below a target, - for the target
+    grad_output = grad_output.to(grad.dtype)
+    grad = grad * (grad_output.reshape(-1, 1) if reduction == 0 and input.dim() == 2 else grad_output)
+    return (grad / max(len(grad), 1) if reduction == 1 else grad).reshape(input.shape).to(input.dtype)
+
+
 @_lowering("_logcumsumexp", family="reductions", why="cpu", key="XLA")
 def _xla_logcumsumexp(self, dim):
     """A parallel prefix: log2(n) steps, each the log-add-exp of the partial results and themselves shifted by a

@@ -63,6 +63,10 @@ OPINFO_NAMES = {
     "huber_loss_backward": ["nn.functional.huber_loss"],
     "_logcumsumexp": ["logcumsumexp"],
     "norm.ScalarOpt_dim": ["norm"],
+    "multi_margin_loss": ["nn.functional.multi_margin_loss"],
+    "multi_margin_loss_backward": ["nn.functional.multi_margin_loss"],
+    "multilabel_margin_loss_forward": ["nn.functional.multilabel_margin_loss"],
+    "multilabel_margin_loss_backward": ["nn.functional.multilabel_margin_loss"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

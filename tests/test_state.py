@@ -480,6 +480,44 @@ def test_logcumsumexp_is_a_parallel_prefix_with_torch_s_special_values(shape, di
         raises_as(lambda: torch.logcumsumexp(*bad), lambda: kernel("_logcumsumexp")(*bad))
 
 
+
+MARGINS = [((4, 5), 1, 1.0, True), ((4, 5), 2, 0.5, False), ((5,), 2, 2.0, True), ((0, 3), 1, 1.0, False),
+           ((), 1, 1.0, False)]  # (input shape, p, margin, a weight)
+
+
+@pytest.mark.parametrize("shape, p, margin, weighted", MARGINS)
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_margin_losses_and_their_backwards_are_torch_s(shape, p, margin, weighted, reduction):
+    """Issue 49: multi_margin_loss and multilabel_margin_loss (forward, is_target, and the backward torch's derivative
+    calls) as torch's CPU kernels: the target's own class left out, targets up to the first -1, repeats counted."""
+    g = torch.Generator().manual_seed(3)
+    x, classes = torch.randn(shape, generator=g), max(shape[-1:] or (1,))
+    target = torch.randint(classes, shape[:-1], generator=g)
+    weight = torch.rand(classes, generator=g) if weighted else None
+    args = (target, p, margin, weight, reduction)
+    want = torch.ops.aten.multi_margin_loss(x, *args)
+    if x.numel() == 0 and reduction:  # torch's CPU kernels return uninitialized memory: ours, a mean's NaN, a sum's 0
+        want = torch.tensor(math.nan if reduction == 1 else 0.0)
+    torch.testing.assert_close(kernel("multi_margin_loss")(x, *args), want, equal_nan=True)
+    grad = torch.randn(want.shape, generator=g)
+    torch.testing.assert_close(kernel("multi_margin_loss_backward")(grad, x, *args),
+                               torch.ops.aten.multi_margin_loss_backward(grad, x, *args))
+    labels = torch.randint(-1, classes, shape, generator=g)
+    if labels.dim() == 2 and len(labels):
+        labels[0], labels[1] = torch.arange(classes), 1  # every class a target; one class repeated
+    want = torch.ops.aten.multilabel_margin_loss_forward(x, labels, reduction)
+    got = kernel("multilabel_margin_loss_forward")(x, labels, reduction)
+    torch.testing.assert_close(got[0], torch.tensor(math.nan if reduction == 1 else 0.0) if x.numel() == 0 and reduction
+                               else want[0], equal_nan=True)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(kernel("multilabel_margin_loss_backward")(grad, x, labels, reduction, want[1]),
+                               torch.ops.aten.multilabel_margin_loss_backward(grad, x, labels, reduction, want[1]))
+    for bad in [(target, 3, margin, weight, reduction), (target.reshape(-1)[:0] if x.numel() else target[None, None],
+                                                          p, margin, weight, reduction)]:
+        meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in (x, *bad)]  # torch's checks, its words
+        raises_as(lambda: torch.ops.aten.multi_margin_loss(*meta), lambda: kernel("multi_margin_loss")(x, *bad))
+
+
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
                 and issubclass(kind, torch.optim.Optimizer) and kind not in (torch.optim.Optimizer, torch.optim.LBFGS,
                                                                              torch.optim.SparseAdam)}
