@@ -1493,6 +1493,42 @@ def _xla_multilabel_margin_loss_backward(grad_output, input, target, reduction, 
     return (grad / max(len(grad), 1) if reduction == 1 else grad).reshape(input.shape).to(input.dtype)
 
 
+@_lowering("searchsorted.Tensor", "searchsorted.Scalar", family="reductions", why="cpu", key="XLA")
+def _xla_searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=None, sorter=None):
+    """A binary search in halving steps, log2(n) gathers (torch_xla ran it on the CPU), with torch's comparisons."""
+    torch._check(not (side == "left" and right), lambda: "torch.searchsorted(): side and "
+                 f"right can't be set to opposites, got side of {side} while right was {right}")  # the meta raises
+    _torch_checks("searchsorted", sorted_sequence, self, out_int32=out_int32, right=right, side=side, sorter=sorter)
+    return _searched(sorted_sequence, self, right or side == "right", sorter, out_int32)
+
+
+@_lowering("bucketize.Tensor", "bucketize.Scalar", family="reductions", why="cpu", key="XLA")
+def _xla_bucketize(self, boundaries, *, out_int32=False, right=False):
+    _torch_checks("bucketize", self, boundaries, out_int32=out_int32, right=right)
+    return _searched(boundaries, self, right, None, out_int32)
+
+
+def _searched(boundaries, values, right, sorter, out_int32):
+    """torch's binary search (its probes, so its answer for unsorted boundaries or NaN ones too) in bit_length(n)
+    steps of a gather each, over each row's boundaries or the 1-D ones: the first not b < v (right: not b <= v)."""
+    if not isinstance(values, torch.Tensor):  # a Scalar: torch's scalar_to_tensor
+        values = torch.tensor(values, dtype=torch.float64 if isinstance(values, float) else None,
+                              device=boundaries.device)
+    dtype = torch.promote_types(boundaries.dtype, values.dtype)  # as torch's kernels compare
+    boundaries = (boundaries if sorter is None else boundaries.gather(-1, sorter)).to(dtype)
+    values, n = values.to(dtype), boundaries.shape[-1]
+    start = torch.zeros(values.shape, dtype=torch.int64, device=values.device)
+    end = torch.full_like(start, n)
+    for _ in range(n.bit_length()):  # each step at least halves end - start
+        middle = start + (end - start) // 2
+        index = middle.clamp(max=n - 1)
+        b = (boundaries.gather(-1, index) if boundaries.dim() > 1  # not boundaries[index]: a 0-dim one is an .item()
+             else boundaries.index_select(0, index.view(-1)).view(index.shape))
+        after = (start < end) & ~(b > values if right else b >= values)
+        start, end = torch.where(after, middle + 1, start), torch.where(after | (start >= end), end, middle)
+    return start.to(torch.int32) if out_int32 else start
+
+
 @_lowering("_logcumsumexp", family="reductions", why="cpu", key="XLA")
 def _xla_logcumsumexp(self, dim):
     """A parallel prefix: log2(n) steps, each the log-add-exp of the partial results and themselves shifted by a

@@ -67,6 +67,10 @@ OPINFO_NAMES = {
     "multi_margin_loss_backward": ["nn.functional.multi_margin_loss"],
     "multilabel_margin_loss_forward": ["nn.functional.multilabel_margin_loss"],
     "multilabel_margin_loss_backward": ["nn.functional.multilabel_margin_loss"],
+    "searchsorted.Tensor": ["searchsorted"],
+    "searchsorted.Scalar": ["searchsorted"],
+    "bucketize.Tensor": ["bucketize"],
+    "bucketize.Scalar": ["bucketize"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

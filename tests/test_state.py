@@ -518,6 +518,38 @@ def test_margin_losses_and_their_backwards_are_torch_s(shape, p, margin, weighte
         raises_as(lambda: torch.ops.aten.multi_margin_loss(*meta), lambda: kernel("multi_margin_loss")(x, *bad))
 
 
+
+@pytest.mark.parametrize("boundaries, values", [((7,), (3, 4)), ((3, 6), (3, 5)), ((0,), (4,)), ((5,), ()),
+                                                ((1,), (2,)), ((8,), (0,))])
+def test_searchsorted_and_bucketize_are_torch_s(boundaries, values):
+    """Issue 49: a binary search in halving steps finds torch's index on either side, with repeats, NaN (values and
+    boundaries: last), a sorter, integer boundaries and float values, Python scalars, int32 out; torch's errors."""
+    g = torch.Generator().manual_seed(4)
+    b = torch.randint(-3, 4, boundaries, generator=g).float().sort(-1).values
+    if b.numel() > 2:
+        b[..., -1] = math.nan
+    v = torch.randint(-4, 5, values, generator=g).float() + torch.tensor([0.0, 0.5])[torch.randint(2, values,
+                                                                                                      generator=g)]
+    if v.numel() > 2:
+        v.view(-1)[1] = math.nan
+    sorter = torch.randperm(b.shape[-1], generator=g).expand(b.shape)
+    shuffled = torch.empty_like(b).scatter_(-1, sorter, b)  # sorted by sorter
+    for right in (False, True):
+        for args, kwargs in [((b, v), {}), ((b.long(), v), {}), ((b, v), {"side": "right" if right else "left"}),
+                             ((shuffled, v), {"sorter": sorter}), ((b, v), {"out_int32": True}),
+                             *([((b, 0.5), {}), ((b.long(), 1), {})] if b.dim() == 1 else [])]:
+            kwargs = {"right": right, **kwargs}
+            want = torch.searchsorted(*args, **kwargs)
+            got = kernel("searchsorted.Tensor")(*args, **kwargs)
+            assert torch.equal(got, want) and got.dtype == want.dtype, (args, kwargs)
+        if b.dim() == 1:
+            assert torch.equal(kernel("bucketize.Tensor")(v, b, right=right), torch.bucketize(v, b, right=right))
+    raises_as(lambda: torch.searchsorted(b, v, side="left", right=True),
+              lambda: kernel("searchsorted.Tensor")(b, v, side="left", right=True))
+    bad = (b.expand(2, *b.shape), v)  # torch's meta kernel checks the shapes, in its words
+    raises_as(lambda: torch.searchsorted(*(t.to("meta") for t in bad)), lambda: kernel("searchsorted.Tensor")(*bad))
+
+
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
                 and issubclass(kind, torch.optim.Optimizer) and kind not in (torch.optim.Optimizer, torch.optim.LBFGS,
                                                                              torch.optim.SparseAdam)}
