@@ -1533,13 +1533,12 @@ def _searched(boundaries, values, right, sorter, out_int32):
 def _xla_logcumsumexp(self, dim):
     """A parallel prefix: log2(n) steps, each the log-add-exp of the partial results and themselves shifted by a
     power of two (torch_xla ran it on the CPU, and its logaddexp too). Below autograd: torch's derivative."""
-    torch.empty(self.shape or (1,), device="meta").size(dim)  # torch's IndexError for a dim out of range
+    dim = _wrapped_dim(self, dim)
     if not (self.is_floating_point() or self.is_complex()):
         raise NotImplementedError(f'"logcumsumexp_out_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
     if self.is_complex():  # as before, on the CPU: torch's complex special cases, for a rare input
         return torch.ops.aten._logcumsumexp(self.cpu(), dim).to(self.device)
-    x = self.to(_computation_dtype(self)).reshape(self.shape or (1,))
-    dim, step = dim % x.dim(), 1
+    x, step = self.to(_computation_dtype(self)).reshape(self.shape or (1,)), 1
     while step < x.shape[dim]:
         pad = x.new_full((*x.shape[:dim], step, *x.shape[dim + 1:]), -math.inf)
         x, step = _log_add_exp(x, torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - step)], dim)), 2 * step
@@ -1550,6 +1549,79 @@ def _log_add_exp(x, y):
     """log(exp(x) + exp(y)) as torch's logcumsumexp kernel computes it: NaN kept; two equal infinities, x."""
     low, high = torch.minimum(x, y), torch.maximum(x, y)  # both keep NaN
     return torch.where((low != high) | low.isfinite(), torch.log1p(torch.exp(low - high)) + high, x)
+
+
+def _wrapped_dim(self, dim):
+    """dim in [0, self.dim()) (a 0-dim tensor's: 0), or torch's IndexError."""
+    torch.empty(self.shape or (1,), device="meta").size(dim)
+    return dim % max(self.dim(), 1)
+
+
+def _sorted_along(self, dim, op, kernel):
+    """(x, dim, its values sorted stably, their indices) with x = self (a 0-dim one as 1-D), and torch's errors: a dim
+    out of range or of size 0, a dtype its CPU `kernel` has no code for."""
+    dim = _wrapped_dim(self, dim)
+    x = self.reshape(self.shape or (1,))
+    torch._check_index(x.shape[dim] > 0, lambda: f"{op}(): Expected reduction dim {dim} to have non-zero size.")
+    if (self.is_complex() or self.dtype == torch.bool and op != "mode") and self.dim() and self.numel():
+        raise NotImplementedError(f'"{kernel}" not implemented for \'{_dtype_name(self.dtype)}\'')
+    return (x, dim, *x.sort(dim=dim, stable=True))  # NaN last, ties in their order
+
+
+def _reduced(self, dim, keepdim, *outputs):
+    shape = list(self.shape)
+    if shape:
+        shape[dim:dim + 1] = [1] if keepdim else []
+    return tuple(t.reshape(shape) for t in outputs)
+
+
+def _median(self, dim, keepdim, ignore_nan, kernel="median_out"):
+    """The lower median and its index: the ((n - 1) // 2)-th of a stable sort (NaN last): of the values not NaN for
+    nanmedian (an all-NaN row: the first), the first NaN for median, as torch's CPU kernel picks them."""
+    x, dim, values, indices = _sorted_along(self, dim, "median", kernel)
+    n, nans = x.shape[dim], x.isnan().sum(dim, keepdim=True)
+    k = ((n - nans - 1) // 2).clamp(min=0) if ignore_nan else torch.where(nans > 0, n - nans, (n - 1) // 2)
+    return _reduced(self, dim, keepdim, values.gather(dim, k), indices.gather(dim, k))
+
+
+@_lowering("median.dim", family="reductions", why="cpu", key="XLA")
+def _xla_median_dim(self, dim, keepdim=False):
+    """A stable sort and a gather (torch_xla ran median and nanmedian on the CPU); torch's derivative, by index."""
+    return _median(self, dim, keepdim, ignore_nan=False)
+
+
+@_lowering("nanmedian.dim", family="reductions", why="cpu", key="XLA")
+def _xla_nanmedian_dim(self, dim, keepdim=False):
+    return _median(self, dim, keepdim, ignore_nan=True)
+
+
+@_lowering("median", family="reductions", why="cpu", key="XLA")
+def _xla_median(self):
+    if self.numel() == 0:
+        return torch.full((), math.nan, dtype=self.dtype, device=self.device)  # torch's answer
+    return _median(self.reshape(-1), 0, False, ignore_nan=False, kernel="median_cpu")[0]
+
+
+@_lowering("nanmedian", family="reductions", why="cpu", key="XLA")
+def _xla_nanmedian(self):
+    if self.numel() == 0:
+        return torch.full((), math.nan, dtype=self.dtype, device=self.device)
+    return _median(self.reshape(-1), 0, False, ignore_nan=True, kernel="median_cpu")[0]
+
+
+@_lowering("mode", family="reductions", why="cpu", key="XLA")
+def _xla_mode(self, dim=-1, keepdim=False):
+    """The value of the longest run of a stable sort, the smallest such, and the index of its run's last element (the
+    last occurrence: torch's CPU kernel's for n <= 16; beyond, its std::sort leaves ties in no set order). The runs
+    are counted by a scatter_add: XLA's cummax (of their starts) crashed the process on 3000 int64s."""
+    x, dim, values, indices = _sorted_along(self, dim, "mode", "mode_cpu")
+    new = values.narrow(dim, 1, x.shape[dim] - 1) != values.narrow(dim, 0, x.shape[dim] - 1)
+    first = torch.zeros_like(values.narrow(dim, 0, 1), dtype=torch.bool)
+    run = torch.cat([first, new], dim).long().cumsum(dim)  # each element's run
+    length = torch.zeros_like(run).scatter_add(dim, run, torch.ones_like(run))  # of each run
+    best = length.argmax(dim, keepdim=True)  # the first longest: the smallest value
+    last = length.cumsum(dim).gather(dim, best) - 1  # its last element
+    return _reduced(self, dim, keepdim, values.gather(dim, last), indices.gather(dim, last))
 
 
 @_lowering("norm.ScalarOpt_dim", family="reductions", why="cpu", key="XLA")

@@ -71,6 +71,11 @@ OPINFO_NAMES = {
     "searchsorted.Scalar": ["searchsorted"],
     "bucketize.Tensor": ["bucketize"],
     "bucketize.Scalar": ["bucketize"],
+    "median.dim": ["median"],
+    "nanmedian.dim": ["nanmedian"],
+    "median": ["median"],
+    "nanmedian": ["nanmedian"],
+    "mode": ["mode"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

@@ -550,6 +550,34 @@ def test_searchsorted_and_bucketize_are_torch_s(boundaries, values):
     raises_as(lambda: torch.searchsorted(*(t.to("meta") for t in bad)), lambda: kernel("searchsorted.Tensor")(*bad))
 
 
+
+@pytest.mark.parametrize("shape, dim", [((5, 7), 1), ((6, 4), 0), ((3, 8), -1), ((9,), 0), ((), 0), ((0, 4), 1),
+                                        ((2, 3, 4), 1)])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_median_nanmedian_and_mode_are_torch_s(shape, dim, keepdim):
+    """Issue 49: medians and mode by a stable sort: torch's values and indices with repeats (the tie torch's CPU
+    kernel picks: the middle of equal medians, a mode's last occurrence), NaN (median: the first NaN; nanmedian: the
+    rest's median), integers, 0-dim and empty inputs, and torch's errors. Not compared: the index of an all-NaN row's
+    nanmedian and a mode among NaNs, which are where libstdc++'s nth_element and sort happen to leave NaNs."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-3, 4, shape, generator=g).float()
+    if x.dim() == 2 and x.numel() > 8:
+        x[0, :3], x[1] = math.nan, math.nan
+    for op in ("median", "nanmedian", "mode"):
+        for t in (x.nan_to_num(0) if op == "mode" else x, x.long()):
+            ours = kernel(op if op == "mode" else f"{op}.dim")
+            want, got = getattr(torch, op)(t, dim, keepdim), ours(t, dim, keepdim)
+            torch.testing.assert_close(got[0], want[0], equal_nan=True)
+            same = torch.where(want[0].isnan(), 0, want[1]) if op == "nanmedian" else want[1]  # NaN: an all-NaN row
+            assert torch.equal(torch.where(got[0].isnan(), 0, got[1]) if op == "nanmedian" else got[1], same)
+        if op != "mode":
+            torch.testing.assert_close(kernel(op)(x), getattr(torch, op)(x), equal_nan=True)
+    for op in ("median.dim", "mode"):
+        for bad in [(x, 3), (torch.ones(2, 3, dtype=torch.complex64), 1), (torch.ones(0, 2), 0)]:
+            name = op.partition(".")[0]
+            raises_as(lambda: getattr(torch, name)(*bad), lambda: kernel(op)(*bad))
+
+
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
                 and issubclass(kind, torch.optim.Optimizer) and kind not in (torch.optim.Optimizer, torch.optim.LBFGS,
                                                                              torch.optim.SparseAdam)}
