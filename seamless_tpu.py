@@ -1624,6 +1624,23 @@ def _xla_mode(self, dim=-1, keepdim=False):
     return _reduced(self, dim, keepdim, values.gather(dim, last), indices.gather(dim, last))
 
 
+@_lowering("histc", family="reductions", why="cpu", key="XLA")
+def _xla_histc(self, bins=100, min=0, max=0):
+    """A scatter_add of ones at each in-range value's bin, bins as torch's CPU kernel computes them (in the input's
+    dtype). min == max: the data's range, read on the device; its check (finite) would be a host read, so a range
+    of inf or NaN counts nothing rather than raising as torch does."""
+    if not self.is_floating_point():
+        raise NotImplementedError(f'"histogram_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
+    torch._check(bins > 0, lambda: f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
+    torch._check(min <= max, lambda: "torch.histc: max must be larger than min")
+    x = self.reshape(-1)
+    low, high = (x.min(), x.max()) if min == max and x.numel() else (x.new_tensor(min), x.new_tensor(max))
+    low, high = torch.where(low == high, low - 1, low), torch.where(low == high, high + 1, high)
+    at = ((x - low) * bins / (high - low)).long().clamp(0, bins - 1)  # the last bin holds max
+    inside = ((x >= low) & (x <= high) & (high - low).isfinite()).to(self.dtype)  # NaN: outside
+    return x.new_zeros(bins).scatter_add(0, at, inside)
+
+
 @_lowering("norm.ScalarOpt_dim", family="reductions", why="cpu", key="XLA")
 def _xla_norm(self, p, dim, keepdim=False):
     """linalg_vector_norm, torch's own kernel of it (torch_xla ran p=0 on the CPU); torch's derivative."""

@@ -76,6 +76,7 @@ OPINFO_NAMES = {
     "median": ["median"],
     "nanmedian": ["nanmedian"],
     "mode": ["mode"],
+    "histc": ["histc"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

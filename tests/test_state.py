@@ -578,6 +578,26 @@ def test_median_nanmedian_and_mode_are_torch_s(shape, dim, keepdim):
             raises_as(lambda: getattr(torch, name)(*bad), lambda: kernel(op)(*bad))
 
 
+
+@pytest.mark.parametrize("bins, low, high", [(10, 0, 0), (7, -1.0, 1.5), (3, 1, 1), (1, 0, 0), (50, -0.3, 0.2)])
+def test_histc_is_torch_s(bins, low, high):
+    """Issue 49: histc as torch's CPU kernel bins (its arithmetic, the max in the last bin, NaN and values outside
+    left out, the data's own range when min == max, a range of one value widened by 1), in the input's dtype."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 40, generator=g)
+    x[0, :4] = torch.tensor([math.inf if low == high else math.nan, 0.2, -0.3, 1.5])
+    if low == high:  # the data's range: torch refuses one that is not finite (a host read), ours counts nothing
+        with pytest.raises(RuntimeError, match="torch.histc: range of .* is not finite"):
+            torch.histc(x, bins, low, high)
+        for bad in (x, x.nan_to_num(posinf=math.nan)):
+            assert torch.equal(kernel("histc")(bad, bins, low, high), torch.zeros(bins))
+        x[0, 0] = 0.0
+    for t in (x, x.double(), x.bfloat16(), torch.full((4,), 3.0), x[:0]):
+        assert torch.equal(kernel("histc")(t, bins, low, high), torch.histc(t, bins, low, high)), t
+    for bad in [(x, 0, low, high), (x, bins, 2, 1), (x.long(), bins, low, high)]:
+        raises_as(lambda: torch.histc(*bad), lambda: kernel("histc")(*bad))
+
+
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
                 and issubclass(kind, torch.optim.Optimizer) and kind not in (torch.optim.Optimizer, torch.optim.LBFGS,
                                                                              torch.optim.SparseAdam)}
