@@ -79,6 +79,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
 # - _XLAC._xla_dot_general, torch._C._are_functorch_transforms_active. TODO(remove when XLA einsum is twice diff.)
+# - torch._C._dispatch_keys, the key set a kernel that replaced torch_xla's calls its kernel with (get_kernel).
+#   TODO(remove when torch_xla runs scatter_reduce's mean and include_self=False on the device)
 # - _XLAC._xla_sync_multi, Optimizer.step.__wrapped__ (state first). TODO(remove when optimizers have an init)
 # - torch_xla.experimental.distributed_checkpoint._helpers: _cpu_shards_from_tensors, _CpuShards.
 #   TODO(remove when torch_xla's SPMDSavePlanner saves partially replicated tensors)
@@ -146,6 +148,7 @@ class _ProcessState:
     group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
     optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # "pre", "post" -> handle of the step hook (8)
     torch_patches: list = dataclasses.field(default_factory=list)  # undo functions of the header's changes
+    xla_kernels: dict = dataclasses.field(default_factory=dict)  # op -> torch_xla's kernel that ours replaced (7b)
     steps: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> _StepRecord (8)
     rebinding: bool = False  # FSDP2 or tensor parallelism replaced parameters: optimizers follow before a step (9b)
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
@@ -950,6 +953,9 @@ def _register_lowerings():
         raise RuntimeError(f"torch {torch.__version__} has no composite kernel for aten ops {lost}, to which "
                            f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
                            f"torch {_TESTED_WITH['torch']}: install that version.")
+    for op, low in aten.items():  # torch_xla's own kernel of an op ours replaces at its key: ours may call it
+        if low.key == "XLA" and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "XLA"):
+            _STATE.xla_kernels[op] = torch.library.get_kernel(f"aten::{op}", "XLA")
     library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
     with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
         warnings.simplefilter("ignore")
@@ -972,6 +978,11 @@ def _torch_path(op):
         return low.functional
     name, _, overload = op.partition(".")
     return getattr(getattr(torch.ops.aten, name), overload or "default").decompose
+
+
+def _torch_xla_kernel(op, *args, **kwargs):
+    """torch_xla's own kernel of aten `op`, which ours replaced at the XLA key (the table's key="XLA")."""
+    return _STATE.xla_kernels[op].call_boxed(torch._C._dispatch_keys(args[0]), *args, **kwargs)
 
 
 def _torch_checks(op, *args, **kwargs):
@@ -1622,6 +1633,24 @@ def _xla_mode(self, dim=-1, keepdim=False):
     best = length.argmax(dim, keepdim=True)  # the first longest: the smallest value
     last = length.cumsum(dim).gather(dim, best) - 1  # its last element
     return _reduced(self, dim, keepdim, values.gather(dim, last), indices.gather(dim, last))
+
+
+@_lowering("scatter_reduce.two", family="reductions", why="cpu", key="XLA")
+def _xla_scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
+    """torch_xla's own kernel where it has one (sum, prod, amax, amin, including self); the rest (it ran them on the
+    CPU) through it: include_self=False first sets the places scattered to a value the reduction ignores (0, 1, or
+    one of the values scattered there), and a mean is a sum over a count. Below autograd: torch's derivative."""
+    _torch_checks("scatter_reduce", self, dim, index, src, reduce, include_self=include_self)
+    if self.dim() == 0:  # torch_xla's scatters refuse 0-dim tensors
+        return _xla_scatter_reduce(self.view(1), 0, index.view(1), src.view(1), reduce, include_self=include_self)[0]
+    own = functools.partial(_torch_xla_kernel, "scatter_reduce.two")
+    if reduce != "mean":
+        ignored = src if reduce in ("amax", "amin") else 0 if reduce == "sum" else 1
+        return own(self if include_self else self.scatter(dim, index, ignored), dim, index, src, reduce,
+                   include_self=True)
+    total = own(self if include_self else self.scatter(dim, index, 0), dim, index, src, "sum", include_self=True)
+    count = torch.full_like(self, int(include_self)).scatter_add(dim, index, torch.ones_like(src)).clamp(min=1)
+    return total / count if self.is_floating_point() or self.is_complex() else total.div(count, rounding_mode="floor")
 
 
 @_lowering("histc", family="reductions", why="cpu", key="XLA")

@@ -598,6 +598,30 @@ def test_histc_is_torch_s(bins, low, high):
         raises_as(lambda: torch.histc(*bad), lambda: kernel("histc")(*bad))
 
 
+
+class TorchXLAScatterReduce:
+    """Stands for torch_xla's scatter_reduce kernel: what it lowers (torch's CPU kernel here), and nothing else."""
+
+    def call_boxed(self, keys, self_, dim, index, src, reduce, *, include_self):
+        assert include_self and reduce != "mean", "torch_xla ran it on the CPU"
+        return torch.ops.aten.scatter_reduce.two(self_, dim, index, src, reduce, include_self=include_self)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_scatter_reduce_is_torch_xla_s_own_kernel_or_made_of_it(monkeypatch, reduce, include_self, dtype):
+    """Issue 49: scatter_reduce's mean and include_self=False, which torch_xla ran on the CPU, through its own kernel
+    for the rest: torch's numbers (an integer mean rounds down), places nothing is scattered to kept, 0-dim too."""
+    monkeypatch.setitem(st._STATE.xla_kernels, "scatter_reduce.two", TorchXLAScatterReduce())
+    g = torch.Generator().manual_seed(7)
+    x, src = (torch.randint(-5, 6, shape, generator=g).to(dtype) for shape in [(4, 6), (4, 5)])
+    index = torch.randint(0, 4, (3, 5), generator=g)  # rows 0-3, some twice, some never; src larger than index
+    for args in [(x, 0, index, src), (x[0, 0], 0, index[0, 0], src[0, 0])]:
+        want = torch.scatter_reduce(*args, reduce, include_self=include_self)
+        assert torch.equal(kernel("scatter_reduce.two")(*args, reduce, include_self=include_self), want)
+
+
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
                 and issubclass(kind, torch.optim.Optimizer) and kind not in (torch.optim.Optimizer, torch.optim.LBFGS,
                                                                              torch.optim.SparseAdam)}
