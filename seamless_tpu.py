@@ -10,9 +10,9 @@ RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER
 unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE,
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
-  for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, masks, losses,
-  reductions, pooling, windows, resampling) at AutogradXLA/XLA, F.multi_head_attention_forward, F.embedding_bag; without
-  jax torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps Parameters (swap_module_params_on_conversion in it).
+  for XLA inputs: torch.utils.checkpoint, _LOWERINGS (products, attention, norms, pointwise, masks, losses, reductions,
+  pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
+  torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it).
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
   torch modes counting its first step's FLOPs; log(): a thread, step closures. An XLA trainer with repeated blocks:
   ModuleList's and Sequential's __iter__, __getitem__ (only a checked loop gets _BlockCalls); torch_xla scan's While.
@@ -1439,7 +1439,7 @@ def _xla_huber_loss_backward(grad_output, input, target, reduction, delta):
 def _margin_terms(input, target, p, margin, weight):
     """multi_margin_loss's terms as its CPU kernel computes them: (N, C) inputs, (N,) targets, z = margin - x[y] + x
     and where it counts (z > 0, the target's own class left out), weight[y] (or 1), and C. Targets out of range are
-    not checked: no host read (as torch_xla's nll_loss)."""
+    not checked: torch's CPU kernel reads each one (a host read)."""
     dtype = _computation_dtype(input)
     x, classes = input.to(dtype).reshape(-1, max(input.shape[-1:] or (1,))), max(input.shape[-1:] or (1,))
     y = target.reshape(-1, 1)
@@ -1538,6 +1538,29 @@ def _searched(boundaries, values, right, sorter, out_int32):
         after = (start < end) & ~(b > values if right else b >= values)
         start, end = torch.where(after, middle + 1, start), torch.where(after | (start >= end), end, middle)
     return start.to(torch.int32) if out_int32 else start
+
+
+@_lowering("gaussian_nll_loss", family="losses", why="cpu", functional=True)
+def _xla_gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    """torch's F.gaussian_nll_loss less its check of a var tensor on XLA, `torch.any(var < 0)`: a host read at each
+    call (a graph cut and a transfer a step). The check runs under torch.autograd.detect_anomaly(), torch's debug
+    mode, which reads values at each backward anyway (torch's own value checks, torch._check, are skipped in compiled
+    code); without it a negative variance is clamped to eps, as a small one is, and nothing raises."""
+    if not (isinstance(var, torch.Tensor) and _is_xla(var.device)) or torch.is_anomaly_enabled() or (
+            torch.overrides.has_torch_function_variadic(input, target, var)):
+        return _torch_path("gaussian_nll_loss")(input, target, var, full, eps, reduction)
+    if var.shape != input.shape:  # torch's: var one dim short (homoscedastic), or of size 1 in the last
+        if input.shape[:-1] == var.shape:
+            var = var.unsqueeze(-1)
+        elif not (input.shape[:-1] == var.shape[:-1] and var.shape[-1:] == (1,)):
+            raise ValueError("var is of incorrect size")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    var = var.clone()
+    with torch.no_grad():
+        var.clamp_(min=eps)  # as torch: the gradient goes through the clamp unchanged
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var) + (0.5 * math.log(2 * math.pi) if full else 0)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
 @_lowering("_logcumsumexp", family="reductions", why="cpu", key="XLA")

@@ -140,7 +140,7 @@ def test_reset_undoes_every_process_wide_change(fake):
     assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] + 1, "one pre-step hook"
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1, "one post-step hook"
     state = st._STATE
-    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 7
+    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 8
     st._reset_caches()
     assert (
         ckpt.CheckpointFunction,
@@ -620,6 +620,41 @@ def test_scatter_reduce_is_torch_xla_s_own_kernel_or_made_of_it(monkeypatch, red
     for args in [(x, 0, index, src), (x[0, 0], 0, index[0, 0], src[0, 0])]:
         want = torch.scatter_reduce(*args, reduce, include_self=include_self)
         assert torch.equal(kernel("scatter_reduce.two")(*args, reduce, include_self=include_self), want)
+
+
+
+@pytest.mark.parametrize("shapes", [((4, 3), (4, 3)), ((4, 3), (4,)), ((4, 3), (4, 1)), ((5,), ()), ((2, 3), (3,))])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_gaussian_nll_loss_reads_no_value_unless_anomaly_mode(monkeypatch, shapes, reduction):
+    """Issue 49: F.gaussian_nll_loss read torch.any(var < 0) to the host at each call. For a var on XLA ours does
+    not (torch's checks of shapes and reduction stay; a negative var is clamped to eps) unless torch's anomaly mode is
+    on; its numbers and gradients are torch's. Here a CPU tensor stands for an XLA one."""
+    monkeypatch.setattr(st, "_is_xla", lambda device: True)
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(shapes[0], generator=g, requires_grad=True), torch.randn(shapes[0], generator=g)
+    var = (torch.rand(shapes[1], generator=g) * 2 - 0.2).requires_grad_()  # some below eps (none below 0 for torch)
+    torchs = st._torch_path("gaussian_nll_loss")
+    if shapes[1] == (3,):
+        raises_as(lambda: torchs(x, y, var.clamp(min=0), reduction=reduction),
+                  lambda: kernel("gaussian_nll_loss")(x, y, var, reduction=reduction))
+        return
+    safe = var.detach().clamp(min=0).requires_grad_()
+    for full in (False, True):
+        want, got = torchs(x, y, safe, full, 1e-3, reduction), kernel("gaussian_nll_loss")(x, y, safe, full, 1e-3,
+                                                                                        reduction)
+        torch.testing.assert_close(got, want)
+        for ours, torch_s in zip(torch.autograd.grad(got.sum(), (x, safe)), torch.autograd.grad(want.sum(), (x, safe))):
+            torch.testing.assert_close(ours, torch_s)
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(t) or True)  # a host read of a tensor
+    negative = kernel("gaussian_nll_loss")(x, y, var, reduction=reduction)
+    assert not reads and negative.isfinite().all()
+    monkeypatch.undo()
+    monkeypatch.setattr(st, "_is_xla", lambda device: True)
+    with torch.autograd.detect_anomaly(), pytest.raises(ValueError, match="var has negative entry/entries"):
+        kernel("gaussian_nll_loss")(x, y, var - 1, reduction=reduction)
+    raises_as(lambda: torchs(x, y, safe, reduction="avg"),
+              lambda: kernel("gaussian_nll_loss")(x, y, safe, reduction="avg"))
 
 
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
