@@ -1399,6 +1399,26 @@ def _xla_linalg_cross(input, other, *, dim=-1):
     return input.roll(-1, dim) * other.roll(-2, dim) - input.roll(-2, dim) * other.roll(-1, dim)
 
 
+@_lowering("rrelu", family="pointwise", why="cpu", hands_back=True)
+def _xla_rrelu(self, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    """In training each element <= 0 times a slope from uniform(lower, upper), drawn by the device's generator (as
+    torch.rand on it: torch_xla's seed; torch_xla ran rrelu_with_noise on the CPU, with torch's CPU generator).
+    Autograd's derivative is torch's: the slope, 1 above 0. Not training: leaky_relu at the mean slope, as torch. A
+    generator of the user's goes to torch's path."""
+    if generator is not None or not self.is_floating_point():
+        return _torch_path("rrelu")(self, lower, upper, training, generator)
+    if not training:
+        return torch.nn.functional.leaky_relu(self, (lower + upper) / 2)
+    return torch.where(self <= 0, self * torch.empty_like(self).uniform_(lower, upper), self)
+
+
+@_lowering("rrelu_", family="pointwise", why="cpu", hands_back=True)
+def _xla_rrelu_(self, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    if generator is not None or not self.is_floating_point():
+        return _torch_path("rrelu_")(self, lower, upper, training, generator)
+    return self.copy_(_xla_rrelu(self, lower, upper, training))
+
+
 def _loss_reduced(loss, reduction, dtype):
     """reduction 0 (none), 1 (mean) or 2 (sum) of a loss computed in the computation dtype, cast to `dtype`."""
     return (loss if reduction == 0 else loss.mean() if reduction == 1 else loss.sum()).to(dtype)

@@ -80,6 +80,8 @@ OPINFO_NAMES = {
     "scatter_reduce.two": ["scatter_reduce.sum", "scatter_reduce.prod", "scatter_reduce.mean", "scatter_reduce.amin",
                            "scatter_reduce.amax"],
     "gaussian_nll_loss": ["nn.functional.gaussian_nll_loss"],
+    "rrelu": ["nn.functional.rrelu"],
+    "rrelu_": ["nn.functional.rrelu"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

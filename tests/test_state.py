@@ -118,7 +118,7 @@ def aten_lowerings():
 
 def test_reset_undoes_every_process_wide_change(fake):
     ckpt, F = torch.utils.checkpoint, torch.nn.functional
-    functionals = (F.multi_head_attention_forward, F.embedding_bag)
+    functionals = (F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss)
     originals = (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
@@ -130,7 +130,7 @@ def test_reset_undoes_every_process_wide_change(fake):
     assert kernels_at_autograd_xla() == set()
     st.get_device()
     assert ckpt.CheckpointFunction is not originals[0] and ckpt._CheckpointFrame.__init__ is not originals[1]
-    now = (F.multi_head_attention_forward, F.embedding_bag)
+    now = (F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss)
     assert all(new is not old for new, old in zip(now, functionals)), "the batch-keeping functionals are not in"
     assert kernels_at_autograd_xla() == aten_lowerings(), "the batch-keeping kernels are not in"
     assert {"group_norm", "batch_norm", "matmul", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= aten_lowerings()
@@ -146,7 +146,7 @@ def test_reset_undoes_every_process_wide_change(fake):
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
         torch.__future__.get_swap_module_params_on_conversion(),
-        F.multi_head_attention_forward, F.embedding_bag, torch.nn.Module.to,
+        F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss, torch.nn.Module.to,
     ) == originals
     assert kernels_at_autograd_xla() == set(), "the dispatcher is back to torch's composite kernels"
     assert not hasattr(torch, "xla") and "torch.xla" not in sys.modules
@@ -655,6 +655,27 @@ def test_gaussian_nll_loss_reads_no_value_unless_anomaly_mode(monkeypatch, shape
         kernel("gaussian_nll_loss")(x, y, var - 1, reduction=reduction)
     raises_as(lambda: torchs(x, y, safe, reduction="avg"),
               lambda: kernel("gaussian_nll_loss")(x, y, safe, reduction="avg"))
+
+
+
+def test_rrelu_in_training_draws_slopes_from_the_device_s_generator():
+    """Issue 49: rrelu in training: each element <= 0 times its own slope from uniform(lower, upper), drawn where the
+    tensor lives (here the CPU's generator stands for XLA's), and the gradient is the slope (1 above 0), as torch's
+    derivative; eval is leaky_relu at the mean slope; in place too; a generator of the user's goes to torch's path."""
+    x = torch.cat([-torch.rand(100000) - 0.01, torch.rand(10) + 0.01, torch.zeros(1)]).requires_grad_()
+    y = kernel("rrelu")(x, 0.1, 0.4, True)
+    slope = (y / x).detach()[:100000]
+    assert 0.1 <= slope.min() and slope.max() <= 0.4 and slope.unique().numel() > 99000
+    torch.testing.assert_close((slope.mean().item(), slope.var().item()), (0.25, 0.3 ** 2 / 12), rtol=0.01, atol=0)
+    grad = torch.autograd.grad(y.sum(), x)[0]
+    torch.testing.assert_close(grad[:100000], slope)  # y / x rounds
+    assert torch.equal(grad[100000:-1], torch.ones(10)) and 0.1 <= grad[-1] <= 0.4
+    assert torch.equal(kernel("rrelu")(x, 0.1, 0.4, False), torch.rrelu(x, 0.1, 0.4, False))
+    z = x.detach().clone()
+    assert kernel("rrelu_")(z, 0.1, 0.4, True) is z and torch.equal(z > 0, x > 0) and (z >= x * 0.4).all()
+    g = torch.Generator().manual_seed(9)
+    want = torch.rrelu(x, 0.1, 0.4, True, torch.Generator().manual_seed(9))
+    assert torch.equal(kernel("rrelu")(x, 0.1, 0.4, True, g), want)
 
 
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
