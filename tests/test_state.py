@@ -571,7 +571,8 @@ def test_median_nanmedian_and_mode_are_torch_s(shape, dim, keepdim):
             same = torch.where(want[0].isnan(), 0, want[1]) if op == "nanmedian" else want[1]  # NaN: an all-NaN row
             assert torch.equal(torch.where(got[0].isnan(), 0, got[1]) if op == "nanmedian" else got[1], same)
         if op != "mode":
-            torch.testing.assert_close(kernel(op)(x), getattr(torch, op)(x), equal_nan=True)
+            for t in (x, x.long(), torch.ones(0), torch.ones(0, dtype=torch.long)):  # none: NaN, the lowest integer
+                torch.testing.assert_close(kernel(op)(t), getattr(torch, op)(t), equal_nan=True)
     for op in ("median.dim", "mode"):
         for bad in [(x, 3), (torch.ones(2, 3, dtype=torch.complex64), 1), (torch.ones(0, 2), 0)]:
             name = op.partition(".")[0]
