@@ -1690,7 +1690,8 @@ def _xla_scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     one of the values scattered there), and a mean is a sum over a count. Below autograd: torch's derivative."""
     _torch_checks("scatter_reduce", self, dim, index, src, reduce, include_self=include_self)
     if self.dim() == 0:  # torch_xla's scatters refuse 0-dim tensors
-        return _xla_scatter_reduce(self.view(1), 0, index.view(1), src.view(1), reduce, include_self=include_self)[0]
+        return _xla_scatter_reduce(self.view(1), 0, index.reshape(-1), src.reshape(-1), reduce,
+                                   include_self=include_self)[0]
     own = functools.partial(_torch_xla_kernel, "scatter_reduce.two")
     if reduce != "mean":
         ignored = src if reduce in ("amax", "amin") else 0 if reduce == "sum" else 1

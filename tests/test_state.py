@@ -618,7 +618,8 @@ def test_scatter_reduce_is_torch_xla_s_own_kernel_or_made_of_it(monkeypatch, red
     g = torch.Generator().manual_seed(7)
     x, src = (torch.randint(-5, 6, shape, generator=g).to(dtype) for shape in [(4, 6), (4, 5)])
     index = torch.randint(0, 4, (3, 5), generator=g)  # rows 0-3, some twice, some never; src larger than index
-    for args in [(x, 0, index, src), (x[0, 0], 0, index[0, 0], src[0, 0])]:
+    for args in [(x, 0, index, src), (x[0, 0], 0, index[0, 0], src[0, 0]), (x[0, 0], 0, index[0, :1], src[0, :2]),
+                 (x[0, 0], 0, index[0, :0], src[0, :1])]:
         want = torch.scatter_reduce(*args, reduce, include_self=include_self)
         assert torch.equal(kernel("scatter_reduce.two")(*args, reduce, include_self=include_self), want)
 
