@@ -10,9 +10,9 @@ RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER
 unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE,
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
-  for XLA inputs only: torch.utils.checkpoint, and _LOWERINGS (products, attention, norms, pointwise, masks, pooling,
-  windows, resampling) at AutogradXLA (a few: XLA), F.multi_head_attention_forward, F.embedding_bag; without jax
-  torch_xla's scan backward, GRU; nn.Module.to: to XLA keeps the Parameters (swap_module_params_on_conversion in it);
+  for XLA inputs: torch.utils.checkpoint, _LOWERINGS (products, attention, norms, pointwise, masks, losses, reductions,
+  pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
+  torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
   torch.inference_mode() is no_grad.
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
   torch modes counting its first step's FLOPs; log(): a thread, step closures. An XLA trainer with repeated blocks:
@@ -81,8 +81,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
 # - _XLAC._xla_dot_general, torch._C._are_functorch_transforms_active. TODO(remove when XLA einsum is twice diff.)
 # - _XLAC._xla_sync_multi (state first). TODO(remove when optimizers have an init)
-# - torch._C._dispatch_get_computed_kernel_for_dispatch_key: torch_xla's addmm, for beta and alpha 1.
-#   TODO(remove when torch_xla lowers addmm for any beta and alpha)
+# - torch._C.DispatchKeySet: the key set a kernel that replaced torch_xla's calls its kernel with (get_kernel).
+#   TODO(remove when torch_xla lowers addmm for any beta, scatter_reduce's mean and avg_pool's backward)
 # - torch_xla.experimental.distributed_checkpoint._helpers: _cpu_shards_from_tensors, _CpuShards.
 #   TODO(remove when torch_xla's SPMDSavePlanner saves partially replicated tensors)
 # - torch_xla.experimental.scan._backward_shard_alike, replaced where jax is missing (torch_xla[pallas] brings it).
@@ -149,7 +149,7 @@ class _ProcessState:
     group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
     optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # "pre", "post" -> handle of the step hook (8)
     torch_patches: list = dataclasses.field(default_factory=list)  # undo functions of the header's changes
-    xla_kernels: dict = dataclasses.field(default_factory=dict)  # op -> torch_xla's kernel a key="XLA" lowering took
+    xla_kernels: dict = dataclasses.field(default_factory=dict)  # op -> torch_xla's kernel that ours replaced (7b)
     steps: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> _StepRecord (8)
     rebinding: bool = False  # FSDP2 or tensor parallelism replaced parameters: optimizers follow before a step (9b)
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
@@ -937,8 +937,8 @@ def _scan_backward_without_jax():
 @dataclasses.dataclass(frozen=True)
 class _Lowering:
     kernel: object  # stands for aten `op` at the dispatch `key`, or for torch.nn.functional's `op` (functional)
-    family: str  # products, attention, norms, pointwise, masks, pooling, windows or resampling: the docs' groups
-    why: str  # torch_xla's own lost the batch split ("batch"), ran on the CPU ("cpu"), had no 2nd derivative ("grad2")
+    family: str  # products, attention, norms, pointwise, masks, losses, reductions, pooling, windows, resampling
+    why: str  # torch_xla's lost the batch split ("batch"), ran on the CPU ("cpu"), no 2nd derivative ("grad2"), died
     hands_back: bool = False  # some inputs go to torch's own path, _torch_path(op)
     functional: object = None  # torch.nn.functional's own function, which a functional lowering replaces
     key: str = "AutogradXLA"  # or "XLA": below autograd, which keeps torch's own derivative
@@ -973,11 +973,10 @@ def _register_lowerings():
         raise RuntimeError(f"torch {torch.__version__} has no composite kernel for aten ops {lost}, to which "
                            f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
                            f"torch {_TESTED_WITH['torch']}: install that version.")
+    for op, low in aten.items():  # torch_xla's own kernel of an op ours replaces at its key: ours may call it
+        if low.key == "XLA" and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "XLA"):
+            _STATE.xla_kernels[op] = torch.library.get_kernel(f"aten::{op}", "XLA")
     library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
-    # torch_xla's kernels that ours at the XLA key replace, taken first (a fake torch_xla has none)
-    _STATE.xla_kernels = {op: torch._C._dispatch_get_computed_kernel_for_dispatch_key(f"aten::{op}", "XLA")
-                          for op, low in aten.items() if low.key == "XLA"
-                          and torch._C._dispatch_has_computed_kernel_for_dispatch_key(f"aten::{op}", "XLA")}
     with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
         warnings.simplefilter("ignore")
         for op, low in aten.items():
@@ -1368,11 +1367,14 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
     total = rows.new_zeros((n, rows.shape[1])).index_add(0, bag, rows * weights[:, None])[:count]
     return total / size.clamp(min=1) if mode == "mean" else total
 
-# --- 7d. lowerings: norms, pointwise ops and masks ------------------------------------------------
+# --- 7d. lowerings: norms, pointwise ops, masks, losses and reductions ---------------------------
 # torch_xla's layer_norm, training batch_norm (so instance_norm) and group_norm are one op over the batch (a GroupNorm
 # conv net ran 0.32-0.61 of its convolutions per device): ours reduce over the normalized dims, with eager's unbiased
 # running variance. glu and channel_shuffle ran on the CPU; for XLA tensors autograd differentiates the ops ours are
-# made of. kl_div: torch's decomposition (torch_xla's kernel warned "an autograd kernel was not registered").
+# made of. kl_div: torch's decomposition (torch_xla's kernel warned "an autograd kernel was not registered"). cross,
+# losses and reductions torch_xla ran on the CPU (a graph cut and two transfers a call): static-shaped ops, below
+# autograd (key XLA) where torch's derivative is made of ops XLA has. Those (issue 49) took the room from 155 lines to
+# near 500: they move to a room of their own once the pooling work in 7e has landed (two rooms edited at once).
 
 
 def _statistics(x, dims, eps):
@@ -1522,6 +1524,367 @@ def _masked_where(self, indices, values, accumulate):
     values = values.to(self.device).reshape(*shape[:k], *(1,) * mask.dim(), *shape[k + 1:])  # as torch: a CPU scalar
     mask = mask.reshape(*mask.shape, *(1,) * rest)
     return self + torch.where(mask, values, 0) if accumulate else torch.where(mask, values, self)
+
+
+def _dtype_name(dtype):
+    """torch's C++ name of a dtype, as its CPU kernels' messages spell it: "Float", "BFloat16", "ComplexDouble"."""
+    return torch.empty(0, dtype=dtype, device="meta").type()[len("torch.meta."):-len("Tensor")]
+
+
+@_lowering("linalg_cross", family="pointwise", why="cpu", key="XLA")
+def _xla_linalg_cross(input, other, *, dim=-1):
+    """Each factor rolled by one and by two along `dim` (torch_xla ran it on the CPU); below autograd, so torch's
+    derivative (itself cross products) stays."""
+    _torch_checks("linalg_cross", input, other, dim=dim)  # dims, lengths of 3, broadcasting
+    torch._check(input.dtype == other.dtype, lambda: f"expected scalar type {_dtype_name(input.dtype)} but found "
+                 f"{_dtype_name(other.dtype)}")  # the CPU kernel's check, which the meta kernel skips
+    return input.roll(-1, dim) * other.roll(-2, dim) - input.roll(-2, dim) * other.roll(-1, dim)
+
+
+@_lowering("rrelu", family="pointwise", why="cpu", hands_back=True)
+def _xla_rrelu(self, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    """In training each element <= 0 times a slope from uniform(lower, upper), drawn by the device's generator (as
+    torch.rand on it: torch_xla's seed; torch_xla ran rrelu_with_noise on the CPU, with torch's CPU generator).
+    Autograd's derivative is torch's: the slope, 1 above 0. Not training: leaky_relu at the mean slope, as torch. A
+    generator of the user's goes to torch's path."""
+    if generator is not None or not self.is_floating_point():
+        return _torch_path("rrelu")(self, lower, upper, training, generator)
+    if not training:
+        return torch.nn.functional.leaky_relu(self, (lower + upper) / 2)
+    return torch.where(self <= 0, self * torch.empty_like(self).uniform_(lower, upper), self)
+
+
+@_lowering("rrelu_", family="pointwise", why="cpu", hands_back=True)
+def _xla_rrelu_(self, lower=1 / 8, upper=1 / 3, training=False, generator=None):
+    if generator is not None or not self.is_floating_point():
+        return _torch_path("rrelu_")(self, lower, upper, training, generator)
+    return self.copy_(_xla_rrelu(self, lower, upper, training))
+
+
+def _loss_reduced(loss, reduction, dtype):
+    """reduction 0 (none), 1 (mean) or 2 (sum) of a loss computed in the computation dtype, cast to `dtype`."""
+    return (loss if reduction == 0 else loss.mean() if reduction == 1 else loss.sum()).to(dtype)
+
+
+def _floating_loss(kernel, input, target):
+    """The computation dtype of a pointwise loss, and torch's CPU error for a dtype its kernel has no code for."""
+    dtype = torch.promote_types(_computation_dtype(input), _computation_dtype(target))
+    if not dtype.is_floating_point:
+        raise NotImplementedError(f'"{kernel}" not implemented for \'{_dtype_name(dtype)}\'')
+    return dtype
+
+
+@_lowering("nll_loss", family="losses", why="crash", hands_back=True)
+def _xla_nll_loss(input, target, weight=None, reduction=1, ignore_index=-100):
+    """An unbatched input (C,) with a 0-dim target is a batch of one: there torch_xla 2.9's nll_loss_forward killed
+    the process (SIGSEGV), and F.cross_entropy of one sample with it. Every other input: torch's own path."""
+    if input.dim() != 1 or target.dim() != 0:
+        return _torch_path("nll_loss")(input, target, weight, reduction, ignore_index)
+    out = _torch_path("nll_loss")(input[None], target[None], weight, reduction, ignore_index)
+    return out[0] if reduction == 0 else out  # reduction "none": the one sample's loss, 0-dim as torch's
+
+
+@_lowering("roll", family="pointwise", why="crash", key="XLA")
+def _xla_roll(self, shifts, dims=()):
+    """torch_xla 2.9's roll of an empty tensor killed the process (SIGFPE: a shift modulo a size of 0); torch's is the
+    empty tensor itself. Every other input: torch_xla's own kernel."""
+    own = _torch_xla_path("roll")
+    if self.numel() == 0:
+        _torch_checks("roll", self, shifts, dims)
+        return torch.clone(self)
+    return own(self, shifts, dims) if own else torch.ops.aten.roll(self, shifts, dims)  # (CPU: the fast tests)
+
+
+@_lowering("huber_loss", family="losses", why="cpu", key="XLA")
+def _xla_huber_loss(input, target, reduction=1, delta=1.0):
+    """torch's formula in the computation dtype, in the input's dtype as its CPU kernel (torch_xla ran it there);
+    below autograd: torch's derivative is huber_loss_backward, the next kernel."""
+    _torch_checks("huber_loss", input, target, reduction, delta)  # delta > 0, broadcasting
+    dtype = _floating_loss("huber_cpu", input, target)
+    distance = (input.to(dtype) - target.to(dtype)).abs()
+    loss = torch.where(distance < delta, 0.5 * distance * distance, delta * (distance - 0.5 * delta))
+    return _loss_reduced(loss, reduction, input.dtype)
+
+
+@_lowering("huber_loss_backward", family="losses", why="cpu", key="XLA")
+def _xla_huber_loss_backward(grad_output, input, target, reduction, delta):
+    """torch's: the difference clamped to [-delta, delta], times the gradient (over input's numel for the mean)."""
+    _torch_checks("huber_loss_backward", grad_output, input, target, reduction, delta)
+    for t in (grad_output, target):  # the CPU kernel's check, which the meta kernel skips
+        torch._check(t.dtype == input.dtype, lambda: f"Found dtype {_dtype_name(t.dtype)} but expected "
+                     f"{_dtype_name(input.dtype)}")
+    dtype = _floating_loss("huber_backward_cpu_out", input, target)
+    scale = 1 / max(input.numel(), 1) if reduction == 1 else 1.0
+    difference = input.to(dtype) - target.to(dtype)
+    return (difference.clamp(-delta, delta) * (grad_output.to(dtype) * scale)).expand(input.shape).to(input.dtype)
+
+
+def _margin_terms(input, target, p, margin, weight):
+    """multi_margin_loss's terms as its CPU kernel computes them: (N, C) inputs, (N,) targets, z = margin - x[y] + x
+    and where it counts (z > 0, the target's own class left out), weight[y] (or 1), and C. Targets out of range are
+    not checked: torch's CPU kernel reads each one (a host read)."""
+    dtype = _computation_dtype(input)
+    x, classes = input.to(dtype).reshape(-1, max(input.shape[-1:] or (1,))), max(input.shape[-1:] or (1,))
+    y = target.reshape(-1, 1)
+    z = margin - x.gather(1, y) + x
+    counts = (z > 0) & (torch.arange(classes, device=x.device) != y)
+    scale = torch.ones((), dtype=dtype, device=x.device) if weight is None else weight.to(dtype).reshape(-1)[y]
+    return z, counts, scale, classes
+
+
+@_lowering("multi_margin_loss", family="losses", why="cpu", key="XLA")
+def _xla_multi_margin_loss(input, target, p=1, margin=1, weight=None, reduction=1):
+    """sum over the other classes of weight[y] * max(0, margin - x[y] + x)^p, over C; torch's derivative
+    (multi_margin_loss_backward, the next kernel)."""
+    _torch_checks("multi_margin_loss", input, target, p, margin, weight, reduction)
+    z, counts, scale, classes = _margin_terms(input, target, p, margin, weight)
+    loss = (torch.where(counts, z if p == 1 else z * z, 0) * scale).sum(1) / classes
+    return _loss_reduced(loss.reshape(target.shape) if input.dim() < 2 else loss, reduction, input.dtype)
+
+
+@_lowering("multi_margin_loss_backward", family="losses", why="cpu", key="XLA")
+def _xla_multi_margin_loss_backward(grad_output, input, target, p, margin, weight=None, reduction=1):
+    _torch_checks("multi_margin_loss", input, target, p, margin, weight, reduction)
+    z, counts, scale, classes = _margin_terms(input, target, p, margin, weight)
+    each = torch.where(counts, 1 if p == 1 else 2 * z, 0) * scale / classes  # d loss / d x, other classes
+    grad = each.scatter_add(1, target.reshape(-1, 1), -each.sum(1, keepdim=True))  # the target's: minus their sum
+    grad_output = grad_output.to(grad.dtype)
+    grad = grad * (grad_output.reshape(-1, 1) if reduction == 0 and input.dim() == 2 else grad_output)
+    return (grad / max(len(grad), 1) if reduction == 1 else grad).reshape(input.shape).to(input.dtype)
+
+
+def _multilabel_terms(input, target):
+    """multilabel_margin_loss's terms, as its CPU kernel: (N, K, C) z = 1 - x[y_k] + x where it counts (y_k before the
+    first -1, x's class not among those targets, z > 0), the targets as classes (is_target), and C."""
+    dtype, classes = _computation_dtype(input), max(input.shape[-1:] or (1,))
+    x, y = input.to(dtype).reshape(-1, classes), target.reshape(-1, classes)
+    valid = (y < 0).cumsum(1) == 0  # the targets before the first -1 (torch_xla ran an integer cumprod on the CPU)
+    y = torch.where(valid, y, 0)
+    is_target = torch.zeros_like(x).scatter_add(1, y, valid.to(dtype)) > 0
+    z = 1 - x.gather(1, y)[:, :, None] + x[:, None, :]
+    return z, valid[:, :, None] & ~is_target[:, None, :] & (z > 0), y, is_target, classes
+
+
+@_lowering("multilabel_margin_loss_forward", family="losses", why="cpu", key="XLA")
+def _xla_multilabel_margin_loss_forward(input, target, reduction):
+    """(loss, is_target): for each target before the first -1, the hinge to each class that is not a target, over
+    C; torch's derivative (multilabel_margin_loss_backward, the next kernel)."""
+    _torch_checks("multilabel_margin_loss_forward", input, target, reduction)
+    z, counts, _, is_target, classes = _multilabel_terms(input, target)
+    loss = torch.where(counts, z, 0).sum((1, 2)) / classes
+    loss = _loss_reduced(loss.reshape(input.shape[:-1]), reduction, input.dtype)
+    return loss, is_target.to(input.dtype).reshape(input.shape)
+
+
+@_lowering("multilabel_margin_loss_backward", family="losses", why="cpu", key="XLA")
+def _xla_multilabel_margin_loss_backward(grad_output, input, target, reduction, is_target):
+    _torch_checks("multilabel_margin_loss_forward", input, target, reduction)
+    z, counts, y, _, classes = _multilabel_terms(input, target)
+    counts = counts.to(z.dtype) / classes
+    grad = counts.sum(1).scatter_add(1, y, -counts.sum(2))  # + for each class below a target, - for the target
+    grad_output = grad_output.to(grad.dtype)
+    grad = grad * (grad_output.reshape(-1, 1) if reduction == 0 and input.dim() == 2 else grad_output)
+    return (grad / max(len(grad), 1) if reduction == 1 else grad).reshape(input.shape).to(input.dtype)
+
+
+@_lowering("searchsorted.Tensor", "searchsorted.Scalar", family="reductions", why="cpu", key="XLA")
+def _xla_searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=None, sorter=None):
+    """A binary search in halving steps, log2(n) gathers (torch_xla ran it on the CPU), with torch's comparisons."""
+    torch._check(not (side == "left" and right), lambda: "torch.searchsorted(): side and "
+                 f"right can't be set to opposites, got side of {side} while right was {right}")  # the meta raises
+    _torch_checks("searchsorted", sorted_sequence, self, out_int32=out_int32, right=right, side=side, sorter=sorter)
+    return _searched(sorted_sequence, self, right or side == "right", sorter, out_int32)
+
+
+@_lowering("bucketize.Tensor", "bucketize.Scalar", family="reductions", why="cpu", key="XLA")
+def _xla_bucketize(self, boundaries, *, out_int32=False, right=False):
+    _torch_checks("bucketize", self, boundaries, out_int32=out_int32, right=right)
+    return _searched(boundaries, self, right, None, out_int32)
+
+
+def _searched(boundaries, values, right, sorter, out_int32):
+    """torch's binary search (its probes, so its answer for unsorted boundaries or NaN ones too) in bit_length(n)
+    steps of a gather each, over each row's boundaries or the 1-D ones: the first not b < v (right: not b <= v)."""
+    if not isinstance(values, torch.Tensor):  # a Scalar: torch's scalar_to_tensor
+        values = torch.tensor(values, dtype=torch.float64 if isinstance(values, float) else None,
+                              device=boundaries.device)
+    dtype = torch.promote_types(boundaries.dtype, values.dtype)  # as torch's kernels compare
+    boundaries = (boundaries if sorter is None else boundaries.gather(-1, sorter)).to(dtype)
+    values, n = values.to(dtype), boundaries.shape[-1]
+    start = torch.zeros(values.shape, dtype=torch.int64, device=values.device)
+    end = torch.full_like(start, n)
+    for _ in range(n.bit_length()):  # each step at least halves end - start
+        middle = start + (end - start) // 2
+        index = middle.clamp(max=n - 1)
+        b = (boundaries.gather(-1, index) if boundaries.dim() > 1  # not boundaries[index]: a 0-dim one is an .item()
+             else boundaries.index_select(0, index.view(-1)).view(index.shape))
+        after = (start < end) & ~(b > values if right else b >= values)
+        start, end = torch.where(after, middle + 1, start), torch.where(after | (start >= end), end, middle)
+    return start.to(torch.int32) if out_int32 else start
+
+
+@_lowering("gaussian_nll_loss", family="losses", why="cpu", functional=True)
+def _xla_gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    """torch's F.gaussian_nll_loss less its check of a var tensor on XLA, `torch.any(var < 0)`: a host read at each
+    call (a graph cut and a transfer a step). The check runs under torch.autograd.detect_anomaly(), torch's debug
+    mode, which reads values at each backward anyway (torch's own value checks, torch._check, are skipped in compiled
+    code); without it a negative variance is clamped to eps, as a small one is, and nothing raises."""
+    if not (isinstance(var, torch.Tensor) and _is_xla(var.device)) or torch.is_anomaly_enabled() or (
+            torch.overrides.has_torch_function_variadic(input, target, var)):
+        return _torch_path("gaussian_nll_loss")(input, target, var, full, eps, reduction)
+    if var.shape != input.shape:  # torch's: var one dim short (homoscedastic), or of size 1 in the last
+        if input.shape[:-1] == var.shape:
+            var = var.unsqueeze(-1)
+        elif not (input.shape[:-1] == var.shape[:-1] and var.shape[-1:] == (1,)):
+            raise ValueError("var is of incorrect size")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    var = var.clone()
+    with torch.no_grad():
+        var.clamp_(min=eps)  # as torch: the gradient goes through the clamp unchanged
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var) + (0.5 * math.log(2 * math.pi) if full else 0)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
+@_lowering("_logcumsumexp", family="reductions", why="cpu", key="XLA")
+def _xla_logcumsumexp(self, dim):
+    """A parallel prefix: log2(n) steps, each the log-add-exp of the partial results and themselves shifted by a
+    power of two (torch_xla ran it on the CPU, and its logaddexp too). Below autograd: torch's derivative."""
+    dim = _wrapped_dim(self, dim)
+    if not (self.is_floating_point() or self.is_complex()):
+        raise NotImplementedError(f'"logcumsumexp_out_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
+    if self.is_complex():  # as before, on the CPU: torch's complex special cases, for a rare input
+        return torch.ops.aten._logcumsumexp(self.cpu(), dim).to(self.device)
+    x, step = self.to(_computation_dtype(self)).reshape(self.shape or (1,)), 1
+    while step < x.shape[dim]:
+        pad = x.new_full((*x.shape[:dim], step, *x.shape[dim + 1:]), -math.inf)
+        x, step = _log_add_exp(x, torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - step)], dim)), 2 * step
+    return x.view(self.shape).to(self.dtype)
+
+
+def _log_add_exp(x, y):
+    """log(exp(x) + exp(y)) as torch's logcumsumexp kernel computes it: NaN kept; two equal infinities, x."""
+    low, high = torch.minimum(x, y), torch.maximum(x, y)  # both keep NaN
+    return torch.where((low != high) | low.isfinite(), torch.log1p(torch.exp(low - high)) + high, x)
+
+
+def _wrapped_dim(self, dim):
+    """dim in [0, self.dim()) (a 0-dim tensor's: 0), or torch's IndexError."""
+    torch.empty(self.shape or (1,), device="meta").size(dim)
+    return dim % max(self.dim(), 1)
+
+
+def _sorted_along(self, dim, op, kernel):
+    """(x, dim, its values sorted stably, their indices) with x = self (a 0-dim one as 1-D), and torch's errors: a dim
+    out of range or of size 0, a dtype its CPU `kernel` has no code for."""
+    dim = _wrapped_dim(self, dim)
+    x = self.reshape(self.shape or (1,))
+    torch._check_index(x.shape[dim] > 0, lambda: f"{op}(): Expected reduction dim {dim} to have non-zero size.")
+    if (self.is_complex() or self.dtype == torch.bool and op != "mode") and self.dim() and self.numel():
+        raise NotImplementedError(f'"{kernel}" not implemented for \'{_dtype_name(self.dtype)}\'')
+    return (x, dim, *x.sort(dim=dim, stable=True))  # NaN last, ties in their order
+
+
+def _reduced(self, dim, keepdim, *outputs):
+    shape = list(self.shape)
+    if shape:
+        shape[dim:dim + 1] = [1] if keepdim else []
+    return tuple(t.reshape(shape) for t in outputs)
+
+
+def _median(self, dim, keepdim, ignore_nan, kernel="median_out"):
+    """The lower median and its index: the ((n - 1) // 2)-th of a stable sort (NaN last): of the values not NaN for
+    nanmedian (an all-NaN row: the first), the first NaN for median, as torch's CPU kernel picks them."""
+    x, dim, values, indices = _sorted_along(self, dim, "median", kernel)
+    n, nans = x.shape[dim], x.isnan().sum(dim, keepdim=True)
+    k = ((n - nans - 1) // 2).clamp(min=0) if ignore_nan else torch.where(nans > 0, n - nans, (n - 1) // 2)
+    return _reduced(self, dim, keepdim, values.gather(dim, k), indices.gather(dim, k))
+
+
+@_lowering("median.dim", family="reductions", why="cpu", key="XLA")
+def _xla_median_dim(self, dim, keepdim=False):
+    """A stable sort and a gather (torch_xla ran median and nanmedian on the CPU); torch's derivative, by index."""
+    return _median(self, dim, keepdim, ignore_nan=False)
+
+
+@_lowering("nanmedian.dim", family="reductions", why="cpu", key="XLA")
+def _xla_nanmedian_dim(self, dim, keepdim=False):
+    return _median(self, dim, keepdim, ignore_nan=True)
+
+
+@_lowering("median", family="reductions", why="cpu", key="XLA")
+def _xla_median(self):
+    return _median(self.reshape(-1), 0, False, ignore_nan=False, kernel="median_cpu")[0] if self.numel() else (
+        _no_median(self))
+
+
+@_lowering("nanmedian", family="reductions", why="cpu", key="XLA")
+def _xla_nanmedian(self):
+    return _median(self.reshape(-1), 0, False, ignore_nan=True, kernel="median_cpu")[0] if self.numel() else (
+        _no_median(self))
+
+
+def _no_median(self):
+    """torch's median of no values: NaN, in an integer dtype as the CPU casts it (the lowest value)."""
+    nan = math.nan if self.is_floating_point() or self.is_complex() else torch.iinfo(self.dtype).min
+    return torch.full((), nan, dtype=self.dtype, device=self.device)
+
+
+@_lowering("mode", family="reductions", why="cpu", key="XLA")
+def _xla_mode(self, dim=-1, keepdim=False):
+    """The value of the longest run of a stable sort, the smallest such, and the index of its run's last element (the
+    last occurrence: torch's CPU kernel's for n <= 16; beyond, its std::sort leaves ties in no set order). The runs
+    are counted by a scatter_add: XLA's cummax (of their starts) crashed the process on 3000 int64s."""
+    x, dim, values, indices = _sorted_along(self, dim, "mode", "mode_cpu")
+    new = values.narrow(dim, 1, x.shape[dim] - 1) != values.narrow(dim, 0, x.shape[dim] - 1)
+    first = torch.zeros_like(values.narrow(dim, 0, 1), dtype=torch.bool)
+    run = torch.cat([first, new], dim).long().cumsum(dim)  # each element's run
+    length = torch.zeros_like(run).scatter_add(dim, run, torch.ones_like(run))  # of each run
+    best = length.argmax(dim, keepdim=True)  # the first longest: the smallest value
+    last = length.cumsum(dim).gather(dim, best) - 1  # its last element
+    return _reduced(self, dim, keepdim, values.gather(dim, last), indices.gather(dim, last))
+
+
+@_lowering("scatter_reduce.two", family="reductions", why="cpu", key="XLA")
+def _xla_scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
+    """torch_xla's own kernel where it has one (sum, prod, amax, amin, including self); the rest (it ran them on the
+    CPU) through it: include_self=False first sets the places scattered to a value the reduction ignores (0, 1, or
+    one of the values scattered there), and a mean is a sum over a count. Below autograd: torch's derivative."""
+    _torch_checks("scatter_reduce", self, dim, index, src, reduce, include_self=include_self)
+    if self.dim() == 0:  # torch_xla's scatters refuse 0-dim tensors
+        return _xla_scatter_reduce(self.view(1), 0, index.reshape(-1), src.reshape(-1), reduce,
+                                   include_self=include_self)[0]
+    own = _torch_xla_path("scatter_reduce.two")
+    if reduce != "mean":
+        ignored = src if reduce in ("amax", "amin") else 0 if reduce == "sum" else 1
+        return own(self if include_self else self.scatter(dim, index, ignored), dim, index, src, reduce,
+                   include_self=True)
+    total = own(self if include_self else self.scatter(dim, index, 0), dim, index, src, "sum", include_self=True)
+    count = torch.full_like(self, int(include_self)).scatter_add(dim, index, torch.ones_like(src)).clamp(min=1)
+    return total / count if self.is_floating_point() or self.is_complex() else total.div(count, rounding_mode="floor")
+
+
+@_lowering("histc", family="reductions", why="cpu", key="XLA")
+def _xla_histc(self, bins=100, min=0, max=0):
+    """A scatter_add of ones at each in-range value's bin, bins as torch's CPU kernel computes them (in the input's
+    dtype). min == max: the data's range, read on the device; its check (finite) would be a host read, so a range
+    of inf or NaN counts nothing rather than raising as torch does."""
+    if not self.is_floating_point():
+        raise NotImplementedError(f'"histogram_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
+    torch._check(bins > 0, lambda: f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
+    torch._check(min <= max, lambda: "torch.histc: max must be larger than min")
+    x = self.reshape(-1)
+    low, high = (x.min(), x.max()) if min == max and x.numel() else (x.new_tensor(min), x.new_tensor(max))
+    low, high = torch.where(low == high, low - 1, low), torch.where(low == high, high + 1, high)
+    at = ((x - low) * bins / (high - low)).long().clamp(0, bins - 1)  # the last bin holds max
+    inside = ((x >= low) & (x <= high) & (high - low).isfinite()).to(self.dtype)  # NaN: outside
+    return x.new_zeros(bins).scatter_add(0, at, inside)
+
+
+@_lowering("norm.ScalarOpt_dim", family="reductions", why="cpu", key="XLA")
+def _xla_norm(self, p, dim, keepdim=False):
+    """linalg_vector_norm, torch's own kernel of it (torch_xla ran p=0 on the CPU); torch's derivative."""
+    return torch.linalg.vector_norm(self, 2 if p is None else p, dim, keepdim)
 
 # --- 7e. lowerings: pooling, windows and resampling -----------------------------------------------
 # Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU, 3-D always), average

@@ -7,9 +7,11 @@ the CPU (the reference), comparing the forward (values, shape, dtype), the gradi
 
 NAME is an OpInfo full name (name.variant, e.g. nn.functional.interpolate.bilinear). Reports one RESULT line
 (child.report): {name: [[sample index, sample summary, status], ...]}, status "ok", "skipped: ..." (the CPU itself
-rejects the sample) or the sample's first failure. GROUPS splits the names a few to a process.
+rejects the sample) or the sample's first failure. GROUPS splits the names a few to a process. A value off by more
+than TOL is still "ok" when it is no farther from the sample's float64 answer than twice the CPU's float32 one.
 """
 
+import copy
 import os
 import sys
 
@@ -69,6 +71,32 @@ OPINFO_NAMES = {
     "_pdist_backward": ["nn.functional.pdist"],
     "fractional_max_pool2d": ["nn.functional.fractional_max_pool2d"],
     "fractional_max_pool3d": ["nn.functional.fractional_max_pool3d"],
+    "linalg_cross": ["linalg.cross", "cross"],
+    "huber_loss": ["nn.functional.huber_loss"],
+    "huber_loss_backward": ["nn.functional.huber_loss"],
+    "_logcumsumexp": ["logcumsumexp"],
+    "norm.ScalarOpt_dim": ["norm"],
+    "multi_margin_loss": ["nn.functional.multi_margin_loss"],
+    "multi_margin_loss_backward": ["nn.functional.multi_margin_loss"],
+    "multilabel_margin_loss_forward": ["nn.functional.multilabel_margin_loss"],
+    "multilabel_margin_loss_backward": ["nn.functional.multilabel_margin_loss"],
+    "searchsorted.Tensor": ["searchsorted"],
+    "searchsorted.Scalar": ["searchsorted"],
+    "bucketize.Tensor": ["bucketize"],
+    "bucketize.Scalar": ["bucketize"],
+    "median.dim": ["median"],
+    "nanmedian.dim": ["nanmedian"],
+    "median": ["median"],
+    "nanmedian": ["nanmedian"],
+    "mode": ["mode"],
+    "histc": ["histc"],
+    "scatter_reduce.two": ["scatter_reduce.sum", "scatter_reduce.prod", "scatter_reduce.mean", "scatter_reduce.amin",
+                           "scatter_reduce.amax"],
+    "gaussian_nll_loss": ["nn.functional.gaussian_nll_loss"],
+    "rrelu": ["nn.functional.rrelu"],
+    "rrelu_": ["nn.functional.rrelu"],
+    "nll_loss": ["nn.functional.nll_loss", "nn.functional.cross_entropy"],
+    "roll": ["roll"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
@@ -84,9 +112,13 @@ def full_name(op):
 
 def without_dropout(name, sample):
     """Dropout draws from each device's own generator, so a sample with a dropout probability is taken with p=0 (the
-    rest of the op is still compared): SDPA's dropout_p, MHA's (its only sample has 0.5 in training)."""
+    rest of the op is still compared): SDPA's dropout_p, MHA's (its only sample has 0.5 in training). rrelu in
+    training draws its slopes so too: its range is narrowed to its middle, uniform(m, m), one slope."""
     if "dropout_p" in sample.kwargs:
         sample.kwargs["dropout_p"] = 0.0
+    if name == "nn.functional.rrelu" and sample.kwargs.get("training"):
+        middle = (sample.kwargs.get("lower", 1 / 8) + sample.kwargs.get("upper", 1 / 3)) / 2
+        sample.kwargs.update(lower=middle, upper=middle)
     if name == "nn.functional.multi_head_attention_forward":
         sample.args = sample.args[:9] + (0.0,) + sample.args[10:]  # query is the input; dropout_p is argument 10
     return sample
@@ -113,8 +145,33 @@ def select(name, op):
 
 
 def fixed_like(t, seed):
-    """A fixed random tensor shaped like t, drawn on the CPU: the same cotangents on both devices."""
-    return torch.randn(t.shape, generator=torch.Generator().manual_seed(seed), dtype=t.dtype)
+    """A fixed random tensor shaped like t, drawn on the CPU: the same cotangents on both devices (and in float64)."""
+    return torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)).to(t.dtype)
+
+
+def in_float64(sample):
+    """The sample with its float32 tensors in float64: the answer a float32 result's rounding is measured from."""
+    def double(t):
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+            return t.detach().double().requires_grad_(t.requires_grad)
+        return t
+    sample.input, sample.args, sample.kwargs = pytree.tree_map(double, (sample.input, sample.args, sample.kwargs))
+    return sample
+
+
+def as_rounded(stage, xs, refs, exact):
+    """Each of xs is no farther from the float64 answer (exact) than twice the CPU's own float32 result (refs) is, and
+    within the tolerance's own atol: where float32 rounding decides the answer (logcumsumexp of values near 1e4, whose
+    gradient the CPU itself gets only to 5e-4), a kernel on the device cannot repeat the CPU's roundings."""
+    for x, ref, e in zip(xs, refs, exact):
+        if not (x.is_floating_point() and e.is_floating_point()) or x.shape != e.shape:
+            return False
+        e = e.detach().double()
+        ours, cpus = ((t.detach().cpu().double() - e).abs().nan_to_num(0).max().item() if e.numel() else 0.0
+                      for t in (x, ref))
+        if ours > 2 * cpus + TOL[stage] * max(1.0, e.abs().max().item() if e.numel() else 1.0):
+            return False
+    return True
 
 
 def floats(tensors):
@@ -189,9 +246,19 @@ def differ(stage, xs, refs):
     return None
 
 
-def status(op, sample, device):
+# Samples that kill plain torch_xla 2.9's process, which the trainer lowers instead (issue 49, ask 6): on plain
+# torch_xla they are not run (their status says why), so that one sample does not cost its group.
+CRASHES = {"roll": (lambda sample: sample.input.numel() == 0, "crashes: SIGFPE (an empty tensor)"),
+           "nn.functional.nll_loss": (lambda sample: sample.input.dim() == 1, "crashes: SIGSEGV (unbatched input)"),
+           "nn.functional.cross_entropy": (lambda sample: sample.input.dim() == 1, "crashes: SIGSEGV (unbatched)")}
+
+
+def status(op, sample, device, mode="trainer"):
     import torch_xla
 
+    crashes, said = CRASHES.get(full_name(op), (lambda sample: False, None))
+    if mode == "plain" and crashes(sample):
+        return said
     try:
         ref = run(op, sample, "cpu")
     except Exception as e:
@@ -203,6 +270,7 @@ def status(op, sample, device):
         torch_xla.sync()
     except Exception as e:
         return why(e)
+    exact = None  # the sample in float64 on the CPU, run when a float32 result differs
     for stage in ("forward", "grad", "gradgrad", "vmap"):
         if stage not in ref or isinstance(ref[stage], Exception):
             continue  # the op does not support it, or the CPU itself raises: nothing to compare with
@@ -216,6 +284,10 @@ def status(op, sample, device):
             return f"{stage} {why(e)}"
         if wrong and stage == "gradgrad" and sum(got["has_graph"]) < sum(ref["has_graph"]):
             return "no second derivative"  # torch_xla's einsum backward, a C++ function autograd cannot differentiate
+        if wrong and wrong.startswith(f"{stage} off by") and stage != "vmap":  # values only: shapes, dtypes match
+            exact = exact or run(op, in_float64(copy.copy(sample)), "cpu")
+            if isinstance(exact.get(stage), list) and as_rounded(stage, got[stage], ref[stage], exact[stage]):
+                wrong = None
         if wrong:
             return wrong
     return "ok"
@@ -245,5 +317,5 @@ if __name__ == "__main__":
     from torch.testing._internal.common_methods_invocations import op_db
 
     ops = {full_name(op): op for op in op_db}
-    child.report({name: [[i, summary(sample), status(ops[name], sample, device)]
+    child.report({name: [[i, summary(sample), status(ops[name], sample, device, mode)]
                          for i, sample in select(name, ops[name])] for name in names})

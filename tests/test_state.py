@@ -6,6 +6,7 @@ a later trainer or create_xla_mesh does to the process mesh.
 """
 
 import dataclasses
+import math
 import os
 import pathlib
 import signal
@@ -116,7 +117,7 @@ def aten_lowerings():
 
 def test_reset_undoes_every_process_wide_change(fake):
     ckpt, F = torch.utils.checkpoint, torch.nn.functional
-    functionals = (F.multi_head_attention_forward, F.embedding_bag)
+    functionals = (F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss)
     originals = (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
@@ -129,7 +130,7 @@ def test_reset_undoes_every_process_wide_change(fake):
     assert kernels_at_autograd_xla() == set()
     st.get_device()
     assert ckpt.CheckpointFunction is not originals[0] and ckpt._CheckpointFrame.__init__ is not originals[1]
-    now = (F.multi_head_attention_forward, F.embedding_bag)
+    now = (F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss)
     assert all(new is not old for new, old in zip(now, functionals)), "the batch-keeping functionals are not in"
     assert kernels_at_autograd_xla() == aten_lowerings(), "the batch-keeping kernels are not in"
     assert {"group_norm", "batch_norm", "matmul", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= aten_lowerings()
@@ -143,13 +144,14 @@ def test_reset_undoes_every_process_wide_change(fake):
     assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] + 1, "one pre-step hook"
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] + 1, "one post-step hook"
     state = st._STATE
-    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 8
+    assert state.xla_device is not None and state.mesh is not None and len(state.torch_patches) == 9
     st._reset_caches()
     assert (
         ckpt.CheckpointFunction,
         ckpt._CheckpointFrame.__init__,
         torch.__future__.get_swap_module_params_on_conversion(),
-        F.multi_head_attention_forward, F.embedding_bag, torch.nn.Module.to, torch.inference_mode.__enter__,
+        F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss, torch.nn.Module.to,
+        torch.inference_mode.__enter__,
     ) == originals
     with torch.inference_mode():
         assert torch.ones(1).is_inference(), "torch's own again"
@@ -183,11 +185,12 @@ def test_the_lowering_table_is_the_header_s_and_the_docs_list(fresh):
     family, and docs/design.md each family and each functional patch."""
     design = (pathlib.Path(__file__).parents[1] / "docs" / "design.md").read_text()
     families = {lowering.family for lowering in st._LOWERINGS.values()}
-    assert families == {"products", "attention", "norms", "pointwise", "masks", "pooling", "windows", "resampling"}
+    assert families == {"products", "attention", "norms", "pointwise", "masks", "losses", "reductions", "pooling",
+                        "windows", "resampling"}
     for family in families:
         assert family in st.__doc__ and f"**{family}**" in design, family
     for op, lowering in st._LOWERINGS.items():
-        assert lowering.why in ("batch", "cpu", "grad2"), op
+        assert lowering.why in ("batch", "cpu", "grad2", "crash"), op
         assert not lowering.functional or f"F.{op}" in st.__doc__ and f"F.{op}" in design, op
 
 
@@ -518,6 +521,274 @@ def test_other_index_puts_are_left_to_torch():
     assert st._masked_where(x, [mask], torch.ones((), dtype=torch.float64), False) is None
     assert st._masked_where(x, [torch.ones(3, dtype=torch.bool)], torch.ones(()), False) is None
     assert st._masked_where(x, [mask], torch.ones(2, 5), False) is None
+
+
+
+def kernel(op):
+    return st._LOWERINGS[op].kernel
+
+
+def raises_as(reference, ours):
+    """ours() raises what reference() raises: type and first line."""
+    with pytest.raises(Exception) as want:
+        reference()
+    with pytest.raises(want.type) as got:
+        ours()
+    assert str(got.value).partition("\n")[0] == str(want.value).partition("\n")[0]
+
+
+@pytest.mark.parametrize("a, b, dim", [((4, 3), (4, 3), -1), ((3, 5), (3, 1), 0), ((2, 3, 4), (2, 3, 4), 1),
+                                       ((0, 3), (0, 3), 1)])
+def test_cross_is_two_rolls_and_keeps_torch_s_errors(a, b, dim):
+    """Issue 49: linalg_cross (so torch.cross) as rolls of its factors, broadcasting as torch; integers too."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(a, generator=g), torch.randn(b, generator=g)
+    torch.testing.assert_close(kernel("linalg_cross")(x, y, dim=dim), torch.linalg.cross(x, y, dim=dim))
+    ints = (x * 10).long(), (y * 10).long()
+    assert torch.equal(kernel("linalg_cross")(*ints, dim=dim), torch.linalg.cross(*ints, dim=dim))
+    for shapes, dim, dtype in [(((4, 3), (4, 3)), -1, torch.float64), (((4, 2), (4, 2)), -1, None),
+                               (((4, 3), (1, 4, 3)), -1, None), (((2, 3, 4), (2, 3, 2)), 1, None),
+                               (((4, 3), (4, 3)), 2, None)]:
+        bad = torch.ones(shapes[0]), torch.ones(shapes[1], dtype=dtype)
+        device = "cpu" if dtype else "meta"  # torch's meta kernel checks the shapes, its CPU kernel the dtypes
+        raises_as(lambda: torch.linalg.cross(*(t.to(device) for t in bad), dim=dim),
+                  lambda: kernel("linalg_cross")(*bad, dim=dim))
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("delta", [0.5, 1.0, 2.5])
+def test_huber_loss_and_its_backward_are_torch_s(reduction, delta):
+    """Issue 49: huber_loss and huber_loss_backward (torch's derivative of it) as torch computes them, in the input's
+    dtype (bfloat16 in fp32), with torch's errors (delta <= 0, integers, mixed dtypes in the backward)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 5, generator=g) * 2, torch.randn(5, generator=g) * 2
+    x[0, :2] = y[:2] + delta  # at the boundary
+    torch.testing.assert_close(kernel("huber_loss")(x, y, reduction, delta),
+                               torch.ops.aten.huber_loss(x, y, reduction, delta))
+    half = x.bfloat16()
+    assert torch.equal(kernel("huber_loss")(half, y, reduction, delta), torch.ops.aten.huber_loss(half, y, reduction,
+                                                                                                    delta))
+    grad = torch.randn(() if reduction else (4, 5), generator=g)
+    torch.testing.assert_close(kernel("huber_loss_backward")(grad, x, y.expand(4, 5), reduction, delta),
+                               torch.ops.aten.huber_loss_backward(grad, x, y.expand(4, 5), reduction, delta))
+    for bad in [(x, y, reduction, 0.0), (x.long(), y.long(), reduction, delta)]:
+        raises_as(lambda: torch.ops.aten.huber_loss(*bad), lambda: kernel("huber_loss")(*bad))
+    bad = (grad, x, y.expand(4, 5).double(), reduction, delta)
+    raises_as(lambda: torch.ops.aten.huber_loss_backward(*bad), lambda: kernel("huber_loss_backward")(*bad))
+
+
+@pytest.mark.parametrize("shape, dim", [((7,), 0), ((3, 17), 1), ((5, 4), 0), ((), 0), ((0, 4), 1), ((4, 1), -1)])
+def test_logcumsumexp_is_a_parallel_prefix_with_torch_s_special_values(shape, dim):
+    """Issue 49: the prefix's log-add-exp keeps torch's kernel's answers for -inf, inf and NaN, and for values far
+    apart (a global max would underflow the early terms to -inf); torch's errors for a bad dim or an integer."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 30
+    if x.numel() > 6:
+        x.view(-1)[:6] = torch.tensor([-math.inf, -math.inf, math.inf, 3.0, math.nan, -500.0])
+    torch.testing.assert_close(kernel("_logcumsumexp")(x, dim), torch.logcumsumexp(x, dim), equal_nan=True)
+    assert kernel("_logcumsumexp")(x.float(), dim).dtype == torch.float32
+    for bad in [(x, 2), (x.long(), dim)]:
+        raises_as(lambda: torch.logcumsumexp(*bad), lambda: kernel("_logcumsumexp")(*bad))
+
+
+
+MARGINS = [((4, 5), 1, 1.0, True), ((4, 5), 2, 0.5, False), ((5,), 2, 2.0, True), ((0, 3), 1, 1.0, False),
+           ((), 1, 1.0, False)]  # (input shape, p, margin, a weight)
+
+
+@pytest.mark.parametrize("shape, p, margin, weighted", MARGINS)
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_margin_losses_and_their_backwards_are_torch_s(shape, p, margin, weighted, reduction):
+    """Issue 49: multi_margin_loss and multilabel_margin_loss (forward, is_target, and the backward torch's derivative
+    calls) as torch's CPU kernels: the target's own class left out, targets up to the first -1, repeats counted."""
+    g = torch.Generator().manual_seed(3)
+    x, classes = torch.randn(shape, generator=g), max(shape[-1:] or (1,))
+    target = torch.randint(classes, shape[:-1], generator=g)
+    weight = torch.rand(classes, generator=g) if weighted else None
+    args = (target, p, margin, weight, reduction)
+    want = torch.ops.aten.multi_margin_loss(x, *args)
+    if x.numel() == 0 and reduction:  # torch's CPU kernels return uninitialized memory: ours, a mean's NaN, a sum's 0
+        want = torch.tensor(math.nan if reduction == 1 else 0.0)
+    torch.testing.assert_close(kernel("multi_margin_loss")(x, *args), want, equal_nan=True)
+    grad = torch.randn(want.shape, generator=g)
+    torch.testing.assert_close(kernel("multi_margin_loss_backward")(grad, x, *args),
+                               torch.ops.aten.multi_margin_loss_backward(grad, x, *args))
+    labels = torch.randint(-1, classes, shape, generator=g)
+    if labels.dim() == 2 and len(labels):
+        labels[0], labels[1] = torch.arange(classes), 1  # every class a target; one class repeated
+    want = torch.ops.aten.multilabel_margin_loss_forward(x, labels, reduction)
+    got = kernel("multilabel_margin_loss_forward")(x, labels, reduction)
+    torch.testing.assert_close(got[0], torch.tensor(math.nan if reduction == 1 else 0.0) if x.numel() == 0 and reduction
+                               else want[0], equal_nan=True)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(kernel("multilabel_margin_loss_backward")(grad, x, labels, reduction, want[1]),
+                               torch.ops.aten.multilabel_margin_loss_backward(grad, x, labels, reduction, want[1]))
+    for bad in [(target, 3, margin, weight, reduction), (target.reshape(-1)[:0] if x.numel() else target[None, None],
+                                                          p, margin, weight, reduction)]:
+        meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in (x, *bad)]  # torch's checks, its words
+        raises_as(lambda: torch.ops.aten.multi_margin_loss(*meta), lambda: kernel("multi_margin_loss")(x, *bad))
+
+
+
+@pytest.mark.parametrize("boundaries, values", [((7,), (3, 4)), ((3, 6), (3, 5)), ((0,), (4,)), ((5,), ()),
+                                                ((1,), (2,)), ((8,), (0,))])
+def test_searchsorted_and_bucketize_are_torch_s(boundaries, values):
+    """Issue 49: a binary search in halving steps finds torch's index on either side, with repeats, NaN (values and
+    boundaries: last), a sorter, integer boundaries and float values, Python scalars, int32 out; torch's errors."""
+    g = torch.Generator().manual_seed(4)
+    b = torch.randint(-3, 4, boundaries, generator=g).float().sort(-1).values
+    if b.numel() > 2:
+        b[..., -1] = math.nan
+    v = torch.randint(-4, 5, values, generator=g).float() + torch.tensor([0.0, 0.5])[torch.randint(2, values,
+                                                                                                      generator=g)]
+    if v.numel() > 2:
+        v.view(-1)[1] = math.nan
+    sorter = torch.randperm(b.shape[-1], generator=g).expand(b.shape)
+    shuffled = torch.empty_like(b).scatter_(-1, sorter, b)  # sorted by sorter
+    for right in (False, True):
+        for args, kwargs in [((b, v), {}), ((b.long(), v), {}), ((b, v), {"side": "right" if right else "left"}),
+                             ((shuffled, v), {"sorter": sorter}), ((b, v), {"out_int32": True}),
+                             *([((b, 0.5), {}), ((b.long(), 1), {})] if b.dim() == 1 else [])]:
+            kwargs = {"right": right, **kwargs}
+            want = torch.searchsorted(*args, **kwargs)
+            got = kernel("searchsorted.Tensor")(*args, **kwargs)
+            assert torch.equal(got, want) and got.dtype == want.dtype, (args, kwargs)
+        if b.dim() == 1:
+            assert torch.equal(kernel("bucketize.Tensor")(v, b, right=right), torch.bucketize(v, b, right=right))
+    raises_as(lambda: torch.searchsorted(b, v, side="left", right=True),
+              lambda: kernel("searchsorted.Tensor")(b, v, side="left", right=True))
+    bad = (b.expand(2, *b.shape), v)  # torch's meta kernel checks the shapes, in its words
+    raises_as(lambda: torch.searchsorted(*(t.to("meta") for t in bad)), lambda: kernel("searchsorted.Tensor")(*bad))
+
+
+
+@pytest.mark.parametrize("shape, dim", [((5, 7), 1), ((6, 4), 0), ((3, 8), -1), ((9,), 0), ((), 0), ((0, 4), 1),
+                                        ((2, 3, 4), 1)])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_median_nanmedian_and_mode_are_torch_s(shape, dim, keepdim):
+    """Issue 49: medians and mode by a stable sort: torch's values and indices with repeats (the tie torch's CPU
+    kernel picks: the middle of equal medians, a mode's last occurrence), NaN (median: the first NaN; nanmedian: the
+    rest's median), integers, 0-dim and empty inputs, and torch's errors. Not compared: the index of an all-NaN row's
+    nanmedian and a mode among NaNs, which are where libstdc++'s nth_element and sort happen to leave NaNs."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-3, 4, shape, generator=g).float()
+    if x.dim() == 2 and x.numel() > 8:
+        x[0, :3], x[1] = math.nan, math.nan
+    for op in ("median", "nanmedian", "mode"):
+        for t in (x.nan_to_num(0) if op == "mode" else x, x.long()):
+            ours = kernel(op if op == "mode" else f"{op}.dim")
+            want, got = getattr(torch, op)(t, dim, keepdim), ours(t, dim, keepdim)
+            torch.testing.assert_close(got[0], want[0], equal_nan=True)
+            same = torch.where(want[0].isnan(), 0, want[1]) if op == "nanmedian" else want[1]  # NaN: an all-NaN row
+            assert torch.equal(torch.where(got[0].isnan(), 0, got[1]) if op == "nanmedian" else got[1], same)
+        if op != "mode":
+            for t in (x, x.long(), torch.ones(0), torch.ones(0, dtype=torch.long)):  # none: NaN, the lowest integer
+                torch.testing.assert_close(kernel(op)(t), getattr(torch, op)(t), equal_nan=True)
+    for op in ("median.dim", "mode"):
+        for bad in [(x, 3), (torch.ones(2, 3, dtype=torch.complex64), 1), (torch.ones(0, 2), 0)]:
+            name = op.partition(".")[0]
+            raises_as(lambda: getattr(torch, name)(*bad), lambda: kernel(op)(*bad))
+
+
+
+@pytest.mark.parametrize("bins, low, high", [(10, 0, 0), (7, -1.0, 1.5), (3, 1, 1), (1, 0, 0), (50, -0.3, 0.2)])
+def test_histc_is_torch_s(bins, low, high):
+    """Issue 49: histc as torch's CPU kernel bins (its arithmetic, the max in the last bin, NaN and values outside
+    left out, the data's own range when min == max, a range of one value widened by 1), in the input's dtype."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 40, generator=g)
+    x[0, :4] = torch.tensor([math.inf if low == high else math.nan, 0.2, -0.3, 1.5])
+    if low == high:  # the data's range: torch refuses one that is not finite (a host read), ours counts nothing
+        with pytest.raises(RuntimeError, match="torch.histc: range of .* is not finite"):
+            torch.histc(x, bins, low, high)
+        for bad in (x, x.nan_to_num(posinf=math.nan)):
+            assert torch.equal(kernel("histc")(bad, bins, low, high), torch.zeros(bins))
+        x[0, 0] = 0.0
+    for t in (x, x.double(), x.bfloat16(), torch.full((4,), 3.0), x[:0]):
+        assert torch.equal(kernel("histc")(t, bins, low, high), torch.histc(t, bins, low, high)), t
+    for bad in [(x, 0, low, high), (x, bins, 2, 1), (x.long(), bins, low, high)]:
+        raises_as(lambda: torch.histc(*bad), lambda: kernel("histc")(*bad))
+
+
+
+class TorchXLAScatterReduce:
+    """Stands for torch_xla's scatter_reduce kernel: what it lowers (torch's CPU kernel here), and nothing else."""
+
+    def call_boxed(self, keys, self_, dim, index, src, reduce, *, include_self):
+        assert include_self and reduce != "mean", "torch_xla ran it on the CPU"
+        return torch.ops.aten.scatter_reduce.two(self_, dim, index, src, reduce, include_self=include_self)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_scatter_reduce_is_torch_xla_s_own_kernel_or_made_of_it(monkeypatch, reduce, include_self, dtype):
+    """Issue 49: scatter_reduce's mean and include_self=False, which torch_xla ran on the CPU, through its own kernel
+    for the rest: torch's numbers (an integer mean rounds down), places nothing is scattered to kept, 0-dim too."""
+    monkeypatch.setitem(st._STATE.xla_kernels, "scatter_reduce.two", TorchXLAScatterReduce())
+    g = torch.Generator().manual_seed(7)
+    x, src = (torch.randint(-5, 6, shape, generator=g).to(dtype) for shape in [(4, 6), (4, 5)])
+    index = torch.randint(0, 4, (3, 5), generator=g)  # rows 0-3, some twice, some never; src larger than index
+    for args in [(x, 0, index, src), (x[0, 0], 0, index[0, 0], src[0, 0]), (x[0, 0], 0, index[0, :1], src[0, :2]),
+                 (x[0, 0], 0, index[0, :0], src[0, :1])]:
+        want = torch.scatter_reduce(*args, reduce, include_self=include_self)
+        assert torch.equal(kernel("scatter_reduce.two")(*args, reduce, include_self=include_self), want)
+
+
+
+@pytest.mark.parametrize("shapes", [((4, 3), (4, 3)), ((4, 3), (4,)), ((4, 3), (4, 1)), ((5,), ()), ((2, 3), (3,))])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_gaussian_nll_loss_reads_no_value_unless_anomaly_mode(monkeypatch, shapes, reduction):
+    """Issue 49: F.gaussian_nll_loss read torch.any(var < 0) to the host at each call. For a var on XLA ours does
+    not (torch's checks of shapes and reduction stay; a negative var is clamped to eps) unless torch's anomaly mode is
+    on; its numbers and gradients are torch's. Here a CPU tensor stands for an XLA one."""
+    monkeypatch.setattr(st, "_is_xla", lambda device: True)
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(shapes[0], generator=g, requires_grad=True), torch.randn(shapes[0], generator=g)
+    var = (torch.rand(shapes[1], generator=g) * 2 - 0.2).requires_grad_()  # some below eps (none below 0 for torch)
+    torchs = st._torch_path("gaussian_nll_loss")
+    if shapes[1] == (3,):
+        raises_as(lambda: torchs(x, y, var.clamp(min=0), reduction=reduction),
+                  lambda: kernel("gaussian_nll_loss")(x, y, var, reduction=reduction))
+        return
+    safe = var.detach().clamp(min=0).requires_grad_()
+    for full in (False, True):
+        want, got = torchs(x, y, safe, full, 1e-3, reduction), kernel("gaussian_nll_loss")(x, y, safe, full, 1e-3,
+                                                                                        reduction)
+        torch.testing.assert_close(got, want)
+        for ours, torch_s in zip(torch.autograd.grad(got.sum(), (x, safe)), torch.autograd.grad(want.sum(), (x, safe))):
+            torch.testing.assert_close(ours, torch_s)
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(t) or True)  # a host read of a tensor
+    negative = kernel("gaussian_nll_loss")(x, y, var, reduction=reduction)
+    assert not reads and negative.isfinite().all()
+    monkeypatch.undo()
+    monkeypatch.setattr(st, "_is_xla", lambda device: True)
+    with torch.autograd.detect_anomaly(), pytest.raises(ValueError, match="var has negative entry/entries"):
+        kernel("gaussian_nll_loss")(x, y, var - 1, reduction=reduction)
+    raises_as(lambda: torchs(x, y, safe, reduction="avg"),
+              lambda: kernel("gaussian_nll_loss")(x, y, safe, reduction="avg"))
+
+
+
+def test_rrelu_in_training_draws_slopes_from_the_device_s_generator():
+    """Issue 49: rrelu in training: each element <= 0 times its own slope from uniform(lower, upper), drawn where the
+    tensor lives (here the CPU's generator stands for XLA's), and the gradient is the slope (1 above 0), as torch's
+    derivative; eval is leaky_relu at the mean slope; in place too; a generator of the user's goes to torch's path."""
+    x = torch.cat([-torch.rand(100000) - 0.01, torch.rand(10) + 0.01, torch.zeros(1)]).requires_grad_()
+    y = kernel("rrelu")(x, 0.1, 0.4, True)
+    slope = (y / x).detach()[:100000]
+    assert 0.1 <= slope.min() and slope.max() <= 0.4 and slope.unique().numel() > 99000
+    torch.testing.assert_close((slope.mean().item(), slope.var().item()), (0.25, 0.3 ** 2 / 12), rtol=0.01, atol=0)
+    grad = torch.autograd.grad(y.sum(), x)[0]
+    torch.testing.assert_close(grad[:100000], slope)  # y / x rounds
+    assert torch.equal(grad[100000:-1], torch.ones(10)) and 0.1 <= grad[-1] <= 0.4
+    assert torch.equal(kernel("rrelu")(x, 0.1, 0.4, False), torch.rrelu(x, 0.1, 0.4, False))
+    z = x.detach().clone()
+    assert kernel("rrelu_")(z, 0.1, 0.4, True) is z and torch.equal(z > 0, x > 0) and (z >= x * 0.4).all()
+    g = torch.Generator().manual_seed(9)
+    want = torch.rrelu(x, 0.1, 0.4, True, torch.Generator().manual_seed(9))
+    assert torch.equal(kernel("rrelu")(x, 0.1, 0.4, True, g), want)
 
 
 FIRST_STATES = {name: kind for name, kind in vars(torch.optim).items() if isinstance(kind, type)
