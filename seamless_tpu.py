@@ -1709,11 +1709,11 @@ def _searched(boundaries, values, right, sorter, out_int32):
         values = torch.tensor(values, dtype=torch.float64 if isinstance(values, float) else None,
                               device=boundaries.device)
     dtype = torch.promote_types(boundaries.dtype, values.dtype)  # as torch's kernels compare
-    boundaries = (boundaries if sorter is None else boundaries.gather(-1, sorter)).to(dtype)
-    values, n = values.to(dtype), boundaries.shape[-1]
-    start = torch.zeros(values.shape, dtype=torch.int64, device=values.device)
-    end = torch.full_like(start, n)
-    for _ in range(n.bit_length()):  # each step at least halves end - start
+    start, n = torch.zeros(values.shape, dtype=torch.int64, device=values.device), boundaries.shape[-1]
+    if boundaries.numel() and values.numel():  # else 0 for each value (XLA's gather of an empty tensor raised)
+        boundaries = (boundaries if sorter is None else boundaries.gather(-1, sorter)).to(dtype)
+        values, end = values.to(dtype), torch.full_like(start, n)
+    for _ in range(n.bit_length() if boundaries.numel() and values.numel() else 0):  # each step halves end - start
         middle = start + (end - start) // 2
         index = middle.clamp(max=n - 1)
         b = (boundaries.gather(-1, index) if boundaries.dim() > 1  # not boundaries[index]: a 0-dim one is an .item()

@@ -78,29 +78,14 @@ DYNAMIC = (
 # lowering yet, in torch_xla or in the trainer. Each names the aten:: counters that grow, and the samples where only
 # some do. A lowering that lands takes its entry out: the tier fails while a listed entry no longer falls back.
 STILL_ON_CPU = (
-    "bucketize",  # bucketize.Tensor
-    "cross", "linalg.cross",  # linalg_cross
     "cummin",  # _cummin_helper (cummax is lowered)
-    "histc",  # histc: a static number of bins
     "index_fill",  # _unique (dim=-1, a 0-d tensor value)
     "index_reduce.amax", "index_reduce.amin", "index_reduce.mean", "index_reduce.prod",  # index_reduce
-    "logcumsumexp",  # _logcumsumexp
     "masked_scatter",  # masked_select, in its backward: the source's gradient, a static shape once padded
-    "median", "nanmedian",  # median, median.dim_values; nanmedian, nanmedian.dim_values
-    "mode",  # mode
     "nn.functional.ctc_loss",  # _ctc_loss(.Tensor) and its backward
-    "nn.functional.gaussian_nll_loss",  # _local_scalar_dense: F checks var >= 0 with a host read, no missing lowering
     "nn.functional.grid_sample",  # grid_sampler_2d (mode="bicubic"), grid_sampler_3d, and their backwards
-    "nn.functional.huber_loss",  # huber_loss, huber_loss_backward.out
     "nn.functional.max_pool2d", "nn.functional.max_pool3d",  # max_pool{2,3}d_with_indices and backward (dilation)
-    "nn.functional.multi_margin_loss",  # multi_margin_loss and its backward
-    "nn.functional.multilabel_margin_loss",  # multilabel_margin_loss_forward and its backward
-    "nn.functional.rrelu",  # rrelu_with_noise_
-    "norm",  # norm.ScalarOpt_dim (p=0)
     "renorm",  # renorm
-    "scatter_reduce.amax", "scatter_reduce.amin", "scatter_reduce.mean", "scatter_reduce.prod",  # scatter_reduce.two
-    "scatter_reduce.sum",  # scatter_reduce.two (include_self=False; mean always)
-    "searchsorted",  # searchsorted.Tensor, searchsorted.Scalar
 )
 
 
