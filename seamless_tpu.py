@@ -1849,17 +1849,19 @@ def _xla_mode(self, dim=-1, keepdim=False):
 def _xla_scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     """torch_xla's own kernel where it has one (sum, prod, amax, amin, including self); the rest (it ran them on the
     CPU) through it: include_self=False first sets the places scattered to a value the reduction ignores (0, 1, or
-    one of the values scattered there), and a mean is a sum over a count. Below autograd: torch's derivative."""
+    one of the values scattered there: a tensor, as torch_xla's scatter of a scalar failed to lower for an index longer
+    than self along `dim`), and a mean is a sum over a count. Below autograd: torch's derivative."""
     _torch_checks("scatter_reduce", self, dim, index, src, reduce, include_self=include_self)
     if self.dim() == 0:  # torch_xla's scatters refuse 0-dim tensors
         return _xla_scatter_reduce(self.view(1), 0, index.reshape(-1), src.reshape(-1), reduce,
                                    include_self=include_self)[0]
     own = _torch_xla_path("scatter_reduce.two")
     if reduce != "mean":
-        ignored = src if reduce in ("amax", "amin") else 0 if reduce == "sum" else 1
+        ignored = src if reduce in ("amax", "amin") else torch.full_like(src, 0 if reduce == "sum" else 1)
         return own(self if include_self else self.scatter(dim, index, ignored), dim, index, src, reduce,
                    include_self=True)
-    total = own(self if include_self else self.scatter(dim, index, 0), dim, index, src, "sum", include_self=True)
+    total = own(self if include_self else self.scatter(dim, index, torch.zeros_like(src)), dim, index, src, "sum",
+                include_self=True)
     count = torch.full_like(self, int(include_self)).scatter_add(dim, index, torch.ones_like(src)).clamp(min=1)
     return total / count if self.is_floating_point() or self.is_complex() else total.div(count, rounding_mode="floor")
 
@@ -1885,6 +1887,91 @@ def _xla_histc(self, bins=100, min=0, max=0):
 def _xla_norm(self, p, dim, keepdim=False):
     """linalg_vector_norm, torch's own kernel of it (torch_xla ran p=0 on the CPU); torch's derivative."""
     return torch.linalg.vector_norm(self, 2 if p is None else p, dim, keepdim)
+
+
+@_lowering("renorm", family="pointwise", why="cpu", key="XLA")
+def _xla_renorm(self, p, dim, maxnorm):
+    """Each slice along `dim` times maxnorm / (its p-norm + 1e-7) where that norm exceeds maxnorm, as torch's kernel
+    (the norm in fp32 for half precision; torch_xla ran renorm on the CPU). Below autograd: torch's derivative."""
+    _torch_checks("renorm", self, p, dim, maxnorm)  # at least 2 dims, p > 0, maxnorm >= 0, a float or complex dtype
+    dim = _wrapped_dim(self, dim)
+    half = self.dtype in (torch.float16, torch.bfloat16)
+    if self.is_complex():  # as before, on the CPU: torch_xla's norm refuses complex input, a rare one
+        return torch.ops.aten.renorm(self.cpu(), p, dim, maxnorm).to(self.device)
+    norm = torch.linalg.vector_norm(self, p, [d for d in range(self.dim()) if d != dim], keepdim=True,
+                                    dtype=torch.float32 if half else None)
+    factor = torch.where(norm > maxnorm, maxnorm / (norm + 1e-7), torch.ones_like(norm))
+    return self * factor.to(self.dtype)
+
+
+def _prefix_scan(x, dim, combine):
+    """combine(x[..i], x[..i-step]) over log2(n) steps, a parallel prefix of an associative `combine`: positions below
+    each step keep their own (combined with themselves). Copies, not views (the kernels below autograd)."""
+    n, step = x.shape[dim], 1
+    while step < n:
+        earlier = torch.cat([torch.narrow_copy(x, dim, 0, step), torch.narrow_copy(x, dim, 0, n - step)], dim)
+        x, step = combine(x, earlier), 2 * step
+    return x
+
+
+def _nan_minimum(a, b):
+    """torch.minimum, NaN kept (XLA's minimum on the CPU dropped it)."""
+    return torch.where(a.isnan(), a, torch.where(b.isnan(), b, torch.minimum(a, b)))
+
+
+@_lowering("cummin", family="reductions", why="cpu", key="XLA")
+def _xla_cummin(self, dim):
+    """The running minimum (NaN kept from the first one) by a parallel prefix of _nan_minimum, and its index: the
+    last position so far where the input equals it, or is NaN (torch's CPU kernel takes x <= min and NaN, so ties and
+    NaNs give the latest), a parallel prefix of torch.maximum (torch_xla's cummax keeps the first index among ties
+    and drops NaN; torch_xla ran cummin on the CPU). Below autograd: torch's derivative, by index."""
+    dim = _wrapped_dim(self, dim)
+    if self.is_complex():
+        raise NotImplementedError(f'"cummin_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
+    x = torch.view_copy(self, self.shape or (1,))
+    if not x.numel():
+        return self.clone(), torch.zeros(self.shape, dtype=torch.long, device=self.device)
+    values = _prefix_scan(x, dim, _nan_minimum if x.is_floating_point() else torch.minimum)
+    record = (x == values) | x.isnan() if x.is_floating_point() else x == values
+    at = torch.arange(x.shape[dim], device=x.device).view([-1] + [1] * (x.dim() - dim - 1))
+    indices = _prefix_scan(torch.where(record, at, 0), dim, torch.maximum)
+    return torch.view_copy(values, self.shape), torch.view_copy(indices, self.shape)
+
+
+def _index_func_checks(op, self, dim, index, source):
+    """The checks of torch's index_func_meta_impl, in its order, which the meta kernel of index_reduce skips."""
+    torch._check_index(index.dim() <= 1, lambda: f"{op}_(): Index is supposed to be a vector, but got dim: "
+                       f"{index.dim()} with type: {_dtype_name(index.dtype)} and size: {list(index.shape)}")
+    torch._check(index.dtype in (torch.long, torch.int), lambda: f"{op}_(): Expected dtype int32/int64 for index but "
+                 f"got: {_dtype_name(index.dtype)}")
+    torch._check(self.dtype == source.dtype, lambda: f"{op}_(): self ({_dtype_name(self.dtype)}) and source "
+                 f"({_dtype_name(source.dtype)}) must have the same scalar type")
+    torch._check(dim == 0 or dim < source.dim(), lambda: f"{op}_(): Indexing dim {dim} is out of bounds of the "
+                 f"source tensor with dim {source.dim()}")
+    length = source.shape[dim] if source.dim() else 1
+    torch._check(index.numel() == length, lambda: f"{op}_(): Number of indices ({index.numel()}) should be equal to "
+                 f"source.size(dim): ({length}), for dim: {dim}")
+    same = self.dim() == source.dim() and all(n == m for d, (n, m) in enumerate(zip(self.shape, source.shape))
+                                              if d != dim)
+    torch._check(same, lambda: "source tensor shape must match self tensor shape, excluding the specified "
+                 f"dimension. Got self.shape = {list(self.shape)} source.shape = {list(source.shape)}")
+
+
+@_lowering("index_reduce", family="reductions", why="cpu", key="XLA")
+def _xla_index_reduce(self, dim, index, source, reduce, *, include_self=True):
+    """scatter_reduce (_xla_scatter_reduce) with the index laid along `dim` and expanded to the source's shape
+    (torch_xla ran index_reduce on the CPU). An index out of range is not checked (a host read). Below autograd:
+    torch's derivative."""
+    torch._check(reduce in ("prod", "mean", "amax", "amin"), lambda: "index_reduce(): Expected reduce to be one "
+                 f"of prod, mean, amax or amin but got {reduce}.")
+    dim = _wrapped_dim(self, dim)
+    _index_func_checks("index_reduce", self, dim, index, source)
+    _torch_checks("index_reduce", self, dim, index, source, reduce, include_self=include_self)
+    if self.dtype == torch.bool and not include_self:
+        raise NotImplementedError('"index_reduce_func_exclude_input_init" not implemented for \'Bool\'')
+    target, src = torch.view_copy(self, self.shape or (1,)), torch.view_copy(source, source.shape or (1,))
+    at = torch.view_copy(index, [1] * dim + [-1] + [1] * (src.dim() - dim - 1)).expand(src.shape)
+    return _xla_scatter_reduce(target, dim, at, src, reduce, include_self=include_self).view(self.shape)
 
 # --- 7e. lowerings: pooling, windows and resampling -----------------------------------------------
 # Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU, 3-D always), average

@@ -78,14 +78,11 @@ DYNAMIC = (
 # lowering yet, in torch_xla or in the trainer. Each names the aten:: counters that grow, and the samples where only
 # some do. A lowering that lands takes its entry out: the tier fails while a listed entry no longer falls back.
 STILL_ON_CPU = (
-    "cummin",  # _cummin_helper (cummax is lowered)
     "index_fill",  # _unique (dim=-1, a 0-d tensor value)
-    "index_reduce.amax", "index_reduce.amin", "index_reduce.mean", "index_reduce.prod",  # index_reduce
     "masked_scatter",  # masked_select, in its backward: the source's gradient, a static shape once padded
     "nn.functional.ctc_loss",  # _ctc_loss(.Tensor) and its backward
     "nn.functional.grid_sample",  # grid_sampler_2d (mode="bicubic"), grid_sampler_3d, and their backwards
     "nn.functional.max_pool2d", "nn.functional.max_pool3d",  # max_pool{2,3}d_with_indices and backward (dilation)
-    "renorm",  # renorm
 )
 
 

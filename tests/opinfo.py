@@ -97,6 +97,9 @@ OPINFO_NAMES = {
     "rrelu_": ["nn.functional.rrelu"],
     "nll_loss": ["nn.functional.nll_loss", "nn.functional.cross_entropy"],
     "roll": ["roll"],
+    "renorm": ["renorm"],
+    "cummin": ["cummin"],
+    "index_reduce": ["index_reduce.prod", "index_reduce.mean", "index_reduce.amax", "index_reduce.amin"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
