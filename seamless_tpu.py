@@ -1367,14 +1367,12 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
     total = rows.new_zeros((n, rows.shape[1])).index_add(0, bag, rows * weights[:, None])[:count]
     return total / size.clamp(min=1) if mode == "mean" else total
 
-# --- 7d. lowerings: norms, pointwise ops, masks, losses and reductions ---------------------------
+# --- 7d. lowerings: norms, pointwise ops and masks ------------------------------------------------
 # torch_xla's layer_norm, training batch_norm (so instance_norm) and group_norm are one op over the batch (a GroupNorm
 # conv net ran 0.32-0.61 of its convolutions per device): ours reduce over the normalized dims, with eager's unbiased
-# running variance. glu and channel_shuffle ran on the CPU; for XLA tensors autograd differentiates the ops ours are
-# made of. kl_div: torch's decomposition (torch_xla's kernel warned "an autograd kernel was not registered"). cross,
-# losses and reductions torch_xla ran on the CPU (a graph cut and two transfers a call): static-shaped ops, below
-# autograd (key XLA) where torch's derivative is made of ops XLA has. Those (issue 49) took the room from 155 lines to
-# near 500: they move to a room of their own once the pooling work in 7e has landed (two rooms edited at once).
+# running variance. glu, channel_shuffle, cross and rrelu ran on the CPU; for XLA tensors autograd differentiates the
+# ops ours are made of (cross: below autograd, torch's derivative). kl_div: torch's decomposition (torch_xla's kernel
+# warned "an autograd kernel was not registered"). x[mask] = v: a where. roll of an empty tensor killed the process.
 
 
 def _statistics(x, dims, eps):
@@ -1561,6 +1559,22 @@ def _xla_rrelu_(self, lower=1 / 8, upper=1 / 3, training=False, generator=None):
     return self.copy_(_xla_rrelu(self, lower, upper, training))
 
 
+@_lowering("roll", family="pointwise", why="crash", key="XLA")
+def _xla_roll(self, shifts, dims=()):
+    """torch_xla 2.9's roll of an empty tensor killed the process (SIGFPE: a shift modulo a size of 0); torch's is the
+    empty tensor itself. Every other input: torch_xla's own kernel."""
+    own = _torch_xla_path("roll")
+    if self.numel() == 0:
+        _torch_checks("roll", self, shifts, dims)
+        return torch.clone(self)
+    return own(self, shifts, dims) if own else torch.ops.aten.roll(self, shifts, dims)  # (CPU: the fast tests)
+
+# --- 7e. lowerings: losses and reductions ---------------------------------------------------------
+# Losses and reductions torch_xla ran on the CPU (a graph cut and two transfers a call: issue 49), static-shaped, below
+# autograd (key XLA) where torch's derivative is made of ops XLA has; an unbatched nll_loss, which killed its process.
+# Checks that would read values to the host are skipped, each named in its kernel.
+
+
 def _loss_reduced(loss, reduction, dtype):
     """reduction 0 (none), 1 (mean) or 2 (sum) of a loss computed in the computation dtype, cast to `dtype`."""
     return (loss if reduction == 0 else loss.mean() if reduction == 1 else loss.sum()).to(dtype)
@@ -1582,17 +1596,6 @@ def _xla_nll_loss(input, target, weight=None, reduction=1, ignore_index=-100):
         return _torch_path("nll_loss")(input, target, weight, reduction, ignore_index)
     out = _torch_path("nll_loss")(input[None], target[None], weight, reduction, ignore_index)
     return out[0] if reduction == 0 else out  # reduction "none": the one sample's loss, 0-dim as torch's
-
-
-@_lowering("roll", family="pointwise", why="crash", key="XLA")
-def _xla_roll(self, shifts, dims=()):
-    """torch_xla 2.9's roll of an empty tensor killed the process (SIGFPE: a shift modulo a size of 0); torch's is the
-    empty tensor itself. Every other input: torch_xla's own kernel."""
-    own = _torch_xla_path("roll")
-    if self.numel() == 0:
-        _torch_checks("roll", self, shifts, dims)
-        return torch.clone(self)
-    return own(self, shifts, dims) if own else torch.ops.aten.roll(self, shifts, dims)  # (CPU: the fast tests)
 
 
 @_lowering("huber_loss", family="losses", why="cpu", key="XLA")
@@ -1889,7 +1892,7 @@ def _xla_norm(self, p, dim, keepdim=False):
     return torch.linalg.vector_norm(self, 2 if p is None else p, dim, keepdim)
 
 
-@_lowering("renorm", family="pointwise", why="cpu", key="XLA")
+@_lowering("renorm", family="reductions", why="cpu", key="XLA")
 def _xla_renorm(self, p, dim, maxnorm):
     """Each slice along `dim` times maxnorm / (its p-norm + 1e-7) where that norm exceeds maxnorm, as torch's kernel
     (the norm in fp32 for half precision; torch_xla ran renorm on the CPU). Below autograd: torch's derivative."""
@@ -1973,7 +1976,7 @@ def _xla_index_reduce(self, dim, index, source, reduce, *, include_self=True):
     at = torch.view_copy(index, [1] * dim + [-1] + [1] * (src.dim() - dim - 1)).expand(src.shape)
     return _xla_scatter_reduce(target, dim, at, src, reduce, include_self=include_self).view(self.shape)
 
-# --- 7e. lowerings: pooling, windows and resampling -----------------------------------------------
+# --- 7f. lowerings: pooling, windows and resampling -----------------------------------------------
 # Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU, 3-D always), average
 # pooling's backward under ceil_mode, count_include_pad=False or a divisor, fractional max pooling, upsampling (each
 # device gathered the whole upsampled image; nearest-exact ran on the CPU), im2col/col2im (F.unfold/F.fold) and 2-D
@@ -3175,7 +3178,7 @@ def _find_loops(model, layout):
 
 def _splits_lost(blocks, layout):
     """Why a loop would lose the batch split where the blocks unrolled keep it (None: it would not). A loop's body is
-    traced by AOTAutograd, where the lowerings of 7c-7e give way to torch's composites (its einsum folds dimensions)."""
+    traced by AOTAutograd, where the lowerings of 7c-7f give way to torch's composites (its einsum folds dimensions)."""
     if any(p in layout.planned for b in blocks for p in b.parameters()):
         return ("its weights are split by the tensor-parallel plan, and inside a loop torch's matmul folds (batch, "
                 "heads) into one dimension, of which GSPMD keeps one split of two")
