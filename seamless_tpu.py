@@ -1888,8 +1888,9 @@ def _xla_histc(self, bins=100, min=0, max=0):
 
 @_lowering("norm.ScalarOpt_dim", family="reductions", why="cpu", key="XLA")
 def _xla_norm(self, p, dim, keepdim=False):
-    """linalg_vector_norm, torch's own kernel of it (torch_xla ran p=0 on the CPU); torch's derivative."""
-    return torch.linalg.vector_norm(self, 2 if p is None else p, dim, keepdim)
+    """linalg_vector_norm, torch's own kernel of it (torch_xla ran p=0 on the CPU); torch's derivative. No dims
+    (x.norm(), Muon's every step) is every dim, as torch's norm: vector_norm's dim=[] reduced none on XLA."""
+    return torch.linalg.vector_norm(self, 2 if p is None else p, dim or None, keepdim)
 
 
 @_lowering("renorm", family="reductions", why="cpu", key="XLA")

@@ -840,3 +840,12 @@ def test_addmm_with_any_beta_and_alpha_gives_torchs_numbers(beta, alpha):
     bias[0] = float("nan") if beta == 0 else bias[0]
     got = st._LOWERINGS["addmm"].kernel(bias, a, b, beta=beta, alpha=alpha)
     torch.testing.assert_close(got, torch.addmm(bias, a, b, beta=beta, alpha=alpha), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("p, dim", [(2, []), (0, []), (2, [1]), (0, [0]), (3, [0, 1])])
+def test_norm_with_no_dims_is_over_every_dim(p, dim):
+    """torch.norm's dim=[] (x.norm(), which Muon's Newton-Schulz step divides by) is every dim: the kernel passed it to
+    vector_norm as given, which reduced none on XLA (NaN from Muon's first step on)."""
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    got = st._LOWERINGS["norm.ScalarOpt_dim"].kernel(x, p, dim)
+    torch.testing.assert_close(got, torch.ops.aten.norm.ScalarOpt_dim(x, p, dim))
