@@ -12,14 +12,13 @@ message goes to stderr as "NAME: <type>: <message>").
 """
 
 import json
-import os
 import sys
 
 import torch
 from torch.utils import _pytree as pytree
 
 import child
-import seamless_tpu
+import opinfo
 
 # op_db's nn.functional.* entries (torch 2.9), written out: the tests collect without importing op_db (2 s, and
 # torch.testing._internal), and every child checks the list against op_db, so a torch that adds one fails the tier.
@@ -86,14 +85,6 @@ STILL_ON_CPU = (
 )
 
 
-def full_name(op):
-    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
-
-
-def floats(tensors):
-    return [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
 def dtype_of(op):
     """fp32 where the op takes it; an integer dtype for the ops that take integers only (bincount); else None
     (silu.complex)."""
@@ -109,7 +100,7 @@ def run(op, sample, device):
               for t in leaves]
     inp, args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = op(inp, *args, **kwargs)
-    diff = [t for t in floats(pytree.tree_leaves(sample.output_process_fn_grad(out))) if t.requires_grad]
+    diff = [t for t in opinfo.floats(pytree.tree_leaves(sample.output_process_fn_grad(out))) if t.requires_grad]
     if op.supports_autograd and diff:
         sum(t.sum() for t in diff).backward()
     return leaves, out
@@ -150,33 +141,20 @@ def outcome(op, met, device):
             del alive
         except Exception as e:  # the outcome says only its type, alike on both when both raise
             raised.add(f"raised: {type(e).__name__}")
-            print(f"{full_name(op)}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+            print(f"{opinfo.full_name(op)}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
     after = counters()
     grew = {k for k, v in after.items() if v > before.get(k, 0)}
     return sorted(grew | raised) if samples else ["skipped: the CPU runs none of its samples in fp32 or integers"]
 
 
 if __name__ == "__main__":
-    import torch_xla
     import torch_xla.debug.metrics as met
-    import torch_xla.runtime as xr
 
     mode, names = sys.argv[1], sys.argv[2:]
-    if mode == "trainer":
-        assert os.environ.get("SEAMLESS_TPU_DEVICE") == "xla"
-        device = seamless_tpu.get_device()  # registers the kernels and patches, switches SPMD on
-        assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", lowering.key)
-                   for op, lowering in seamless_tpu._LOWERINGS.items() if not lowering.functional)
-    else:
-        assert mode == "plain", mode
-        xr.use_spmd()
-        device = torch_xla.device()
-    # before any CPU backward: one run first on the CPU broke every later XLA backward in the process
-    torch.zeros(1, device=device).add_(1)
-    torch_xla.sync()
+    device = opinfo.xla_device(mode)
     from torch.testing._internal.common_methods_invocations import op_db
 
-    ops = {full_name(op): op for op in op_db}
+    ops = {opinfo.full_name(op): op for op in op_db}
     assert set(FUNCTIONAL) == {name for name in ops if name.startswith("nn.functional.")}, "op_db changed"
     assert set(TENSOR_OPS) <= set(ops), set(TENSOR_OPS) - set(ops)
     done = {}

@@ -296,16 +296,16 @@ def status(op, sample, device, mode="trainer"):
     return "ok"
 
 
-if __name__ == "__main__":
+def xla_device(mode):
+    """The XLA device of a child: "trainer" once seamless_tpu registered its kernels and patches (each checked, so
+    the run compares the trainer's, not torch_xla's again), "plain" torch_xla with SPMD on; then a first op on it."""
     import torch_xla
     import torch_xla.runtime as xr
 
-    mode, names = sys.argv[1], sys.argv[2:]
     if mode == "trainer":
         assert os.environ.get("SEAMLESS_TPU_DEVICE") == "xla"
         torchs = torch.nn.functional.multi_head_attention_forward, torch.nn.functional.embedding_bag
         device = seamless_tpu.get_device()  # registers the kernels and patches, switches SPMD on
-        # the run compares the trainer's kernels, not torch_xla's again: each is registered, each F function patched
         assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", lowering.key)
                    for op, lowering in seamless_tpu._LOWERINGS.items() if not lowering.functional)
         assert torchs[0] is not torch.nn.functional.multi_head_attention_forward
@@ -317,6 +317,12 @@ if __name__ == "__main__":
     # before any CPU backward: one run first on the CPU broke every later XLA backward in the process
     torch.zeros(1, device=device).add_(1)
     torch_xla.sync()
+    return device
+
+
+if __name__ == "__main__":
+    mode, names = sys.argv[1], sys.argv[2:]
+    device = xla_device(mode)
     from torch.testing._internal.common_methods_invocations import op_db
 
     ops = {full_name(op): op for op in op_db}
