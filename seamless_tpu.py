@@ -1713,10 +1713,11 @@ def _searched(boundaries, values, right, sorter, out_int32):
                               device=boundaries.device)
     dtype = torch.promote_types(boundaries.dtype, values.dtype)  # as torch's kernels compare
     start, n = torch.zeros(values.shape, dtype=torch.int64, device=values.device), boundaries.shape[-1]
-    if boundaries.numel() and values.numel():  # else 0 for each value (XLA's gather of an empty tensor raised)
+    steps = n.bit_length() if boundaries.numel() and values.numel() else 0  # else 0 for each value (XLA's gather
+    if steps:  # of an empty tensor raised)
         boundaries = (boundaries if sorter is None else boundaries.gather(-1, sorter)).to(dtype)
         values, end = values.to(dtype), torch.full_like(start, n)
-    for _ in range(n.bit_length() if boundaries.numel() and values.numel() else 0):  # each step halves end - start
+    for _ in range(steps):  # each step at least halves end - start
         middle = start + (end - start) // 2
         index = middle.clamp(max=n - 1)
         b = (boundaries.gather(-1, index) if boundaries.dim() > 1  # not boundaries[index]: a 0-dim one is an .item()
@@ -1749,6 +1750,18 @@ def _xla_gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="
     return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
+def _prefix_scan(x, dim, combine, identity=None):
+    """combine(x[..i], x[..i-step]) over log2(n) steps, a parallel prefix of an associative `combine`: positions below
+    each step are combined with `identity` (None: with themselves, for an idempotent one). Copies, not views (the
+    kernels below autograd)."""
+    n, step = x.shape[dim], 1
+    while step < n:
+        head = torch.narrow_copy(x, dim, 0, step)
+        head = head if identity is None else torch.full_like(head, identity)
+        x, step = combine(x, torch.cat([head, torch.narrow_copy(x, dim, 0, n - step)], dim)), 2 * step
+    return x
+
+
 @_lowering("_logcumsumexp", family="reductions", why="cpu", key="XLA")
 def _xla_logcumsumexp(self, dim):
     """A parallel prefix: log2(n) steps, each the log-add-exp of the partial results and themselves shifted by a
@@ -1758,17 +1771,16 @@ def _xla_logcumsumexp(self, dim):
         raise NotImplementedError(f'"logcumsumexp_out_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
     if self.is_complex():  # as before, on the CPU: torch's complex special cases, for a rare input
         return torch.ops.aten._logcumsumexp(self.cpu(), dim).to(self.device)
-    x, step = self.to(_computation_dtype(self)).reshape(self.shape or (1,)), 1
-    while step < x.shape[dim]:
-        pad = x.new_full((*x.shape[:dim], step, *x.shape[dim + 1:]), -math.inf)
-        x, step = _log_add_exp(x, torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - step)], dim)), 2 * step
-    return x.view(self.shape).to(self.dtype)
+    x = self.to(_computation_dtype(self)).reshape(self.shape or (1,))
+    return _prefix_scan(x, dim, _log_add_exp, identity=-math.inf).view(self.shape).to(self.dtype)
 
 
 def _log_add_exp(x, y):
-    """log(exp(x) + exp(y)) as torch's logcumsumexp kernel computes it: NaN kept; two equal infinities, x."""
-    low, high = torch.minimum(x, y), torch.maximum(x, y)  # both keep NaN
-    return torch.where((low != high) | low.isfinite(), torch.log1p(torch.exp(low - high)) + high, x)
+    """log(exp(x) + exp(y)) as torch's logcumsumexp kernel computes it: NaN kept; two equal infinities, x. XLA's
+    minimum and maximum drop NaN on the CPU (a NaN then vanished from the running sum), so it is kept apart."""
+    low, high = torch.minimum(x, y), torch.maximum(x, y)
+    out = torch.where((low != high) | low.isfinite(), torch.log1p(torch.exp(low - high)) + high, x)
+    return torch.where(x.isnan() | y.isnan(), x + y, out)
 
 
 def _wrapped_dim(self, dim):
@@ -1906,16 +1918,6 @@ def _xla_renorm(self, p, dim, maxnorm):
                                     dtype=torch.float32 if half else None)
     factor = torch.where(norm > maxnorm, maxnorm / (norm + 1e-7), torch.ones_like(norm))
     return self * factor.to(self.dtype)
-
-
-def _prefix_scan(x, dim, combine):
-    """combine(x[..i], x[..i-step]) over log2(n) steps, a parallel prefix of an associative `combine`: positions below
-    each step keep their own (combined with themselves). Copies, not views (the kernels below autograd)."""
-    n, step = x.shape[dim], 1
-    while step < n:
-        earlier = torch.cat([torch.narrow_copy(x, dim, 0, step), torch.narrow_copy(x, dim, 0, n - step)], dim)
-        x, step = combine(x, earlier), 2 * step
-    return x
 
 
 def _nan_minimum(a, b):

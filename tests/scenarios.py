@@ -952,6 +952,19 @@ class LSTMNet(torch.nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
+def scans_keep_special_values():
+    """Issue 49: the trainer's scans (logcumsumexp, cummin) give torch's CPU answers on inputs with inf, -inf and NaN,
+    over every dim: XLA's minimum and maximum drop NaN on the CPU, and logcumsumexp lost a NaN from its running sum."""
+    device = st.get_device()
+    x = torch.randn(4, 37, generator=torch.Generator().manual_seed(0))
+    x[0, 3], x[1, 5], x[2, 7], x[3, :] = float("inf"), float("-inf"), float("nan"), float("-inf")
+    for dim in (0, 1):
+        for name, op in (("logcumsumexp", torch.logcumsumexp), ("cummin", lambda t, d: torch.cummin(t, d)[0])):
+            got, want = op(x.to(device), dim).cpu(), op(x, dim)
+            close = torch.isclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+            assert close.all(), (name, dim, got[~close][:4], want[~close][:4])
+
+
 def rnn_modules_load_their_state_after_a_trainer():
     """Issue 47: with a trainer made, load_state_dict works on every RNN module of the process (the user's LSTM model
     on XLA, a GRU on the CPU, an LSTM the user moved) and loads the weights. torch's swap_module_params_on_conversion

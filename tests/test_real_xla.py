@@ -45,6 +45,7 @@ REAL_ONLY = [
     "meta_tensor_left_unset_is_refused_or_loaded",
     "run_costs_on_xla",
     "rnn_modules_load_their_state_after_a_trainer",
+    "scans_keep_special_values",
 ]
 
 
