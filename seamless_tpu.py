@@ -14,9 +14,9 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
   pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
   torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
   torch.inference_mode() is no_grad.
-- first XLA use or first trainer: one global pre-step and one post-step optimizer hook. Each trainer: forward hooks,
-  torch modes counting its first step's FLOPs; log(): a thread, step closures. An XLA trainer with repeated blocks:
-  ModuleList's and Sequential's __iter__, __getitem__ (only a checked loop gets _BlockCalls); torch_xla scan's While.
+- first XLA use or first trainer: one global pre-step and one post-step optimizer hook (in an XLA step torch_xla's
+  special scalars off). Each trainer: forward hooks, modes counting its first step's FLOPs; log(): a thread, step
+  closures. Repeated blocks on XLA: ModuleList's, Sequential's __iter__, __getitem__ (a checked loop's); scan's While.
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
   kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread). Processes:
   a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
@@ -208,7 +208,8 @@ def _reset_caches():
     if _STATE.meter.counting is not None and _STATE.meter.counting.thread == threading.get_ident():
         _STATE.meter.counting.stop()  # a first step that never ended: its modes leave torch's stacks
     hooks, patches = _STATE.optimizer_hooks.values(), reversed(_STATE.torch_patches)
-    for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches]:
+    for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches,
+                 _special_scalars_back]:
         undo()
     _STATE = _ProcessState()
 
@@ -2318,9 +2319,10 @@ def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corne
 
 # --- 8. the step: its hooks, graph cuts, the first step's state, the recompile watchdog -----------
 # One global pre-step and one post-step hook run each concern of an optimizer step in a fixed order (docs/design.md,
-# "The step"): before it rebinding, then on XLA the watchdog, the state first, the work check and the cut; after it,
-# on XLA the cut and the watchdog, then preemption, the meter and the profiler. A trainer model's forward has one
-# hook too (_before_forward): meta init, then the cut that ends the last iteration.
+# "The step"): before it rebinding, then on XLA the watchdog, scaled gradients rebuilt, the state first, the work check,
+# the cut, SGD's damped momentum and special scalars off; after it, on XLA the cut, special scalars back and the
+# watchdog, then preemption, the meter and the profiler. A trainer model's forward has one hook too
+# (_before_forward): special scalars back (a step that raised), meta init, then the cut that ends the last iteration.
 
 
 @dataclasses.dataclass
@@ -2331,6 +2333,7 @@ class _GraphCuts:
     backward: bool = False  # a backward reached a trainer's parameters since the graph was last cut
     no_grad_forward: bool = False  # a trainer's model ran under no_grad since the graph was last cut
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
+    scalars: bool = None  # torch_xla's special scalars (0, 1 as constants) as the user had them, while a step runs
 
 
 @dataclasses.dataclass
@@ -2368,6 +2371,8 @@ def _before_step(optimizer, args, kwargs):
     if not _has_xla_params(optimizer):
         return args, kwargs
     _STATE.cuts.watchdog.before_step(_import("torch_xla.debug.metrics"))
+    first = record.ready != record.groups
+    _rebuild_scaled_grads(optimizer)
     _state_first(optimizer, record)
     _STATE.work_check.run()
     # The forward and backward are one graph, the step another, each compiled once: XLA's compile time grows faster
@@ -2375,6 +2380,9 @@ def _before_step(optimizer, args, kwargs):
     # micro-batch of an accumulation reuses the others' graph. Costs a launch a step; the gradients are graph outputs
     # either way.
     _cut_graph()
+    if first:
+        _momentum_first(optimizer)
+    _special_scalars_off()
     # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
     if callable(kwargs.get("closure")):
         kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
@@ -2387,12 +2395,38 @@ def _after_step(optimizer, args, kwargs):
     record = _STATE.steps.get(optimizer) or _record(optimizer)
     if _has_xla_params(optimizer):
         _cut_graph()  # the step's graph
+        _special_scalars_back()
         _STATE.cuts.watchdog.after_step(optimizer, record, _import("torch_xla.debug.metrics"))
     if _STATE.preemption.owns(optimizer, record):
         _STATE.preemption.after_step(optimizer)
         _STATE.meter.step_end()
     if _STATE.profile is not None:
         _STATE.profile.step_end()
+
+
+def _rebuild_scaled_grads(optimizer):
+    """A gradient scaled in place (clipping) is a view that torch_xla rebuilds from its base where it is next read:
+    on step 1 the state's reads did, on later steps the step's, and its outputs came in another order (a graph more:
+    Rprop, Muon). Rebuilt here, in one order, before the cut. Costs 1-3 us a parameter, 7 more a scaled one."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if grad is not None and torch._is_functional_tensor(grad) and torch._functionalize_has_data_mutation(grad):
+                torch._functionalize_sync(grad)
+
+
+def _special_scalars_off():
+    """A scalar that is 0 or 1 at one step only (Adafactor's first weight) was a constant in that step's graph and data
+    in the others': a graph more. Off for the step; costs a constant folded per such scalar."""
+    xla, cuts = _import("torch_xla")._XLAC, _STATE.cuts
+    cuts.scalars = xla._get_xla_handle_special_scalars() if cuts.scalars is None else cuts.scalars
+    xla._set_xla_handle_special_scalars(False)
+
+
+def _special_scalars_back():  # after a step, or the forward after one that raised
+    if _STATE.cuts.scalars is not None:
+        _import("torch_xla")._XLAC._set_xla_handle_special_scalars(_STATE.cuts.scalars)
+        _STATE.cuts.scalars = None
 
 
 def _has_xla_params(optimizer):
@@ -2444,6 +2478,7 @@ def _saw_backward(param):
 def _before_forward(module, args, kwargs):
     """A trainer model's forward starts: meta init, the cut that ends the last iteration, the watchdog's look."""
     cuts = _STATE.cuts
+    _special_scalars_back()
     _STATE.meta_init.before_forward(module)
     if cuts.backward or cuts.no_grad_forward:
         kind = "train" if cuts.backward else "eval"
@@ -2481,23 +2516,46 @@ def _state_first(optimizer, record):
 def _init_state(optimizer):
     """The state torch's first step makes, made by torch's own code: each group's _init_group, which every torch.optim
     step calls first (NAdam's mu_product 1, ASGD's eta the lr, Rprop's step sizes the lr, Adam's zeros). Left to the
-    step: a step or _init_group not torch's (a subclass's own), fused or differentiable groups, optimizers with no
-    _init_group (LBFGS, SparseAdam), and SGD's momentum, which its first step copies from the gradient where later
-    steps scale it: zeros stand for that copy exactly without dampening, so only then are they made here."""
-    kind = type(optimizer)
-    init = getattr(kind, "_init_group", None)
-    if not all(getattr(f, "__module__", "").startswith("torch.optim.") for f in (kind.step, init)) or any(
-            group.get("fused") or group.get("differentiable") for group in optimizer.param_groups):
+    step: a step or _init_group not torch's (a subclass's own), fused or differentiable groups, and optimizers with
+    no _init_group (LBFGS, SparseAdam). SGD's momentum: zeros stand for its first step's copy of the gradient only
+    without dampening; with it the buffer is made from the gradients after the cut (_momentum_first)."""
+    if not _torch_steps(optimizer):
         return
     with torch.no_grad():
+        init = type(optimizer)._init_group
+        for group in optimizer.param_groups:  # (group, params_with_grad, grads, one list per kind of state...)
+            init(optimizer, group, *([] for _ in range(len(inspect.signature(init).parameters) - 2)))
+            for p in group["params"] if isinstance(optimizer, torch.optim.SGD) and group["momentum"] and not group[
+                    "dampening"] else ():
+                if p.grad is not None and not optimizer.state.get(p):
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
+def _torch_steps(optimizer):
+    kind = type(optimizer)
+    return all(getattr(f, "__module__", "").startswith("torch.optim.") for f in (
+        kind.step, getattr(kind, "_init_group", None))) and not any(
+        group.get("fused") or group.get("differentiable") for group in optimizer.param_groups)
+
+
+def _momentum_first(optimizer):
+    """SGD's momentum buffer with dampening before its first step, once the cut made the gradients data: that step
+    copies the gradient g (weight decay and maximize applied) where later ones take momentum x buf + (1 - dampening)
+    x g, so a buffer of dampening / momentum x g gives step 1 the later steps' graph and torch's numbers to a
+    rounding. Costs a small graph once."""
+    if not (isinstance(optimizer, torch.optim.SGD) and _torch_steps(optimizer)):
+        return
+    made = []
+    with torch.no_grad():
         for group in optimizer.param_groups:
-            if isinstance(optimizer, torch.optim.SGD):
-                zeros = group["momentum"] and not group["dampening"]
-                for p in group["params"] if zeros else ():
-                    if p.grad is not None and not optimizer.state.get(p):
-                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-            else:  # _init_group(group, params_with_grad, grads, one list per kind of state...) fills the lists
-                init(optimizer, group, *([] for _ in range(len(inspect.signature(init).parameters) - 2)))
+            momentum, dampening, decay = group["momentum"], group["dampening"], group["weight_decay"]
+            for p in group["params"] if momentum and dampening else ():
+                if p.grad is not None and not optimizer.state.get(p):
+                    g = (-p.grad if group["maximize"] else p.grad).add(p, alpha=decay)
+                    optimizer.state[p] = _state_like({"momentum_buffer": g * (dampening / momentum)}, p)
+                    made.append(optimizer.state[p]["momentum_buffer"])
+    if made and _is_xla(made[0].device):
+        _import("torch_xla")._XLAC._xla_sync_multi(made, devices=[], wait=False)  # compiles a graph, async
 
 
 class _CompileWatchdog:

@@ -694,6 +694,37 @@ def test_concurrent_first_use_activates_once(fake):
     assert sum(e == ("sync",) for e in fake.events) == before + 2
 
 
+def test_special_scalars_are_off_only_while_a_step_runs(fake):
+    """torch_xla's special scalars (0 and 1 as graph constants) are off inside an XLA optimizer step, so a scalar that
+    is 1 at step 1 only (Adafactor's weight) is an input as at later steps (tests/first_step.py, real torch_xla:
+    Adafactor compiles once). After the step they are as the user had them: on, or off if the user turned them off;
+    after a step that raised, from the next forward of a trainer's model; after _reset_caches."""
+    model, seen = torch.nn.Linear(2, 1), []
+
+    class Seen(torch.optim.SGD):  # torch wraps a subclass's step too: the global hooks run
+        def step(self, closure=None):
+            seen.append(fake.special_scalars)
+            if len(seen) == 2:
+                raise RuntimeError("a step that raised")
+
+    optimizer = Seen(model.parameters(), lr=0.1)
+    x = st.SeamlessTPUTrainer(model).to_device(torch.ones(4, 2))
+    model(x).sum().backward()
+    optimizer.step()
+    assert seen == [False] and fake.special_scalars is True
+    with pytest.raises(RuntimeError, match="a step that raised"):
+        optimizer.step()
+    assert seen == [False, False] and fake.special_scalars is False
+    model(x)
+    assert fake.special_scalars is True
+    fake.special_scalars = False  # the user's choice
+    optimizer.step()
+    assert seen == [False, False, False] and fake.special_scalars is False
+    fake.special_scalars, st._STATE.cuts.scalars = False, True  # as inside a step
+    st._reset_caches()
+    assert fake.special_scalars is True
+
+
 # --- strategy="fsdp": errors and resharding -------------------------------------------------------
 
 

@@ -53,6 +53,7 @@ class FakeXLA:
         # (ids, not weak references: torch cannot swap a parameter that has one)
         self.running = set()
         self.global_mesh = None
+        self.special_scalars = True  # torch_xla makes 0 and 1 constants of a graph (the trainer: not in a step)
         self.modules = self._build()
 
     def make_early_tensor(self):
@@ -145,6 +146,8 @@ class FakeXLA:
             _xla_mark_sharding=lambda t, op_sharding: fx._settled(t) and fx.shardings.__setitem__(t, op_sharding),
             _xla_computation_cache_is_initialized=lambda: bool(fx.graphs),  # from the first compile, as torch_xla
             _xla_get_cpu_tensors=lambda tensors: fx._transfer([t.detach().to("cpu") for t in tensors]),
+            _get_xla_handle_special_scalars=lambda: fx.special_scalars,
+            _set_xla_handle_special_scalars=lambda on: setattr(fx, "special_scalars", on),
         )
         torch_xla.device, torch_xla.devices, torch_xla.device_count, torch_xla.sync = (
             device,

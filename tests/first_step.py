@@ -1,6 +1,6 @@
 """Issues 40 and 49: every torch.optim optimizer (LBFGS: tests/loops.py; SparseAdam needs sparse gradients, which XLA
-has not), each plain, with an LR scheduler and with gradient clipping, on a tiny MLP through the trainer (XLA) or as
-written (eager, SEAMLESS_TPU_DEVICE=cpu).
+has not), each plain, with an LR scheduler and with gradient clipping (and AdamW with a warmup from lr 0), on a tiny
+MLP through the trainer (XLA) or as written (eager, SEAMLESS_TPU_DEVICE=cpu).
 
     python tests/first_step.py GROUP...  # a key of GROUPS, a case (adam/clip) or "all"; reports (child.report)
     {case: {"losses": [...], "weights": [...], "state": [...], "compiles": [after each step], "split_like": bool}}
@@ -57,7 +57,7 @@ GROUPS = {"sgd": ("sgd", "sgd_momentum", "sgd_nesterov", "sgd_dampening"),
           "adam": ("adam", "adamw", "adamw_amsgrad", "adamw_fsdp"),
           "others": ("rmsprop", "rmsprop_centered", "adagrad", "adafactor"),
           "more": ("nadam", "radam", "adamax", "asgd"), "rest": ("adadelta", "rprop", "muon")}
-CASES = [f"{name}/{variant}" for group in GROUPS.values() for name in group for variant in VARIANTS]
+CASES = [f"{name}/{variant}" for group in GROUPS.values() for name in group for variant in VARIANTS] + ["adamw/warmup"]
 
 
 def mlp(width):
@@ -70,7 +70,9 @@ def run(case, width):
     name, variant = case.split("/")
     model = mlp(width)
     optimizer = OPTIMIZERS[name](model.parameters())
-    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.8) if variant == "scheduler" else None
+    scheduler = {"scheduler": lambda: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.8),  # a warmup from lr 0:
+                 "warmup": lambda: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, i / 4))}.get(
+        variant, lambda: None)()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 12, generator=g), torch.randn(32, 4, generator=g)
     xla = st.is_xla_backend()

@@ -286,16 +286,17 @@ def _loops(*runs):
 # (torch's own _init_group, run before the step) and the forward up to the first block's end, which the work check
 # reads; the second is the forward and backward, the third the step, each compiled once.
 ONE_STEP_GRAPH = [3] * first_step.STEPS
-# Measured exceptions, each counted as it is so that a change is seen. SGD with dampening: its first step copies the
-# gradient into the buffer, which no state made before it stands for, so step 2's graph is new. Adafactor reads
-# values to the host inside its step, each read a graph of its own, and passes its first step's weight (1.0) as a
-# constant. RAdam: torch_xla gives equal numbers one device input, and at step 1 its bias correction 1 - beta1^1 is
-# its lerp weight 1 - beta1 (step 2's graph has one input more); from step 6 (rho_t > 5) it takes its other branch.
-# ASGD plain reads eta and mu to the host (a graph of its own, cached). Rprop and Muon with gradient clipping: step
-# 2's forward-backward outputs the clipped gradients' views in another order than step 1's (cause not found).
-COMPILES = {"sgd_dampening": [3] + [4] * 7, "adafactor/plain": [11] + [16] * 7, "adafactor/scheduler": [9] + [13] * 7,
-            "adafactor/clip": [9] + [15] * 7, "radam": [3] + [4] * 4 + [5] * 3, "asgd/plain": [4] * 8,
-            "rprop/clip": [3] + [5] * 7, "muon/clip": [3] + [5] * 7}
+# Measured exceptions, each counted as it is so that a change is seen; none compiles a step twice but RAdam. SGD with
+# dampening: its buffer is made from the gradients after the cut (_momentum_first), a graph of its own. Adafactor
+# reads values to the host inside its step, each read a graph of its own. ASGD plain reads eta and mu to the host (a
+# graph of its own, cached). RAdam: torch_xla gives equal numbers one device input, and at step 1 its bias correction
+# 1 - beta1^1 is its lerp weight 1 - beta1 (step 2's graph has one input more); from step 6 (rho_t > 5) it takes its
+# other branch. AdamW with a warmup from lr 0 (transformers' linear schedule): lr 0 makes scalars of step 1 equal that
+# later differ, one input (with torch_xla's device-data cache off in the step it compiles once, but that costs a
+# transfer per scalar and parameter every step).
+COMPILES = {"adamw/warmup": [3] + [4] * 7, "sgd_dampening": [4] * 8, "adafactor/plain": [11] * 8,
+            "adafactor/scheduler": [9] * 8, "adafactor/clip": [9] * 8, "radam": [3] + [4] * 4 + [5] * 3,
+            "asgd/plain": [4] * 8}
 BFLOAT16 = {"muon": 1e-2}  # Muon orthogonalises in bfloat16: XLA's and the CPU's products round apart (2^-8)
 
 

@@ -821,14 +821,31 @@ def test_the_state_made_before_step_one_is_torchs_own(name):
             assert torch.equal(state_first[a][key], value) and state_first[a][key].device == value.device, key
 
 
-def test_sgd_momentum_is_made_first_only_where_zeros_stand_for_its_first_copy():
-    """SGD's first step copies the gradient into its momentum buffer; zeros give that copy only without dampening."""
-    for dampening, made in ((0.0, True), (0.1, False)):
-        weight = torch.nn.Parameter(torch.ones(3))
-        weight.grad = torch.ones(3)
-        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9, dampening=dampening)
-        st._init_state(optimizer)
-        assert bool(optimizer.state[weight]) == made, dampening
+@pytest.mark.parametrize("dampening, decay, maximize", [(0.0, 0.0, False), (0.1, 0.0, False), (0.5, 0.01, True),
+                                                       (1.0, 0.0, False)])
+def test_sgd_momentum_made_first_gives_torchs_steps(dampening, decay, maximize):
+    """SGD's first step copies the (decayed, maximized) gradient into its momentum buffer: zeros made before the cut
+    stand for that copy without dampening, exactly; with dampening the buffer is made from the gradient after the
+    cut (_momentum_first), to a rounding. Three steps from there are three steps from none."""
+    def steps(first):
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(3, 4))
+        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9, dampening=dampening, weight_decay=decay,
+                                    maximize=maximize)
+        for step in range(3):
+            weight.grad = torch.randn(3, 4)
+            if first and step == 0:
+                st._init_state(optimizer)
+                assert bool(optimizer.state[weight]) == (not dampening), "zeros stand for the copy only undamped"
+                st._momentum_first(optimizer)
+                assert optimizer.state[weight], "no buffer made before step 1"
+            optimizer.step()
+        return weight, optimizer.state[weight]["momentum_buffer"]
+
+    (weight, buf), (want_weight, want_buf) = steps(True), steps(False)
+    tol = {"atol": 0, "rtol": 0} if not dampening else {"atol": 1e-6, "rtol": 1e-6}
+    torch.testing.assert_close(weight, want_weight, **tol)
+    torch.testing.assert_close(buf, want_buf, **tol)
 
 
 @pytest.mark.parametrize("beta, alpha", [(1, 1), (0.2, 0.6), (-4.7, 2.0), (0, 0.5), (1, 3)])
