@@ -1982,7 +1982,7 @@ def _xla_index_reduce(self, dim, index, source, reduce, *, include_self=True):
 # --- 7f. lowerings: pooling, windows and resampling -----------------------------------------------
 # Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU, 3-D always), average
 # pooling's backward under ceil_mode, count_include_pad=False or a divisor, fractional max pooling, upsampling (each
-# device gathered the whole upsampled image; nearest-exact ran on the CPU), im2col/col2im (F.unfold/F.fold) and 2-D
+# device gathered the whole upsampled image; nearest-exact ran on the CPU), im2col/col2im (F.unfold/F.fold) and
 # grid_sample (on the CPU): separable windows, strided slices and per-dimension gathers that keep the batch split.
 
 
