@@ -1983,7 +1983,7 @@ def _xla_index_reduce(self, dim, index, source, reduce, *, include_self=True):
 # --- 7f. lowerings: pooling, windows and resampling -----------------------------------------------
 # Adaptive pooling to sizes that do not divide the input's (average: gathered; max: on the CPU, 3-D always), average
 # pooling's backward under ceil_mode, count_include_pad=False or a divisor, fractional max pooling, upsampling (each
-# device gathered the whole upsampled image; nearest-exact ran on the CPU), im2col/col2im (F.unfold/F.fold) and 2-D
+# device gathered the whole upsampled image; nearest-exact ran on the CPU), im2col/col2im (F.unfold/F.fold) and
 # grid_sample (on the CPU): separable windows, strided slices and per-dimension gathers that keep the batch split.
 
 
@@ -2232,6 +2232,13 @@ def _xla_col2im(input, output_size, kernel_size, dilation, padding, stride):
     return image[(..., *crop)]
 
 
+def _cubic_weights(t):
+    """The weights of the taps at floor(x) - 1 .. floor(x) + 2, t = x - floor(x): torch's cubic convolution, A=-0.75."""
+    a = -0.75
+    near, far = (lambda x: ((a + 2) * x - (a + 3)) * x * x + 1), (lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a)
+    return [far(t + 1), near(t), near(1 - t), far(2 - t)]
+
+
 def _resized(input, sizes, scales, mode, align_corners=False):
     """input resized over its last len(sizes) dimensions one at a time, with eager's source positions and weights
     (nearest and nearest-exact: one tap, linear: two, cubic: four, A=-0.75), each tap an index_select along that
@@ -2254,11 +2261,7 @@ def _resized(input, sizes, scales, mode, align_corners=False):
             if mode == "linear":
                 taps = [(start, 1 - t), ((start + 1).clamp(max=n - 1), t)]
             else:
-                a, u = -0.75, [t + 1, t, 1 - t, 2 - t]
-                near, far = (lambda x: ((a + 2) * x - (a + 3)) * x * x + 1), (
-                    lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a)
-                weights = [far(u[0]), near(u[1]), near(u[2]), far(u[3])]
-                taps = [((start + j - 1).clamp(0, n - 1), w) for j, w in enumerate(weights)]
+                taps = [((start + j - 1).clamp(0, n - 1), w) for j, w in enumerate(_cubic_weights(t))]
         shape = (m,) + (1,) * (input.dim() - d - 1)
         parts = [input.index_select(d, i.long()) for i, _ in taps]
         parts = [p if w is None else p * w.to(input.dtype).view(shape) for p, (_, w) in zip(parts, taps)]
@@ -2292,30 +2295,47 @@ del _op, _spatial, _mode, _corners  # the registration loops' names (7c's too): 
 
 @_lowering("grid_sampler", family="resampling", why="cpu", hands_back=True)
 def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
-    """2-D bilinear or nearest sampling, zeros or border padding (torch_xla ran grid_sampler_2d and its backward on
-    the CPU): each tap a gather from the flattened image, along the spatial dims only; others take torch's path."""
-    if input.dim() != 4 or interpolation_mode > 1 or padding_mode > 1:
+    """Bilinear (trilinear in 3-D), nearest or bicubic sampling, any padding (torch_xla ran grid_sampler_2d/3d and
+    their backwards on the CPU): each tap a gather from the flattened image, along the spatial dims only, weighted
+    per dim as torch's; what torch refuses takes torch's path, for its error."""
+    k = input.dim() - 2
+    if (k not in (2, 3) or grid.dim() != input.dim() or grid.shape[0] != input.shape[0] or grid.shape[-1] != k
+            or grid.dtype != input.dtype or grid.device != input.device or 0 in input.shape[2:]
+            or interpolation_mode not in ((0, 1, 2) if k == 2 else (0, 1)) or padding_mode not in (0, 1, 2)):
         return _torch_path("grid_sampler")(input, grid, interpolation_mode, padding_mode, align_corners)
-    n, c, h, w = input.shape
+    sizes = input.shape[2:][::-1]  # grid's x, y(, z) index W, H(, D)
 
-    def source(g, size):  # a grid coordinate in [-1, 1] to a pixel position, clipped for border padding
+    def padded(at, size):  # torch's compute_coordinates: border clips; reflection folds into the image, then clips
+        if padding_mode == 2:
+            low, span = (0, size - 1) if align_corners else (-0.5, size)
+            if span == 0:
+                return at * 0
+            off = (at - low).abs()
+            extra = off.fmod(span)
+            at = torch.where((off / span).floor().remainder(2) == 0, extra + low, span - extra + low)
+        return at.clamp(0, size - 1) if padding_mode else at
+
+    taps = []  # per spatial dim, x first: [(position, weight)]
+    for j, size in enumerate(sizes):
+        g = grid[..., j].to(_computation_dtype(grid))  # fp32: bf16 has no integer past 256 (torch's CPU's are bf16)
         at = (g + 1) / 2 * (size - 1) if align_corners else ((g + 1) * size - 1) / 2
-        return at.clamp(0, size - 1) if padding_mode == 1 else at
-
-    x, y = source(grid[..., 0], w), source(grid[..., 1], h)
-    flat = input.flatten(2)
-
-    def tap(ix, iy, weight):  # the pixel at (ix, iy), zero outside the image
-        inside = ((ix >= 0) & (ix <= w - 1) & (iy >= 0) & (iy <= h - 1)).to(weight.dtype)
-        at = (iy.clamp(0, h - 1) * w + ix.clamp(0, w - 1)).long().flatten(1)
-        return flat.gather(2, at[:, None].expand(n, c, -1)).unflatten(2, ix.shape[1:]) * (weight * inside)[:, None]
-
-    if interpolation_mode == 1:
-        return tap(x.round(), y.round(), 1 + 0 * x)  # half to even as torch's nearbyint; the grid's gradient 0
-    x0, y0 = x.floor(), y.floor()
-    tx, ty = x - x0, y - y0
-    return (tap(x0, y0, (1 - tx) * (1 - ty)) + tap(x0 + 1, y0, tx * (1 - ty)) + tap(x0, y0 + 1, (1 - tx) * ty)
-            + tap(x0 + 1, y0 + 1, tx * ty))
+        at = at if interpolation_mode == 2 else padded(at, size)  # bicubic pads each tap's position instead
+        start = at.floor()
+        if interpolation_mode == 2:
+            taps.append([(padded(start + i - 1, size), w) for i, w in enumerate(_cubic_weights(at - start))])
+        elif interpolation_mode == 1:  # half to even as torch's nearbyint; the grid's gradient 0
+            taps.append([(at.round(), 1 + 0 * at)])
+        else:
+            taps.append([(start, 1 - (at - start)), (start + 1, at - start)])
+    flat, strides = input.flatten(2), [math.prod(sizes[:j]) for j in range(k)]
+    out = 0
+    for tap in itertools.product(*taps):  # the pixel at each tap's positions, zero outside the image
+        inside = functools.reduce(torch.logical_and, [(p >= 0) & (p <= n - 1) for (p, _), n in zip(tap, sizes)])
+        at = sum(p.clamp(0, n - 1).long() * s for (p, _), n, s in zip(tap, sizes, strides)).flatten(1)
+        value = flat.gather(2, at[:, None].expand(*input.shape[:2], -1)).unflatten(2, grid.shape[1:-1])
+        weight = functools.reduce(torch.mul, [w for _, w in tap])
+        out = out + torch.where(inside[:, None], value, 0) * weight[:, None]
+    return out.to(input.dtype)
 
 # --- 8. the step: its hooks, graph cuts, the first step's state, the recompile watchdog -----------
 # One global pre-step and one post-step hook run each concern of an optimizer step in a fixed order (docs/design.md,

@@ -6,6 +6,7 @@ a later trainer or create_xla_mesh does to the process mesh.
 """
 
 import dataclasses
+import itertools
 import math
 import os
 import pathlib
@@ -350,6 +351,12 @@ BAD_INPUTS = {  # op -> arguments torch refuses (beside the first, the input, bu
     "upsample_bilinear2d.vec": [((1, 2, 4), [3, 3], False, None)],
     "avg_pool2d": [((1, 2, 4, 4), [2], [], [2]), ((1, 2, 4, 4), [2], [], [0], False, True, 0), ((2, 3), [2])],
     "avg_pool3d": [((1, 2, 4, 4, 4), [2], [], [2]), ((2, 3), [2])],
+    "grid_sampler": [((1, 2, 3, 3, 3), torch.zeros(1, 2, 2, 2, 3), 2, 0, False),  # bicubic is 2-D only
+                     ((2, 2, 3, 3), torch.zeros(1, 2, 2, 2), 0, 0, False),
+                     ((1, 2, 3, 3), torch.zeros(1, 2, 2, 3), 0, 0, False),
+                     ((1, 2, 0, 3), torch.zeros(1, 2, 2, 2), 1, 0, False),
+                     ((2, 3, 3), torch.zeros(2, 2, 2), 0, 0, False),
+                     ((1, 2, 3, 3), torch.zeros(1, 2, 2, 2, dtype=torch.float64), 0, 0, False)],
 }
 
 
@@ -462,6 +469,43 @@ def test_fractional_max_pooling_windows_are_torchs(shape, kernel_size, output_si
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0].requires_grad
     grad = torch.randn(want[0].shape, generator=g, dtype=torch.float64)
     torch.testing.assert_close(torch.autograd.grad(got[0], x, grad)[0], torch.autograd.grad(want[0], x, grad)[0])
+
+
+GRIDS = [  # (input, grid): 2-D and 3-D, a side of 1 (reflection with align_corners has no span), empty batch, channels
+    ((2, 3, 5, 4), (2, 3, 4, 2)), ((1, 2, 1, 6), (1, 5, 2, 2)), ((2, 2, 3, 4, 5), (2, 2, 3, 2, 3)),
+    ((1, 1, 1, 3, 2), (1, 4, 1, 2, 3)), ((0, 2, 3, 3), (0, 2, 2, 2)), ((2, 0, 3, 3), (2, 2, 2, 2))]
+
+
+@pytest.mark.parametrize("shape, grid_shape", GRIDS)
+def test_grid_sampling_is_torchs_in_every_mode_and_padding(shape, grid_shape):
+    """The grid_sampler kernel (CPU tensors standing for XLA ones) against torch's CPU kernel in float64: bilinear,
+    nearest and (2-D) bicubic, zeros, border and reflection padding (bicubic pads each tap), with and without
+    align_corners, on a grid reaching past the image: values, and the input's and grid's gradients. Nearest on a
+    grid of eighths, ties rounded half to even. (The OpInfo tier's 10 samples of grid_sample have no reflection.)"""
+    g = torch.Generator().manual_seed(len(shape) + shape[0])
+    x = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    grid = (torch.rand(grid_shape, generator=g, dtype=torch.float64) * 5 - 2.5).requires_grad_()
+    eighths = (torch.randint(-20, 21, grid_shape, generator=g) / 8).double().requires_grad_()
+    for mode, padding, corners in itertools.product(range(3 if x.dim() == 4 else 2), range(3), (False, True)):
+        at = eighths if mode == 1 else grid
+        want = torch.grid_sampler(x, at, mode, padding, corners)
+        got = st._LOWERINGS["grid_sampler"].kernel(x, at, mode, padding, corners)
+        torch.testing.assert_close(got, want)
+        cot = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        for ours, torchs in zip(torch.autograd.grad(got, (x, at), cot), torch.autograd.grad(want, (x, at), cot)):
+            torch.testing.assert_close(ours, torchs)
+
+
+def test_grid_sampling_in_bf16_finds_pixels_past_256():
+    """Positions in fp32 for half inputs: in bf16 a position past 256 is off by pixels (torch's CPU kernel's are,
+    2.6 to 3.9 here), and the last pixel's rounded up out of range."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 3, 300, generator=g).bfloat16()
+    grid = (torch.rand(1, 4, 20, 2, generator=g) * 2 - 1).bfloat16()
+    for mode, padding in itertools.product(range(3), range(3)):
+        got = st._LOWERINGS["grid_sampler"].kernel(x, grid, mode, padding, True)
+        exact = torch.grid_sampler(x.double(), grid.double(), mode, padding, True)
+        assert got.dtype == torch.bfloat16 and (got.double() - exact).abs().max() < 0.05
 
 
 BAGS = [  # (mode, offsets, include_last_offset, padding_idx, per-sample weights) over 9 indices

@@ -334,7 +334,9 @@ def functionals():
                 x, grid, mode, pad, corners), [randn(b, 3, 6, 7), torch.rand(b, 5, 4, 2, generator=g) * 2.4 - 1.2],
             (), False) for mode, pad, corners in (("bilinear", "zeros", False), ("bilinear", "border", True),
                                                    ("nearest", "zeros", True), ("nearest", "border", False),
-                                                   ("bilinear", "reflection", False))},
+                                                   ("bilinear", "reflection", False), ("bicubic", "reflection", True))},
+        "grid_sample 3-D bilinear border": (lambda x, grid: F.grid_sample(x, grid, "bilinear", "border"), [
+            randn(b, 3, 4, 5, 6), torch.rand(b, 3, 4, 2, 3, generator=g) * 2.4 - 1.2], (), False),
         "channel_shuffle 3 groups": (lambda x: F.channel_shuffle(x, 3), [randn(b, 6, 4, 4)], (), False),
     }
     out = {name: diff(*case) for name, case in cases.items()}
