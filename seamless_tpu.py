@@ -974,8 +974,8 @@ def _register_lowerings():
                            f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
                            f"torch {_TESTED_WITH['torch']}: install that version.")
     for op, low in aten.items():  # torch_xla's own kernel of an op ours replaces at its key: ours may call it
-        if low.key == "XLA" and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "XLA"):
-            _STATE.xla_kernels[op] = torch.library.get_kernel(f"aten::{op}", "XLA")
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", low.key):
+            _STATE.xla_kernels[op] = torch.library.get_kernel(f"aten::{op}", low.key)
     library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
     with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
         warnings.simplefilter("ignore")
@@ -1001,10 +1001,10 @@ def _torch_path(op):
 
 
 def _torch_xla_path(op):
-    """torch_xla's own kernel of aten `op`, which a key="XLA" lowering replaced, for the inputs it lowers well; None
+    """torch_xla's own kernel of aten `op`, which a lowering replaced at its key, for the inputs it lowers well; None
     where there is none (a fake torch_xla, the kernels run on CPU tensors in the fast tests)."""
-    kernel = _STATE.xla_kernels.get(op)
-    return kernel and functools.partial(kernel.call_boxed, torch._C.DispatchKeySet(torch._C.DispatchKey.XLA))
+    kernel, key = _STATE.xla_kernels.get(op), _LOWERINGS[op].key
+    return kernel and functools.partial(kernel.call_boxed, torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
 
 
 def _torch_checks(op, *args, **kwargs):
@@ -2073,7 +2073,7 @@ def _windowed_max(input, windows):
     """The max over each output's window, a box given along each spatial dimension by its candidates' indices: (m,
     width), or one set per plane (N, C, m, width). The max along the last dimension's candidates, then along the
     next, ... (the batch stays split); the flat index of the winner, as torch's (the first max in row-major order).
-    At the AutogradXLA key: autograd differentiates the gathers and maxima."""
+    Copies, no views: max pooling calls it at the XLA key."""
     spatial, value, flat, inner = len(windows), input, None, 1
     for k in reversed(range(spatial)):
         d, at = input.dim() - spatial + k, windows[k]
@@ -2081,19 +2081,70 @@ def _windowed_max(input, windows):
         rest = (1,) * (spatial - 1 - k)
 
         def candidates(t):  # (..., m, width, *rest): t's values at each output's candidates along d
+            shape = (*t.shape[:d], m, width, *t.shape[d + 1:])
             if at.dim() == 2:
-                return t.index_select(d, at.flatten()).unflatten(d, (m, width))
-            index = at.reshape(*at.shape[:-2], *(1,) * (d - at.dim() + 2), m * width, *rest)
-            return t.gather(d, index.expand(*t.shape[:d], m * width, *t.shape[d + 1:])).unflatten(d, (m, width))
+                return torch.view_copy(t.index_select(d, torch.view_copy(at, (-1,))), shape)
+            index = torch.view_copy(at, (*at.shape[:-2], *(1,) * (d - at.dim() + 2), m * width, *rest))
+            return torch.view_copy(t.gather(d, torch.expand_copy(index, (*t.shape[:d], m * width, *t.shape[d + 1:]))),
+                                   shape)
 
         found = candidates(value)
-        value, pick = found.max(d + 1)
-        pick = pick.unsqueeze(d + 1)
-        where = at.reshape(*at.shape[:-2], *(1,) * (d - at.dim() + 2), m, width, *rest).expand(found.shape)
-        where = where.gather(d + 1, pick).squeeze(d + 1) * inner
-        flat = where if flat is None else where + candidates(flat).gather(d + 1, pick).squeeze(d + 1)
+        value, pick = found.max(d + 1, keepdim=True)
+        where = torch.view_copy(at, (*at.shape[:-2], *(1,) * (d - at.dim() + 2), m, width, *rest))
+        where = torch.expand_copy(where, found.shape).gather(d + 1, pick) * inner
+        flat = where if flat is None else where + candidates(flat).gather(d + 1, pick)
+        value, flat = torch.squeeze_copy(value, d + 1), torch.squeeze_copy(flat, d + 1)
         inner *= input.shape[d]
     return value, flat
+
+
+def _max_pool(spatial):
+    """max_pool{spatial}d (at AutogradXLA), _with_indices and its backward (at XLA, torch's derivatives): with a
+    dilation torch_xla ran them on the CPU, and its max_pool{spatial}d raised in the backward. Ours: each window's
+    dilated taps (a tap in the padding repeats the window's first in the input: it never wins, and the index is
+    torch's), reduced by _windowed_max; the backward adds the gradient at the indices (a scatter along the spatial
+    dims). Without a dilation: torch_xla's own kernels."""
+    op = f"max_pool{spatial}d_with_indices"
+
+    def pool(input, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+        own = _torch_xla_path(f"max_pool{spatial}d")
+        if own and all(d == 1 for d in dilation):
+            return own(input, kernel_size, stride, padding, dilation, ceil_mode)
+        return getattr(torch.ops.aten, op)(input, kernel_size, stride, padding, dilation, ceil_mode)[0]
+
+    def forward(input, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+        own = _torch_xla_path(op)
+        if own and all(d == 1 for d in dilation):
+            return own(input, kernel_size, stride, padding, dilation, ceil_mode)
+        _torch_checks(op, input, kernel_size, stride, padding, dilation, ceil_mode)
+        windows, options = [], (kernel_size, stride or kernel_size, padding, dilation)
+        for n, k, s, p, d in zip(input.shape[input.dim() - spatial:], *(v * spatial if len(v) == 1 else v
+                                                                         for v in map(list, options))):
+            (*_, m), = _pool_plan(1, [d * (k - 1) + 1], [s], [p], ceil_mode, [n])
+            start = torch.arange(m, device=input.device) * s - p
+            first = (start + ((-start).clamp(min=0) + d - 1).div(d, rounding_mode="floor") * d).clamp(max=n - 1)
+            taps = start[:, None] + torch.arange(k, device=input.device) * d
+            windows.append(torch.where((taps >= 0) & (taps < n), taps, first[:, None]))
+        return _windowed_max(input, windows)
+
+    def backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices):
+        own = _torch_xla_path(f"{op}_backward")
+        if own and all(d == 1 for d in dilation):
+            return own(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices)
+        _torch_checks(f"{op}_backward", grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices)
+        flat = (*input.shape[:input.dim() - spatial], -1)
+        grad = grad_output.new_zeros(flat[:-1] + (math.prod(input.shape[input.dim() - spatial:]),))
+        grad = grad.scatter_add(-1, torch.view_copy(indices, flat), torch.view_copy(grad_output, flat))
+        return torch.view_copy(grad, input.shape)
+
+    return pool, forward, backward
+
+
+for _spatial in (2, 3):  # (1-D max pooling is 2-D underneath)
+    for _op, _kernel in zip(("", "_with_indices", "_with_indices_backward"), _max_pool(_spatial)):
+        _lowering(f"max_pool{_spatial}d{_op}", family="pooling", why="cpu", key="XLA" if _op else "AutogradXLA")(
+            _kernel)
+del _op, _kernel
 
 
 def _windows(input, kernel, dilation, padding, stride):
