@@ -1524,6 +1524,31 @@ def _masked_where(self, indices, values, accumulate):
     return self + torch.where(mask, values, 0) if accumulate else torch.where(mask, values, self)
 
 
+@_lowering("index_fill.int_Tensor", family="masks", why="cpu")
+def _xla_index_fill(self, dim, index, value):
+    """A where over a mask of the indexed places (torch_xla ran the value's gradient, which dedups the index with
+    _unique, on the CPU, and refused a 0-d self); autograd's derivatives are torch's: grad where not filled, and its
+    sum over the filled places."""
+    dim = torch._prims_common.canonicalize_dim(self.dim(), dim)  # torch's error, where the meta kernel's is not
+    _torch_checks("index_fill", self, dim, index, value)
+    torch._check_index(index.dtype == torch.long, lambda: "index_fill_(): Expected dtype int64 for index.")
+    n = self.shape[dim] if self.dim() else 1
+    at = index.reshape(-1)
+    mask = torch.zeros(n, dtype=torch.bool, device=self.device).index_fill(0, torch.where(at < 0, at + n, at), True)
+    return torch.where(mask.view((n,) + (1,) * (self.dim() - dim - 1) if self.dim() else ()),
+                       value.to(self.device, self.dtype), self)
+
+
+@_lowering("masked_scatter_backward", family="masks", why="cpu", key="XLA")
+def _xla_masked_scatter_backward(grad_output, mask, sizes):
+    """The source's gradient: grad_output where mask is True, in order, in the source's first places (torch's
+    masked_select, a shape of the mask's values, ran on the CPU): each scattered to the count of Trues before it."""
+    shape, numel = torch.broadcast_shapes(grad_output.shape, mask.shape), math.prod(sizes)
+    grad, mask = (torch.view_copy(torch.expand_copy(t, shape), (-1,)) for t in (grad_output, mask))
+    at = torch.where(mask, torch.cumsum(mask, 0, dtype=torch.long) - 1, numel)  # the others past the end, dropped
+    return torch.view_copy(torch.slice_copy(grad.new_zeros(numel + 1).scatter(0, at, grad), 0, 0, numel), sizes)
+
+
 def _dtype_name(dtype):
     """torch's C++ name of a dtype, as its CPU kernels' messages spell it: "Float", "BFloat16", "ComplexDouble"."""
     return torch.empty(0, dtype=dtype, device="meta").type()[len("torch.meta."):-len("Tensor")]
