@@ -975,8 +975,8 @@ def _register_lowerings():
                            f"seamless_tpu's XLA lowerings hand the inputs they leave to torch; it was tested with "
                            f"torch {_TESTED_WITH['torch']}: install that version.")
     for op, low in aten.items():  # torch_xla's own kernel of an op ours replaces at its key: ours may call it
-        if low.key == "XLA" and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "XLA"):
-            _STATE.xla_kernels[op] = torch.library.get_kernel(f"aten::{op}", "XLA")
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", low.key):
+            _STATE.xla_kernels[op] = torch.library.get_kernel(f"aten::{op}", low.key)
     library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
     with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
         warnings.simplefilter("ignore")
@@ -1002,10 +1002,10 @@ def _torch_path(op):
 
 
 def _torch_xla_path(op):
-    """torch_xla's own kernel of aten `op`, which a key="XLA" lowering replaced, for the inputs it lowers well; None
+    """torch_xla's own kernel of aten `op`, which a lowering replaced at its key, for the inputs it lowers well; None
     where there is none (a fake torch_xla, the kernels run on CPU tensors in the fast tests)."""
-    kernel = _STATE.xla_kernels.get(op)
-    return kernel and functools.partial(kernel.call_boxed, torch._C.DispatchKeySet(torch._C.DispatchKey.XLA))
+    kernel, key = _STATE.xla_kernels.get(op), _LOWERINGS[op].key
+    return kernel and functools.partial(kernel.call_boxed, torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
 
 
 def _torch_checks(op, *args, **kwargs):
@@ -1523,6 +1523,31 @@ def _masked_where(self, indices, values, accumulate):
     values = values.to(self.device).reshape(*shape[:k], *(1,) * mask.dim(), *shape[k + 1:])  # as torch: a CPU scalar
     mask = mask.reshape(*mask.shape, *(1,) * rest)
     return self + torch.where(mask, values, 0) if accumulate else torch.where(mask, values, self)
+
+
+@_lowering("index_fill.int_Tensor", family="masks", why="cpu")
+def _xla_index_fill(self, dim, index, value):
+    """A where over a mask of the indexed places (torch_xla ran the value's gradient, which dedups the index with
+    _unique, on the CPU, and refused a 0-d self); autograd's derivatives are torch's: grad where not filled, and its
+    sum over the filled places."""
+    dim = torch._prims_common.canonicalize_dim(self.dim(), dim)  # torch's error, where the meta kernel's is not
+    _torch_checks("index_fill", self, dim, index, value)
+    torch._check_index(index.dtype == torch.long, lambda: "index_fill_(): Expected dtype int64 for index.")
+    n = self.shape[dim] if self.dim() else 1
+    at = index.reshape(-1)
+    mask = torch.zeros(n, dtype=torch.bool, device=self.device).index_fill(0, torch.where(at < 0, at + n, at), True)
+    return torch.where(mask.view((n,) + (1,) * (self.dim() - dim - 1) if self.dim() else ()),
+                       value.to(self.device, self.dtype), self)
+
+
+@_lowering("masked_scatter_backward", family="masks", why="cpu", key="XLA")
+def _xla_masked_scatter_backward(grad_output, mask, sizes):
+    """The source's gradient: grad_output where mask is True, in order, in the source's first places (torch's
+    masked_select, a shape of the mask's values, ran on the CPU): each scattered to the count of Trues before it."""
+    shape, numel = torch.broadcast_shapes(grad_output.shape, mask.shape), math.prod(sizes)
+    grad, mask = (torch.view_copy(torch.expand_copy(t, shape), (-1,)) for t in (grad_output, mask))
+    at = torch.where(mask, torch.cumsum(mask, 0, dtype=torch.long) - 1, numel)  # the others past the end, dropped
+    return torch.view_copy(torch.slice_copy(grad.new_zeros(numel + 1).scatter(0, at, grad), 0, 0, numel), sizes)
 
 
 def _dtype_name(dtype):
@@ -2074,7 +2099,7 @@ def _windowed_max(input, windows):
     """The max over each output's window, a box given along each spatial dimension by its candidates' indices: (m,
     width), or one set per plane (N, C, m, width). The max along the last dimension's candidates, then along the
     next, ... (the batch stays split); the flat index of the winner, as torch's (the first max in row-major order).
-    At the AutogradXLA key: autograd differentiates the gathers and maxima."""
+    Copies, no views: max pooling calls it at the XLA key."""
     spatial, value, flat, inner = len(windows), input, None, 1
     for k in reversed(range(spatial)):
         d, at = input.dim() - spatial + k, windows[k]
@@ -2082,19 +2107,70 @@ def _windowed_max(input, windows):
         rest = (1,) * (spatial - 1 - k)
 
         def candidates(t):  # (..., m, width, *rest): t's values at each output's candidates along d
+            shape = (*t.shape[:d], m, width, *t.shape[d + 1:])
             if at.dim() == 2:
-                return t.index_select(d, at.flatten()).unflatten(d, (m, width))
-            index = at.reshape(*at.shape[:-2], *(1,) * (d - at.dim() + 2), m * width, *rest)
-            return t.gather(d, index.expand(*t.shape[:d], m * width, *t.shape[d + 1:])).unflatten(d, (m, width))
+                return torch.view_copy(t.index_select(d, torch.view_copy(at, (-1,))), shape)
+            index = torch.view_copy(at, (*at.shape[:-2], *(1,) * (d - at.dim() + 2), m * width, *rest))
+            return torch.view_copy(t.gather(d, torch.expand_copy(index, (*t.shape[:d], m * width, *t.shape[d + 1:]))),
+                                   shape)
 
         found = candidates(value)
-        value, pick = found.max(d + 1)
-        pick = pick.unsqueeze(d + 1)
-        where = at.reshape(*at.shape[:-2], *(1,) * (d - at.dim() + 2), m, width, *rest).expand(found.shape)
-        where = where.gather(d + 1, pick).squeeze(d + 1) * inner
-        flat = where if flat is None else where + candidates(flat).gather(d + 1, pick).squeeze(d + 1)
+        value, pick = found.max(d + 1, keepdim=True)
+        where = torch.view_copy(at, (*at.shape[:-2], *(1,) * (d - at.dim() + 2), m, width, *rest))
+        where = torch.expand_copy(where, found.shape).gather(d + 1, pick) * inner
+        flat = where if flat is None else where + candidates(flat).gather(d + 1, pick)
+        value, flat = torch.squeeze_copy(value, d + 1), torch.squeeze_copy(flat, d + 1)
         inner *= input.shape[d]
     return value, flat
+
+
+def _max_pool(spatial):
+    """max_pool{spatial}d (at AutogradXLA), _with_indices and its backward (at XLA, torch's derivatives): with a
+    dilation torch_xla ran them on the CPU, and its max_pool{spatial}d raised in the backward. Ours: each window's
+    dilated taps (a tap in the padding repeats the window's first in the input: it never wins, and the index is
+    torch's), reduced by _windowed_max; the backward adds the gradient at the indices (a scatter along the spatial
+    dims). Without a dilation: torch_xla's own kernels."""
+    op = f"max_pool{spatial}d_with_indices"
+
+    def pool(input, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+        own = _torch_xla_path(f"max_pool{spatial}d")
+        if own and all(d == 1 for d in dilation):
+            return own(input, kernel_size, stride, padding, dilation, ceil_mode)
+        return getattr(torch.ops.aten, op)(input, kernel_size, stride, padding, dilation, ceil_mode)[0]
+
+    def forward(input, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+        own = _torch_xla_path(op)
+        if own and all(d == 1 for d in dilation):
+            return own(input, kernel_size, stride, padding, dilation, ceil_mode)
+        _torch_checks(op, input, kernel_size, stride, padding, dilation, ceil_mode)
+        windows, options = [], (kernel_size, stride or kernel_size, padding, dilation)
+        for n, k, s, p, d in zip(input.shape[input.dim() - spatial:], *(v * spatial if len(v) == 1 else v
+                                                                         for v in map(list, options))):
+            (*_, m), = _pool_plan(1, [d * (k - 1) + 1], [s], [p], ceil_mode, [n])
+            start = torch.arange(m, device=input.device) * s - p
+            first = (start + ((-start).clamp(min=0) + d - 1).div(d, rounding_mode="floor") * d).clamp(max=n - 1)
+            taps = start[:, None] + torch.arange(k, device=input.device) * d
+            windows.append(torch.where((taps >= 0) & (taps < n), taps, first[:, None]))
+        return _windowed_max(input, windows)
+
+    def backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices):
+        own = _torch_xla_path(f"{op}_backward")
+        if own and all(d == 1 for d in dilation):
+            return own(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices)
+        _torch_checks(f"{op}_backward", grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices)
+        flat = (*input.shape[:input.dim() - spatial], -1)
+        grad = grad_output.new_zeros(flat[:-1] + (math.prod(input.shape[input.dim() - spatial:]),))
+        grad = grad.scatter_add(-1, torch.view_copy(indices, flat), torch.view_copy(grad_output, flat))
+        return torch.view_copy(grad, input.shape)
+
+    return pool, forward, backward
+
+
+for _spatial in (2, 3):  # (1-D max pooling is 2-D underneath)
+    for _op, _kernel in zip(("", "_with_indices", "_with_indices_backward"), _max_pool(_spatial)):
+        _lowering(f"max_pool{_spatial}d{_op}", family="pooling", why="cpu", key="XLA" if _op else "AutogradXLA")(
+            _kernel)
+del _op, _kernel
 
 
 def _windows(input, kernel, dilation, padding, stride):

@@ -77,10 +77,7 @@ DYNAMIC = (
 # lowering yet, in torch_xla or in the trainer. Each names the aten:: counters that grow, and the samples where only
 # some do. A lowering that lands takes its entry out: the tier fails while a listed entry no longer falls back.
 STILL_ON_CPU = (
-    "index_fill",  # _unique (dim=-1, a 0-d tensor value)
-    "masked_scatter",  # masked_select, in its backward: the source's gradient, a static shape once padded
     "nn.functional.ctc_loss",  # _ctc_loss(.Tensor) and its backward
-    "nn.functional.max_pool2d", "nn.functional.max_pool3d",  # max_pool{2,3}d_with_indices and backward (dilation)
 )
 
 

@@ -24,7 +24,7 @@ import seamless_tpu
 # Which OpInfo entries reach each of seamless_tpu's lowerings (_LOWERINGS: its kernels, and the functions it patches
 # in F; einsum: torch_xla's own lowering, whose backward has no second derivative). op_db has no fold entry: col2im is
 # unfold's backward on plain torch_xla, so unfold's first and second gradients reach it. No bmm: aten::bmm never
-# reaches the matmul kernel. 1-D adaptive pooling and mode="area" are the 2-D and 3-D kernels underneath.
+# reaches the matmul kernel. 1-D adaptive and max pooling and mode="area" are the 2-D and 3-D kernels underneath.
 OPINFO_NAMES = {
     "matmul": ["matmul", "nn.functional.linear", "nn.functional.scaled_dot_product_attention"],
     "linear": ["nn.functional.linear"],
@@ -100,6 +100,14 @@ OPINFO_NAMES = {
     "renorm": ["renorm"],
     "cummin": ["cummin"],
     "index_reduce": ["index_reduce.prod", "index_reduce.mean", "index_reduce.amax", "index_reduce.amin"],
+    "max_pool2d": ["nn.functional.max_pool2d"],
+    "max_pool2d_with_indices": ["nn.functional.max_pool1d", "nn.functional.max_pool2d"],
+    "max_pool2d_with_indices_backward": ["nn.functional.max_pool1d", "nn.functional.max_pool2d"],
+    "max_pool3d": ["nn.functional.max_pool3d"],
+    "max_pool3d_with_indices": ["nn.functional.max_pool3d"],
+    "max_pool3d_with_indices_backward": ["nn.functional.max_pool3d"],
+    "index_fill.int_Tensor": ["index_fill"],
+    "masked_scatter_backward": ["masked_scatter"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

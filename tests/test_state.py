@@ -423,6 +423,50 @@ def test_average_pooling_divides_as_torch(spatial, shape, options):
             st._LOWERINGS[op].kernel(*([grad] if "backward" in op else []), x, *options[:-1], 0)
 
 
+MAX_POOLS = [  # (spatial dims, input shape, (kernel_size, stride, padding, dilation, ceil_mode))
+    (2, (2, 3, 9, 8), ([3], [2], [1], [2], True)), (2, (3, 7, 6), ([3, 2], [], [1, 0], [1, 3], False)),
+    (2, (1, 2, 5, 9), ([2, 3], [1, 2], [1, 1], [3, 2], True)), (3, (1, 2, 6, 5, 7), ([2], [1], [1], [2], True)),
+    (3, (2, 7, 6, 5), ([3, 2, 2], [2, 1, 3], [1, 0, 1], [2, 3, 1], False)),
+]
+
+
+@pytest.mark.parametrize("spatial, shape, options", MAX_POOLS)
+def test_dilated_max_pooling_is_torchs(spatial, shape, options):
+    """Max pooling with a dilation (torch_xla ran it on the CPU): torch's values and flat indices (ties: the first in
+    row-major order; padding never wins) and its backward, unbatched, ceil_mode and an empty stride too."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).mul(2).round()  # ties
+    op = f"max_pool{spatial}d_with_indices"
+    want = getattr(torch.ops.aten, op)(x, *options)
+    got = st._LOWERINGS[op].kernel(x, *options)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    grad = torch.randn_like(want[0])
+    torch.testing.assert_close(st._LOWERINGS[f"{op}_backward"].kernel(grad, x, *options, want[1]),
+                               getattr(torch.ops.aten, f"{op}_backward")(grad, x, *options, want[1]))
+    torch.testing.assert_close(st._LOWERINGS[f"max_pool{spatial}d"].kernel(x, *options), want[0])
+    with pytest.raises(RuntimeError, match="pad should be at most half of effective kernel size"):
+        st._LOWERINGS[op].kernel(x, options[0], options[1], [3], *options[3:])
+
+
+def test_index_fill_and_masked_scatter_backward_are_torchs():
+    """index_fill with a 0-d tensor value (repeated and negative indices, a 0-d input) and its gradients, and
+    masked_scatter's backward (a broadcast mask, a source larger than the selection): torch's, with no shape from
+    the values (torch_xla ran _unique and masked_select on the CPU)."""
+    fill, g = st._LOWERINGS["index_fill.int_Tensor"].kernel, torch.Generator().manual_seed(0)
+    for shape, dim, index in (((5, 4), -1, [0, 3, 3]), ((5, 4, 2), 1, [-1, 0]), ((), 0, [0]), ((3, 0, 2), 2, 1)):
+        x, value = torch.randn(shape, generator=g, requires_grad=True), torch.tensor(1.5, requires_grad=True)
+        wrapped = torch.tensor(index) % (x.shape[dim] if x.dim() else 1)  # torch's own backward refuses a negative one
+        got, want = fill(x, dim, torch.tensor(index), value), torch.index_fill(x, dim, wrapped, value)
+        torch.testing.assert_close(got, want)
+        cot = torch.randn(want.shape, generator=g)
+        torch.testing.assert_close(*(torch.autograd.grad(y, (x, value), cot) for y in (got, want)))
+    with pytest.raises(IndexError, match="Expected dtype int64 for index"):
+        fill(x, 0, torch.tensor([0], dtype=torch.int32), value)
+    back = st._LOWERINGS["masked_scatter_backward"].kernel
+    for grad_shape, mask_shape, sizes in (((5, 5), (5, 5), [5, 5]), ((4, 5), (5,), [30]), ((3, 2), (3, 1), [0])):
+        grad, mask = torch.randn(grad_shape, generator=g), torch.rand(mask_shape, generator=g) < 0.5 * bool(sizes[0])
+        torch.testing.assert_close(back(grad, mask, sizes), torch.ops.aten.masked_scatter_backward(grad, mask, sizes))
+
+
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")])
 def test_distances_and_their_gradients_are_torchs(p):
     """Issue 49: cdist's and pdist's kernels and backwards (the XLA key's) give torch's numbers where its backward
