@@ -2129,13 +2129,15 @@ def _max_pool(spatial):
     dilation torch_xla ran them on the CPU, and its max_pool{spatial}d raised in the backward. Ours: each window's
     dilated taps (a tap in the padding repeats the window's first in the input: it never wins, and the index is
     torch's), reduced by _windowed_max; the backward adds the gradient at the indices (a scatter along the spatial
-    dims). Without a dilation: torch_xla's own kernels."""
+    dims). Without a dilation: torch_xla's own kernels (max_pool{spatial}d's only where no backward follows)."""
     op = f"max_pool{spatial}d_with_indices"
 
     def pool(input, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
         own = _torch_xla_path(f"max_pool{spatial}d")
-        if own and all(d == 1 for d in dilation):
-            return own(input, kernel_size, stride, padding, dilation, ceil_mode)
+        if own and all(d == 1 for d in dilation) and not (input.requires_grad and torch.is_grad_enabled()):
+            return own(input, kernel_size, stride, padding, dilation, ceil_mode)  # no backward: no indices needed
+        # torch's derivative of _with_indices differentiates again; torch_xla's backward of max_pool{spatial}d did not
+        # (a gradient penalty through it lost the pool's second derivative, silently). The same time on XLA:CPU.
         return getattr(torch.ops.aten, op)(input, kernel_size, stride, padding, dilation, ceil_mode)[0]
 
     def forward(input, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
