@@ -1852,7 +1852,7 @@ def _xla_mode(self, dim=-1, keepdim=False):
     last occurrence: torch's CPU kernel's for n <= 16; beyond, its std::sort leaves ties in no set order). The runs
     are counted by a scatter_add: XLA's cummax (of their starts) crashed the process on 3000 int64s."""
     x, dim, values, indices = _sorted_along(self, dim, "mode", "mode_cpu")
-    new = values.narrow(dim, 1, x.shape[dim] - 1) != values.narrow(dim, 0, x.shape[dim] - 1)
+    new = torch.narrow_copy(values, dim, 1, x.shape[dim] - 1) != torch.narrow_copy(values, dim, 0, x.shape[dim] - 1)
     first = torch.zeros_like(values.narrow(dim, 0, 1), dtype=torch.bool)
     run = torch.cat([first, new], dim).long().cumsum(dim)  # each element's run
     length = torch.zeros_like(run).scatter_add(dim, run, torch.ones_like(run))  # of each run
