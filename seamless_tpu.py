@@ -2834,10 +2834,11 @@ def _watch_inputs(model, sharding):
 
 def _shard_activations(model, batch, matmul_outputs=False):
     """Keep the batch split through the model, as torch_xla's FSDPv2 does: mark the batch dim of each repeated block's
-    output (of its input's shape: transformer layers, HF decoder layers), and of each RNN's input and state, a missing
-    state made as split zeros. Without it "fsdp" let GSPMD split matmuls the tensor-parallel way and all-gather
-    activations (a ViT: 1.5 MB a step against 0.32 MB of weights). With `matmul_outputs` ("fsdp" without a plan)
-    every Linear's and convolution's output too (attention outside a block ran 0.33 of its dots per device)."""
+    output (of its input's shape: transformer layers, HF decoder layers), of each RNN's input and state, a missing
+    state made as split zeros, and of each EmbeddingBag's output (bags of 1-D ids with offsets ran whole). Without it
+    "fsdp" let GSPMD split matmuls the tensor-parallel way and all-gather activations (a ViT: 1.5 MB a step against
+    0.32 MB of weights). With `matmul_outputs` ("fsdp" without a plan) every Linear's and convolution's output too
+    (attention outside a block ran 0.33 of its dots per device)."""
     if batch.ways == 1:
         return
     blocks = {id(child) for parent in model.modules() if isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential))
@@ -2882,6 +2883,8 @@ def _shard_activations(model, batch, matmul_outputs=False):
     for module in model.modules():
         if isinstance(module, (torch.nn.RNNBase, torch.nn.RNNCellBase)):
             module.register_forward_pre_hook(_owned(module, rnn_inputs))
+        elif isinstance(module, torch.nn.EmbeddingBag):  # bags from offsets: where each lands is data, kept whole
+            module.register_forward_hook(_owned(module, lambda _, args, output: mark(output, 0)))
         elif matmul_outputs and isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
             module.register_forward_hook(_owned(module, matmul_output))
         elif id(module) in blocks:
