@@ -336,6 +336,7 @@ def cases():
         # (in - pool) / (out - 1) whole: each window's start is the same for every random sample torch draws
         "fractional_max_pool2d": lambda: image(nn.FractionalMaxPool2d(2, output_size=4)),
         "fractional_max_pool3d": lambda: image(nn.FractionalMaxPool3d(2, output_size=2), 3),
+        "fractional_max_pool2d_random": lambda: image(nn.FractionalMaxPool2d(2, output_size=5)),  # 6/4: drawn
         "grid_sample_3d": lambda: image(Warp3d(), 3),
         "grid_sample_bicubic": lambda: image(nn.Identity(), call=lambda _, h: F.grid_sample(
             h, F.affine_grid(torch.tensor([[[0.9, 0.1, 0.05], [-0.1, 0.9, 0.0]]], device=h.device).expand(
@@ -365,7 +366,8 @@ GROUPS = {  # a few families to a process: each process pays for torch_xla's sta
     "losses_pooling": ["huber_loss", "multi_margin_loss", "multilabel_margin_loss", "gaussian_nll_loss",
                        "cross_entropy_weighted", "embedding_bag_offsets_sum", "embedding_bag_offsets_mean",
                        "embedding_bag_offsets_max", "avg_pool2d_ceil_no_pad", "adaptive_max_pool3d",
-                       "fractional_max_pool2d", "fractional_max_pool3d", "grid_sample_3d", "grid_sample_bicubic"],
+                       "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_random",
+                       "grid_sample_3d", "grid_sample_bicubic"],
     "reductions": ["median", "nanmedian", "mode", "cummin", "logcumsumexp", "norm_p3", "renorm", "linalg_cross",
                    "cdist", "scatter_reduce_amax", "index_reduce_mean", "searchsorted", "bucketize", "rrelu_training"],
     "attention": ["unet", "multihead_attention", "multihead_attention_seq_first", "transformer_encoder_layer",
@@ -374,6 +376,7 @@ GROUPS = {  # a few families to a process: each process pays for torch_xla's sta
 
 RANDOM = {  # no eager comparison: numbers drawn at random, by eager on the CPU's generator, on XLA by each device's
     "rrelu_training": "F.rrelu in training draws each negative slope from uniform(lower, upper)",
+    "fractional_max_pool2d_random": "its windows' starts are drawn (torch.rand, on the input's device)",
 }
 BAG_BYTES = B * E * 4  # one (bags, E) float tensor
 GATHERS = {  # the float all-gather bytes a step may have under ddp: 1-D ids in bags from offsets. Which bag an id
