@@ -1877,7 +1877,7 @@ def _xla_mode(self, dim=-1, keepdim=False):
     last occurrence: torch's CPU kernel's for n <= 16; beyond, its std::sort leaves ties in no set order). The runs
     are counted by a scatter_add: XLA's cummax (of their starts) crashed the process on 3000 int64s."""
     x, dim, values, indices = _sorted_along(self, dim, "mode", "mode_cpu")
-    new = values.narrow(dim, 1, x.shape[dim] - 1) != values.narrow(dim, 0, x.shape[dim] - 1)
+    new = torch.narrow_copy(values, dim, 1, x.shape[dim] - 1) != torch.narrow_copy(values, dim, 0, x.shape[dim] - 1)
     first = torch.zeros_like(values.narrow(dim, 0, 1), dtype=torch.bool)
     run = torch.cat([first, new], dim).long().cumsum(dim)  # each element's run
     length = torch.zeros_like(run).scatter_add(dim, run, torch.ones_like(run))  # of each run
@@ -2912,10 +2912,11 @@ def _watch_inputs(model, sharding):
 
 def _shard_activations(model, batch, matmul_outputs=False):
     """Keep the batch split through the model, as torch_xla's FSDPv2 does: mark the batch dim of each repeated block's
-    output (of its input's shape: transformer layers, HF decoder layers), and of each RNN's input and state, a missing
-    state made as split zeros. Without it "fsdp" let GSPMD split matmuls the tensor-parallel way and all-gather
-    activations (a ViT: 1.5 MB a step against 0.32 MB of weights). With `matmul_outputs` ("fsdp" without a plan)
-    every Linear's and convolution's output too (attention outside a block ran 0.33 of its dots per device)."""
+    output (of its input's shape: transformer layers, HF decoder layers), of each RNN's input and state, a missing
+    state made as split zeros, and of each EmbeddingBag's output (bags of 1-D ids with offsets ran whole). Without it
+    "fsdp" let GSPMD split matmuls the tensor-parallel way and all-gather activations (a ViT: 1.5 MB a step against
+    0.32 MB of weights). With `matmul_outputs` ("fsdp" without a plan) every Linear's and convolution's output too
+    (attention outside a block ran 0.33 of its dots per device)."""
     if batch.ways == 1:
         return
     blocks = {id(child) for parent in model.modules() if isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential))
@@ -2960,6 +2961,8 @@ def _shard_activations(model, batch, matmul_outputs=False):
     for module in model.modules():
         if isinstance(module, (torch.nn.RNNBase, torch.nn.RNNCellBase)):
             module.register_forward_pre_hook(_owned(module, rnn_inputs))
+        elif isinstance(module, torch.nn.EmbeddingBag):  # bags from offsets: where each lands is data, kept whole
+            module.register_forward_hook(_owned(module, lambda _, args, output: mark(output, 0)))
         elif matmul_outputs and isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
             module.register_forward_hook(_owned(module, matmul_output))
         elif id(module) in blocks:

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import tempfile
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,81 @@ class Warp(nn.Module):
     def forward(self, h):
         return F.grid_sample(h, F.affine_grid(self.theta.expand(len(h), 2, 3), h.shape, align_corners=False),
                              align_corners=False)
+
+
+class Warp3d(nn.Module):
+    """Warp's volume sampling: a 5-D input at the affine grid of a learned 3-D transform."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = nn.Parameter(torch.tensor([[0.9, 0.1, 0.0, 0.05], [-0.1, 0.9, 0.0, 0.0], [0.0, 0.1, 0.9, 0.0]]))
+
+    def forward(self, h):
+        return F.grid_sample(h, F.affine_grid(self.theta.expand(len(h), 3, 4), h.shape, align_corners=False),
+                             align_corners=False)
+
+
+class Bucketed(nn.Module):
+    """Activations bucketed into fixed boundaries, the buckets used as an index: an embedding (bucketize of each
+    position's mean) or a gather of a learned scale per bucket (searchsorted of each value)."""
+
+    def __init__(self, search):
+        super().__init__()
+        self.search = search
+        self.register_buffer("bounds", torch.tensor([-0.5, -0.1, 0.1, 0.5]), persistent=False)
+        self.emb, self.scale = nn.Embedding(5, E), nn.Parameter(torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, h):
+        if self.search:
+            at = torch.searchsorted(self.bounds, h.contiguous(), right=True)
+            return h * self.scale.expand(*h.shape[:-1], 5).gather(-1, at)
+        return h + self.emb(torch.bucketize(h.mean(-1), self.bounds))
+
+
+class Pairwise(nn.Module):
+    """torch.cdist between two projections of the batch: (B, T, E) x (B, T, E) -> (B, T, T)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(E, E), nn.Linear(E, E)
+
+    def forward(self, h):
+        return torch.cdist(self.q(h), self.k(h))
+
+
+class Bags(nn.Module):
+    """F.embedding_bag of 1-D indices with offsets: the (B, 3) ids flattened, in bags of 1 to 5 (the last holds the
+    rest), `mode`, and with "sum" fixed per-index weights."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.bag, self.mode = nn.EmbeddingBag(V, E, mode=mode), mode
+        self.register_buffer("offsets", torch.tensor([0, 2, 3, 6, 10, 12, 17, 20]), persistent=False)
+
+    def forward(self, x):
+        ids = x.flatten()
+        weights = torch.linspace(0.5, 1.5, len(ids), device=x.device) if self.mode == "sum" else None
+        return self.bag(ids, self.offsets, per_sample_weights=weights)
+
+
+def fn(f, post=E):
+    """f(h) between two Linear layers on (B, T, E): an op used inside a model."""
+    return seq(nn.Identity(), call=lambda _, h: f(h), post=post)
+
+
+def bucket(h, reduce):
+    """Each position's 16 features reduced into 4 buckets (feature i into bucket i % 4), shape (B, T, 4)."""
+    at = torch.arange(E, device=h.device) % 4
+    if reduce == "amax":
+        return h.new_zeros(*h.shape[:-1], 4).scatter_reduce(-1, at.expand(h.shape), h, "amax", include_self=False)
+    with warnings.catch_warnings():  # torch's, once a process: what the sweep checks is the trainer's and XLA's
+        warnings.filterwarnings("ignore", r"index_reduce\(\) is in beta")
+        return h.new_zeros(*h.shape[:-1], 4).index_reduce(-1, at, h, reduce, include_self=False)
+
+
+def cross(h):
+    a = h[..., :15].unflatten(-1, (5, 3))  # five 3-vectors a position, each crossed with another
+    return torch.linalg.cross(a, a.flip(-2)).flatten(-2)
 
 
 class ResBlock(nn.Module):
@@ -224,7 +300,55 @@ def cases():
         "glu": lambda: seq(nn.GLU(), post=E // 2),
         "cross_entropy_smoothed": lambda: (*seq(nn.Identity()), lambda out, target: F.cross_entropy(
             out.transpose(1, 2), target.argmax(-1), label_smoothing=0.1)),
+        # issue 49's lowerings: losses
+        "huber_loss": lambda: (*seq(nn.Identity()), lambda out, target: F.huber_loss(out, target, delta=0.5)),
+        "multi_margin_loss": lambda: (*seq(nn.Identity()), lambda out, target: F.multi_margin_loss(
+            out.flatten(0, 1), target.argmax(-1).flatten(), p=2, weight=torch.linspace(0.5, 1.5, E,
+                                                                                        device=out.device))),
+        "multilabel_margin_loss": lambda: (*seq(nn.Identity()), lambda out, target: F.multilabel_margin_loss(
+            out.flatten(0, 1), labels(target).flatten(0, 1))),
+        "gaussian_nll_loss": lambda: (*seq(nn.Identity()), lambda out, target: F.gaussian_nll_loss(
+            out[..., :E // 2], target[..., :E // 2], F.softplus(out[..., E // 2:]))),
+        "cross_entropy_weighted": lambda: (*seq(nn.Identity()), lambda out, target: F.cross_entropy(
+            out.transpose(1, 2), target.argmax(-1), weight=torch.linspace(0.5, 1.5, E, device=out.device))),
+        # issue 49's lowerings: reductions and scans inside the model
+        "median": lambda: fn(lambda h: h - h.median(-1, keepdim=True).values),
+        "nanmedian": lambda: fn(lambda h: h - h.nanmedian(1, keepdim=True).values),
+        "mode": lambda: fn(lambda h: h + h.mode(-1, keepdim=True).values),
+        "cummin": lambda: fn(lambda h: h.cummin(1).values),
+        "logcumsumexp": lambda: fn(lambda h: h.logcumsumexp(1)),
+        "norm_p3": lambda: fn(lambda h: h / torch.norm(h, p=3, dim=-1, keepdim=True)),
+        "renorm": lambda: fn(lambda h: torch.renorm(h, 2, 0, 1.0)),
+        "linalg_cross": lambda: fn(cross, post=15),
+        "cdist": lambda: seq(Pairwise(), post=T),
+        "scatter_reduce_amax": lambda: fn(lambda h: bucket(h, "amax"), post=4),
+        "index_reduce_mean": lambda: fn(lambda h: bucket(h, "mean"), post=4),
+        "searchsorted": lambda: seq(Bucketed(search=True)),
+        "bucketize": lambda: seq(Bucketed(search=False)),
+        "rrelu_training": lambda: fn(lambda h: F.rrelu(h, training=True)),
+        "embedding_bag_offsets_sum": lambda: (Between(nn.Identity(), Bags("sum"), nn.Linear(E, E)), "ids"),
+        "embedding_bag_offsets_mean": lambda: (Between(nn.Identity(), Bags("mean"), nn.Linear(E, E)), "ids"),
+        "embedding_bag_offsets_max": lambda: (Between(nn.Identity(), Bags("max"), nn.Linear(E, E)), "ids"),
+        # issue 49's lowerings: pooling and resampling
+        "avg_pool2d_ceil_no_pad": lambda: image(nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True,
+                                                             count_include_pad=False)),
+        "adaptive_max_pool3d": lambda: image(nn.AdaptiveMaxPool3d(3), 3),
+        # (in - pool) / (out - 1) whole: each window's start is the same for every random sample torch draws
+        "fractional_max_pool2d": lambda: image(nn.FractionalMaxPool2d(2, output_size=4)),
+        "fractional_max_pool3d": lambda: image(nn.FractionalMaxPool3d(2, output_size=2), 3),
+        "fractional_max_pool2d_random": lambda: image(nn.FractionalMaxPool2d(2, output_size=5)),  # 6/4: drawn
+        "grid_sample_3d": lambda: image(Warp3d(), 3),
+        "grid_sample_bicubic": lambda: image(nn.Identity(), call=lambda _, h: F.grid_sample(
+            h, F.affine_grid(torch.tensor([[[0.9, 0.1, 0.05], [-0.1, 0.9, 0.0]]], device=h.device).expand(
+                len(h), 2, 3), h.shape, align_corners=False), mode="bicubic", align_corners=False)),
     }
+
+
+def labels(target):
+    """multilabel_margin_loss's targets from a float target (B, T, E): each position's 3 largest features' classes,
+    then -1 (the rest ignored)."""
+    top = target.topk(3, -1).indices
+    return torch.cat([top, torch.full_like(top, -1)[..., :1].expand(*top.shape[:-1], E - 3)], -1)
 
 
 GROUPS = {  # a few families to a process: each process pays for torch_xla's start once
@@ -239,8 +363,28 @@ GROUPS = {  # a few families to a process: each process pays for torch_xla's sta
     "seq": ["layer_norm", "rms_norm", "embedding_bag_mean", "embedding_bag_max", "embedding", "rnn_cell", "lstm_cell",
             "gru_cell", "lstm", "gru_seq_first", "rnn_bidirectional", "sdpa_causal", "sdpa_bool_mask",
             "sdpa_float_mask", "kl_div", "kl_div_log_target", "cross_entropy_smoothed", "glu"],
+    "losses_pooling": ["huber_loss", "multi_margin_loss", "multilabel_margin_loss", "gaussian_nll_loss",
+                       "cross_entropy_weighted", "embedding_bag_offsets_sum", "embedding_bag_offsets_mean",
+                       "embedding_bag_offsets_max", "avg_pool2d_ceil_no_pad", "adaptive_max_pool3d",
+                       "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_random",
+                       "grid_sample_3d", "grid_sample_bicubic"],
+    "reductions": ["median", "nanmedian", "mode", "cummin", "logcumsumexp", "norm_p3", "renorm", "linalg_cross",
+                   "cdist", "scatter_reduce_amax", "index_reduce_mean", "searchsorted", "bucketize", "rrelu_training"],
     "attention": ["unet", "multihead_attention", "multihead_attention_seq_first", "transformer_encoder_layer",
                   "transformer_decoder_layer", "transformer"],
+}
+
+RANDOM = {  # no eager comparison: numbers drawn at random, by eager on the CPU's generator, on XLA by each device's
+    "rrelu_training": "F.rrelu in training draws each negative slope from uniform(lower, upper)",
+    "fractional_max_pool2d_random": "its windows' starts are drawn (torch.rand, on the input's device)",
+}
+BAG_BYTES = B * E * 4  # one (bags, E) float tensor
+GATHERS = {  # the float all-gather bytes a step may have under ddp: 1-D ids in bags from offsets. Which bag an id
+    # lands in is data, so the bags (split over devices by the trainer's mark) need every device's ids' rows (a
+    # reduce-scatter), and each device's ids need their bags' gradients: the bags' output gradient all-gathered, and
+    # for "max" the output and the mask of the maxima too. Each B x E: without the mark, everything after ran whole.
+    "embedding_bag_offsets_sum": BAG_BYTES, "embedding_bag_offsets_mean": BAG_BYTES,
+    "embedding_bag_offsets_max": 3 * BAG_BYTES,
 }
 
 
@@ -271,8 +415,6 @@ def train(model, batch, loss_of, trainer=None):
 def on_xla(names, dump, unfixed=False):
     """Each case with "ddp" and "fsdp" (or, `unfixed`, with "ddp" and the trainer's group_norm kernel overridden by
     torch_xla's own lowering: the trainer as it was before the fix, for the check to see what ran whole)."""
-    import warnings
-
     import hlo
     import seamless_tpu as st
     import torch_xla.core.xla_model as xm
