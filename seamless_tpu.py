@@ -209,7 +209,7 @@ def _reset_caches():
         _STATE.meter.counting.stop()  # a first step that never ended: its modes leave torch's stacks
     hooks, patches = _STATE.optimizer_hooks.values(), reversed(_STATE.torch_patches)
     for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches,
-                 _special_scalars_back]:
+                 functools.partial(_special_scalars, in_step=False)]:
         undo()
     _STATE = _ProcessState()
 
@@ -2480,7 +2480,7 @@ def _before_step(optimizer, args, kwargs):
     _cut_graph()
     if first:
         _momentum_first(optimizer)
-    _special_scalars_off()
+    _special_scalars(in_step=True)
     # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
     if callable(kwargs.get("closure")):
         kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
@@ -2493,7 +2493,7 @@ def _after_step(optimizer, args, kwargs):
     record = _STATE.steps.get(optimizer) or _record(optimizer)
     if _has_xla_params(optimizer):
         _cut_graph()  # the step's graph
-        _special_scalars_back()
+        _special_scalars(in_step=False)
         _STATE.cuts.watchdog.after_step(optimizer, record, _import("torch_xla.debug.metrics"))
     if _STATE.preemption.owns(optimizer, record):
         _STATE.preemption.after_step(optimizer)
@@ -2513,18 +2513,17 @@ def _rebuild_scaled_grads(optimizer):
                 torch._functionalize_sync(grad)
 
 
-def _special_scalars_off():
-    """A scalar that is 0 or 1 at one step only (Adafactor's first weight) was a constant in that step's graph and data
-    in the others': a graph more. Off for the step; costs a constant folded per such scalar."""
-    xla, cuts = _import("torch_xla")._XLAC, _STATE.cuts
-    cuts.scalars = xla._get_xla_handle_special_scalars() if cuts.scalars is None else cuts.scalars
-    xla._set_xla_handle_special_scalars(False)
-
-
-def _special_scalars_back():  # after a step, or the forward after one that raised
-    if _STATE.cuts.scalars is not None:
-        _import("torch_xla")._XLAC._set_xla_handle_special_scalars(_STATE.cuts.scalars)
-        _STATE.cuts.scalars = None
+def _special_scalars(in_step):
+    """torch_xla makes 0 and 1 graph constants and other numbers inputs: a scalar 1 at one step only (Adafactor's first
+    weight) made that step a graph of its own. Off in a step; then as the user had them (after the step, or at the
+    forward after one that raised). Costs a constant folded less per such scalar."""
+    cuts, xla = _STATE.cuts, sys.modules.get("torch_xla")
+    if in_step:
+        cuts.scalars = xla._XLAC._get_xla_handle_special_scalars() if cuts.scalars is None else cuts.scalars
+        xla._XLAC._set_xla_handle_special_scalars(False)
+    elif cuts.scalars is not None:
+        xla._XLAC._set_xla_handle_special_scalars(cuts.scalars)
+        cuts.scalars = None
 
 
 def _has_xla_params(optimizer):
@@ -2576,7 +2575,7 @@ def _saw_backward(param):
 def _before_forward(module, args, kwargs):
     """A trainer model's forward starts: meta init, the cut that ends the last iteration, the watchdog's look."""
     cuts = _STATE.cuts
-    _special_scalars_back()
+    _special_scalars(in_step=False)
     _STATE.meta_init.before_forward(module)
     if cuts.backward or cuts.no_grad_forward:
         kind = "train" if cuts.backward else "eval"
