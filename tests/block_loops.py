@@ -223,8 +223,20 @@ FALLBACKS = {
     "work_between_blocks": (Extra, None, "tokens", "does more than `x = block(x, ...)`"),
     "blocks_differ": (differing, None, "tokens", "block 2 differs from block 0 in its parameters"),
     "hidden_states_asked": (lambda: hf("qwen3"), None, hidden_states, "a hook is registered on model.layers"),
-    "dropout_in_training": (lambda: Stack(dropout=0.1), None, "tokens", "a block draws random numbers"),
+    "noise_in_training": (lambda: noisy(Stack()), None, "tokens", "a block draws random numbers (randn"),
 }
+
+
+class Noisy(Block):
+    """A block that adds noise: a random op other than dropout's, which the loop does not draw."""
+
+    def forward(self, x):
+        return super().forward(x) + 0.01 * torch.randn_like(x)
+
+
+def noisy(model):
+    model.layers = torch.nn.ModuleList(Noisy(32) for _ in model.layers)
+    return model
 
 
 def fallback_loss(model, how, ids):
@@ -250,13 +262,13 @@ def train_fallback(name, trainer_made):
 
 
 def fallbacks_eager():
-    return {name: train_fallback(name, lambda m: None) for name in FALLBACKS if name != "dropout_in_training"}
+    return {name: train_fallback(name, lambda m: None) for name in FALLBACKS if name != "noise_in_training"}
 
 
 def fallbacks():
     """A stack whose loop would differ stays unrolled, with eager's losses, and the reason is logged once: a user's
     hook on one layer, work between the blocks, blocks that differ, every layer's output asked for (transformers'
-    hooks), dropout in training (one mask for all blocks). scan=False: nothing loops."""
+    hooks), a random op other than dropout's (one draw for all blocks). scan=False: nothing loops."""
     want = workloads.eager_reference("fallbacks", __file__)
     spy = Spy()
     for name, (_, _, _, reason) in FALLBACKS.items():
@@ -370,9 +382,125 @@ def resumed():
     shutil.rmtree(directory, ignore_errors=True)
 
 
-SCENARIOS = {f.__name__: f for f in (families, fallbacks, fsdp_peak, derivatives, resumed)}
+P = 0.25  # the mask scenario's dropout: a wrong mask or scale shows in every digit
+
+
+class MaskBlock(torch.nn.Module):
+    """Writes its dropout mask into a base-4 digit of its own: x * 4 + dropout(w), w = 1."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.w, self.drop = torch.nn.Parameter(torch.ones(width)), torch.nn.Dropout(P)
+
+    def forward(self, x):
+        return x * 4 + self.drop(self.w.expand_as(x))
+
+
+class Masks(torch.nn.Module):
+    def __init__(self, depth=3, checkpointed=False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MaskBlock() for _ in range(depth))
+        for layer in self.layers:
+            layer.gradient_checkpointing = checkpointed  # the min-cut partition inside the loop (9d): remat
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def decoded(out, depth):
+    """Each block's mask from its digit of `out` (a kept element adds 1/(1-p) there, a dropped one 0), block 0's the
+    highest; the digits must add up to `out`: kept values are scaled by 1/(1-p)."""
+    scale, rest, masks = 1 / (1 - P), out.double(), []
+    for j in reversed(range(depth)):
+        kept = rest >= 0.5 * scale * 4**j
+        rest, masks = rest - kept * scale * 4**j, masks + [kept]
+    assert rest.abs().max() < 1e-4, f"the kept values are not scaled by 1/(1-p): {rest.abs().max()} left"
+    return torch.stack(masks)
+
+
+def gpt2_dropout():
+    return hf("gpt2", n_layer=4, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+
+
+def eval_loss(model, trainer=None):
+    model.eval()
+    ids = trainer.to_device(batch()) if trainer else batch()
+    with torch.no_grad():
+        loss = loss_of(model, "lm", ids).detach()
+    model.train()
+    return workloads.host([loss])
+
+
+def dropout_eager():
+    return {"stack_eval": train(Stack(dropout=0.1).eval(), "tokens")[0], "gpt2_eval": eval_loss(gpt2_dropout())}
+
+
+def dropout_losses():
+    """A dropout stack's training losses, looped, from XLA's RNG state 0 (a fresh process's rerun)."""
+    model = Stack(dropout=0.1)
+    trainer = st.SeamlessTPUTrainer(model)
+    __import__("torch_xla.core.xla_model", fromlist=["_"]).set_rng_state(0)
+    return train(model, "tokens", trainer)[0]
+
+
+def dropout():
+    """Dropout in training runs inside the loop, each block's masks drawn from a seed of its own each step: blocks
+    whose dropout writes its mask into the output show each block's and each step's masks differ, 1-p of them kept,
+    scaled by 1/(1-p), and the backward (rematerialised too) uses the forward's masks; the body is traced once. A
+    dropout stack's losses are finite and a fresh process's rerun's, its eval losses eager's; an HF GPT-2 with
+    dropout 0.1 trains looped, its loss falling, and its eval loss is eager's."""
+    want = workloads.eager_reference("dropout", __file__)
+    rerun = child.result(child.run([os.path.abspath(__file__), "dropout_losses"], timeout=300,
+                                   env=child.env(**child.XLA_ENV)).stdout)
+    spy = Spy()
+    losses = dropout_losses()  # first, as in the rerun's process
+    assert all(v == v and abs(v) < 1e3 for v in losses) and losses == rerun, (losses, rerun)
+    for checkpointed in (False, True):
+        model = Masks(checkpointed=checkpointed)
+        trainer = st.SeamlessTPUTrainer(model)
+        x, steps, compiles = trainer.to_device(torch.zeros(BATCH, SEQ, 32)), [], []
+        for _ in range(STEPS):
+            model.zero_grad()
+            out = model(x)
+            out.sum().backward()
+            masks = decoded(out.detach().cpu(), 3)
+            for k, (mask, layer) in enumerate(zip(masks, model.layers)):
+                kept = mask.double().mean().item()
+                assert abs(kept - (1 - P)) < 4 * (P * (1 - P) / mask.numel()) ** 0.5, (k, kept)
+                # w's gradient counts the kept elements of each feature: the backward's mask is the forward's
+                workloads.assert_close(layer.w.grad, 4 ** (2 - k) / (1 - P) * mask.flatten(0, 1).sum(0), 1e-2,
+                                       f"block {k}'s gradient, checkpointed {checkpointed}")
+            steps.append(masks)
+            compiles.append(trainer.compile_stats()["compiles"])
+        pairs = [(a[i], b[j]) for s, a in enumerate(steps) for b in steps[s:] for i in range(3) for j in range(3)
+                 if a is not b or i < j]  # every other block, this step and later ones
+        agree = max((a == b).double().mean().item() for a, b in pairs)
+        print(f"checkpointed {checkpointed}: kept {[round(m.double().mean().item(), 3) for m in steps[0]]}, most "
+              f"agreeing masks {agree:.3f} (independent: {P ** 2 + (1 - P) ** 2:.3f})")
+        assert agree < P ** 2 + (1 - P) ** 2 + 0.05, agree
+        assert len(st._STATE.loops.stacks[model.layers].bodies) == 1, "the body traced once"
+        workloads.assert_flat(compiles, 2, f"masks, checkpointed {checkpointed}")
+    assert spy.loops == 3 * STEPS, spy.loops
+    model = Stack(dropout=0.1).eval()
+    workloads.assert_close(train(model, "tokens", st.SeamlessTPUTrainer(model))[0], want["stack_eval"], 1e-5,
+                           "dropout stack in eval mode vs eager")
+    model = gpt2_dropout()
+    trainer = st.SeamlessTPUTrainer(model)
+    workloads.assert_close(eval_loss(model, trainer), want["gpt2_eval"], 1e-5, "GPT-2 eval loss vs eager")
+    before = spy.loops
+    losses, compiles = train(model, "lm", trainer, steps=5)
+    print(f"GPT-2 with dropout 0.1, looped: losses {losses}")
+    assert spy.loops - before == 5 and losses[-1] < losses[0] - 0.5, (spy.loops - before, losses)
+    workloads.assert_flat(compiles, 2, "GPT-2 with dropout")
+    assert not [line for line in spy.lines if "one by one" in line], spy.lines
+
+
+SCENARIOS = {f.__name__: f for f in (families, fallbacks, fsdp_peak, derivatives, resumed, dropout)}
 REFERENCES = {"families": families_eager, "fallbacks": fallbacks_eager, "derivatives": derivatives_eager,
-              "fsdp_peak_unrolled": fsdp_peak_unrolled, "resumed": resumed_eager}
+              "fsdp_peak_unrolled": fsdp_peak_unrolled, "resumed": resumed_eager, "dropout": dropout_eager,
+              "dropout_losses": dropout_losses}
 
 
 def main(name, *flags):
