@@ -3518,7 +3518,7 @@ def _run_loop(stack, calls):
     functorch = importlib.import_module("functorch.compile")
     new = body is None
     if new:
-        body = stack.bodies[key] = _loop_body(stack.blocks[0], leaves, spec, carried, scanned, checkpointed, training)
+        body = stack.bodies[key] = _loop_body(stack.blocks[0], leaves, spec, carried, scanned, checkpointed)
     names = [name for name, _ in stack.blocks[0].named_parameters()]
     per_block = [dict(b.named_parameters()) for b in stack.blocks]
     stacked = {name: _Stacked.apply(*(p[name] for p in per_block)) for name in names}
@@ -3526,7 +3526,7 @@ def _run_loop(stack, calls):
     try:
         n = len(stack.blocks)
         seeds = [torch.randint(2**31 - 1, (n,), dtype=torch.int32, device=x.device)] if training else []  # XLA's RNG
-        xs = (stacked, (*(leaves[i].expand(n, *leaves[i].shape) for i in scanned), *seeds))
+        xs = (stacked, tuple(leaves[i].expand(n, *leaves[i].shape) for i in scanned), *seeds)
         (out, *_), _ = scan.scan(body, (x, *(leaves[i] for i in carried)), xs, partition_fn=partition,
                                  is_fn_pure=True)
     except _NotALoop as e:
@@ -3540,8 +3540,8 @@ def _run_loop(stack, calls):
 def _reuse_while(impl):
     """torch_xla's _scan_impl_pytree, which builds the While computation anew on each call: for a LoRA decoder layer
     ~20 ms of Python on each of the forward and backward of every step, more than tracing 4 layers unrolled. For
-    our loops' bodies (pure: their random numbers come from the seeds they scan) it is built once per body and shapes,
-    then only called."""
+    our loops' bodies (pure: random numbers from the seeds they scan) it is built once per body and shapes, then only
+    called."""
     @functools.wraps(impl)
     def scan_impl(fn, init, xs, reverse=False):
         inner = fn.keywords.get("backward") if isinstance(fn, functools.partial) else fn
@@ -3575,20 +3575,19 @@ def _reuse_while(impl):
     return scan_impl
 
 
-def _loop_body(template, leaves, spec, carried, scanned, checkpointed, training):
-    """scan's fn: one block (`template`, block 0, with each block's parameters swapped in) on the carry; in training
-    its dropout draws from the block's seed, the last of the scanned values."""
+def _loop_body(template, leaves, spec, carried, scanned, checkpointed):
+    """scan's fn: one block (`template`, block 0, with each block's parameters swapped in) on the carry; in training,
+    its dropout draws from the block's seed."""
     leaves = list(leaves)
 
     def body(carry, xs):
-        (x, *values), (params, others) = carry, xs
-        others, seed = (others[:-1], others[-1]) if training else (others, None)
+        (x, *values), (params, others, *seed) = carry, xs  # seed: [the block's] in training, else []
         for i, v in zip(carried + scanned, values + list(others)):
             leaves[i] = v
         args, kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
         _STATE.loops.tracing = True
         try:
-            with _RandomOps(seed), _checkpointing_off(template, checkpointed):
+            with _RandomOps(*seed), _checkpointing_off(template, checkpointed):
                 out = torch.func.functional_call(template, params, (x, *args), kwargs, strict=False)
         finally:
             _STATE.loops.tracing = False
@@ -3615,47 +3614,41 @@ def _checkpointing_off(block, checkpointed):
 
 
 class _RandomOps(TorchDispatchMode):
-    """A random op in a loop body, traced once, would draw one mask for every block and every step. Dropout's
-    (native_dropout; bernoulli with a float p: dropout2d, alpha dropout) draws instead from the block's seed, a
-    counter of the body's draws and each element's index (_uniform): integer ops, so the body stays a pure function
-    of its inputs, and its backward and rematerialisation see the forward's masks. Any other random op, or dropout
-    without a seed (eval mode), keeps the blocks unrolled."""
+    """A random op in a loop body, traced once, would draw the same numbers for every block and step. Dropout's
+    (native_dropout; bernoulli_ with a float p: dropout1d-3d, alpha dropout) draws from the block's seed instead
+    (_uniform): integer ops, so the body stays pure and its backward and remat see the forward's masks. Any other
+    random op, or dropout with no seed (eval mode), keeps the blocks unrolled."""
 
-    def __init__(self, seed):
+    def __init__(self, seed=None):
         super().__init__()
         self.seed, self.drawn = seed, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs, aten = kwargs or {}, torch.ops.aten
+        aten, kwargs = torch.ops.aten, kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
-        dropout = func is aten.native_dropout.default and args[2:3] != (False,)
-        if self.seed is None or not (dropout or func in (aten.bernoulli_.float, aten.bernoulli.p)) or kwargs.get(
-                "generator") is not None:
+        if (self.seed is None or kwargs or args[2:3] == (False,)  # a generator, native_dropout not in training
+                or func not in (aten.native_dropout.default, aten.bernoulli_.float)):
             raise _NotALoop(f"a block draws random numbers ({func.__name__}), which a loop draws only for dropout in "
                             "training, from a seed per block")
-        x, p = args[0], args[1] if len(args) > 1 else kwargs["p"]
-        self.drawn += 1
+        (x, p), self.drawn = args[:2], self.drawn + 1
         u = _uniform(self.seed, self.drawn, x.shape, x.device)
-        if dropout:  # torch's decomposition: the kept, scaled by 1/(1-p), and the mask
-            keep = u >= p
-            return x * keep * (1 / (1 - p) if p < 1 else 0.0), keep
-        drawn = (u < p).to(x.dtype)
-        return x.copy_(drawn) if func is aten.bernoulli_.float else drawn
+        if func is aten.bernoulli_.float:
+            return x.copy_((u < p).to(x.dtype))
+        keep = u >= p  # torch's decomposition: the kept elements scaled by 1/(1-p), and the mask
+        return x * keep * (1 / (1 - p) if p < 1 else 0.0), keep
 
 
 def _mix32(h):
-    """lowbias32 (Chris Wellons' integer hash) on int32 tensors: multiplications wrap, and each right shift is masked
-    to a logical one (torch's and XLA's shifts of signed ints are arithmetic)."""
+    """Wellons' lowbias32 hash on int32 tensors: the products wrap, the shifts are masked to logical ones."""
     h = (h ^ ((h >> 16) & 0xFFFF)) * 0x7FEB352D
     h = (h ^ ((h >> 15) & 0x1FFFF)) * (0x846CA68B - 2**32)
     return h ^ ((h >> 16) & 0xFFFF)
 
 
 def _uniform(seed, counter, shape, device):
-    """Uniform floats in [0, 1) of `shape` with 24 random bits, a pure function of an int32 seed, a draw counter and
-    each element's index: the hash of seed and counter, mixed with one dimension's index after another (an iota
-    broadcast against the hashes so far: one hash per element for the last dimension, no flat index to overflow)."""
+    """[0, 1) floats of `shape`, 24 random bits each, a hash of (int32 seed, counter, index): mixed with each
+    dimension's iota in turn (broadcast: one hash per element for the last dimension; no flat index to overflow)."""
     h = _mix32(_mix32(seed) + counter)
     for size in shape:
         h = _mix32(h.unsqueeze(-1) + torch.arange(size, dtype=torch.int32, device=device))

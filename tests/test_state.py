@@ -954,3 +954,61 @@ def test_norm_with_no_dims_is_over_every_dim(p, dim):
     x = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
     got = st._LOWERINGS["norm.ScalarOpt_dim"].kernel(x, p, dim)
     torch.testing.assert_close(got, torch.ops.aten.norm.ScalarOpt_dim(x, p, dim))
+
+
+def test_mix32_is_lowbias32_on_int32_tensors():
+    """The loop's hash (9d): Wellons' lowbias32, whose unsigned 32-bit values the int32 tensors hold in two's
+    complement (multiplications wrap; the masked shifts are logical)."""
+    def lowbias32(x):
+        x ^= x >> 16
+        x = x * 0x7FEB352D & 0xFFFFFFFF
+        x ^= x >> 15
+        x = x * 0x846CA68B & 0xFFFFFFFF
+        return x ^ x >> 16
+
+    values = [0, 1, 2, 12345, 2**31 - 1, -1, -(2**31), 0x7FFF1234]
+    got = st._mix32(torch.tensor(values, dtype=torch.int32)).tolist()
+    assert [g & 0xFFFFFFFF for g in got] == [lowbias32(v & 0xFFFFFFFF) for v in values]
+
+
+def test_the_loops_uniforms_are_uniform_independent_and_determined_by_seed_counter_and_index():
+    """_uniform: [0, 1) with 24 bits, mean 1/2, chi-square over 16 bins at the 0.1% level (37.7 for 15 degrees of
+    freedom), no correlation between neighbouring elements (along either dimension), seeds or counters, and the
+    same numbers for the same (seed, counter, shape)."""
+    def uniform(seed, counter, shape=(256, 1024)):
+        return st._uniform(torch.tensor(seed, dtype=torch.int32), counter, shape, "cpu")
+
+    u = uniform(12345, 1)
+    assert u.dtype == torch.float32 and 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.002
+    assert torch.equal(u * 2**24, (u * 2**24).floor()) and len(u.unique()) > 0.98 * u.numel()
+    counts, expected = torch.histc(u, 16, 0, 1), u.numel() / 16
+    assert ((counts - expected) ** 2 / expected).sum() < 37.7
+    bound = 4 / u.numel() ** 0.5  # 4 standard deviations of a correlation of independent samples
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:]), (u, uniform(12346, 1)), (u, uniform(12345, 2)),
+                 (u, uniform(0, 1)), (uniform(0, 1), uniform(1, 1))):
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < bound
+    assert torch.equal(u, uniform(12345, 1)) and torch.equal(uniform(7, 3, (5,)), uniform(7, 3, (5,)))
+
+
+def test_the_loops_random_ops_draw_dropouts_masks_from_the_seed_and_refuse_others():
+    """_RandomOps (9d) on CPU tensors: dropout (native_dropout, and dropout1d's bernoulli_ on channels) keeps 1-p,
+    scaled by 1/(1-p), the same for the same seed, other masks for another seed or the next draw; another random
+    op, or dropout with no seed (eval mode), raises _NotALoop with its name."""
+    x, p = torch.ones(64, 256, 32), 0.1
+
+    def masks(seed):
+        with st._RandomOps(torch.tensor(seed, dtype=torch.int32)):
+            return (torch.ops.aten.native_dropout(x, p, True), torch.nn.functional.dropout(x, p),
+                    torch.nn.functional.dropout1d(x, p))
+
+    (out, mask), second, channels = masks(5)
+    tolerance = 4 * (p * (1 - p) / x.numel()) ** 0.5
+    assert mask.dtype == torch.bool and abs(mask.double().mean().item() - (1 - p)) < tolerance
+    assert torch.equal(out, mask / (1 - p)) and not torch.equal(second, out)
+    assert torch.equal(channels.unique(), torch.tensor([0, 1 / (1 - p)])) and (channels == channels[..., :1]).all()
+    assert all(torch.equal(a, b) for a, b in zip(masks(5)[0] + masks(5)[1:], (out, mask, second, channels)))
+    assert not torch.equal(masks(6)[0][1], mask)
+    with pytest.raises(st._NotALoop, match=r"random numbers \(randn"), st._RandomOps(torch.tensor(5)):
+        torch.randn_like(x)
+    with pytest.raises(st._NotALoop, match="native_dropout"), st._RandomOps(None):
+        torch.ops.aten.native_dropout(x, p, True)
