@@ -79,7 +79,6 @@ DYNAMIC = (
 STILL_ON_CPU = (
     "index_fill",  # _unique (dim=-1, a 0-d tensor value)
     "masked_scatter",  # masked_select, in its backward: the source's gradient, a static shape once padded
-    "nn.functional.ctc_loss",  # _ctc_loss(.Tensor) and its backward
     "nn.functional.grid_sample",  # grid_sampler_2d (mode="bicubic"), grid_sampler_3d, and their backwards
     "nn.functional.max_pool2d", "nn.functional.max_pool3d",  # max_pool{2,3}d_with_indices and backward (dilation)
 )

@@ -100,6 +100,8 @@ OPINFO_NAMES = {
     "renorm": ["renorm"],
     "cummin": ["cummin"],
     "index_reduce": ["index_reduce.prod", "index_reduce.mean", "index_reduce.amax", "index_reduce.amin"],
+    "ctc_loss.IntList": ["nn.functional.ctc_loss"],
+    "ctc_loss.Tensor": ["nn.functional.ctc_loss"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
