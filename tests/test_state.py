@@ -591,8 +591,6 @@ def test_logcumsumexp_is_a_parallel_prefix_with_torch_s_special_values(shape, di
         raises_as(lambda: torch.logcumsumexp(*bad), lambda: kernel("_logcumsumexp")(*bad))
 
 
-
-
 @pytest.mark.parametrize("layout", ["padded", "concatenated"])
 @pytest.mark.parametrize("lengths", [list, torch.tensor])
 @pytest.mark.parametrize("reduction", [0, 1, 2])
