@@ -1779,11 +1779,11 @@ def _xla_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, re
     alpha = pad(lp.new_zeros(n, 1), (0, size - 1), value=-math.inf)  # before t = 0: as if from s = -1
     for t in range(steps):
         one, two = (pad(alpha, (k, 0), value=-math.inf)[:, :size] for k in (1, 2))
-        came = _log_add_exp(_log_add_exp(alpha, one), torch.where(skip, two, -math.inf))
+        came = _log_sum_exp(torch.stack([alpha, one, torch.where(skip, two, -math.inf)]))
         alpha = torch.where(active[t, :, None], came + emitted[t], alpha)
     end = (2 * tl).clamp(max=2 * width)[:, None]
     before = torch.where(end > 0, alpha.gather(1, (end - 1).clamp(min=0)), -math.inf)
-    loss = -_log_add_exp(alpha.gather(1, end), before)[:, 0]
+    loss = -_log_sum_exp(torch.stack([alpha.gather(1, end), before]))[:, 0]
     # torch's derivative is exp(log_probs) - the posterior, that of the logits under a log_softmax (which takes the
     # exp term back out): a term of value 0 with that gradient, over each sample's input length
     p = lp.exp()
@@ -1792,6 +1792,15 @@ def _xla_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, re
     if reduction == 1:
         return (loss / tl.clamp(min=1).to(loss.dtype)).mean()
     return loss.sum() if reduction == 2 else loss if log_probs.dim() == 3 else loss[0]
+
+
+def _log_sum_exp(x):
+    """logsumexp over dim 0 with a zero gradient (not NaN) where all are -inf, and NaN kept (torch's logsumexp
+    derivative, exp(x - result), is NaN there; XLA's max drops NaN on the CPU)."""
+    high = x.detach().amax(0)
+    high = torch.where(high.isfinite(), high, 0)
+    total = torch.exp(x - high).sum(0)
+    return torch.where(total == 0, -math.inf, torch.log(torch.where(total == 0, 1, total)) + high)
 
 
 def _ctc_fits(log_probs, targets, input_lengths, target_lengths, blank):
@@ -1834,12 +1843,10 @@ def _xla_logcumsumexp(self, dim):
 
 
 def _log_add_exp(x, y):
-    """log(exp(x) + exp(y)) as torch's logcumsumexp kernel computes it: NaN kept; two equal infinities, x, with no
-    gradient (not NaN: the unused branch sees 0, not inf - inf). XLA's minimum and maximum drop NaN on the CPU (a NaN
-    then vanished from the running sum), so it is kept apart."""
+    """log(exp(x) + exp(y)) as torch's logcumsumexp kernel computes it: NaN kept; two equal infinities, x. XLA's
+    minimum and maximum drop NaN on the CPU (a NaN then vanished from the running sum), so it is kept apart."""
     low, high = torch.minimum(x, y), torch.maximum(x, y)
-    apart = (low != high) | low.isfinite()
-    out = torch.where(apart, torch.log1p(torch.exp(torch.where(apart, low - high, 0))) + high, x.detach())
+    out = torch.where((low != high) | low.isfinite(), torch.log1p(torch.exp(low - high)) + high, x)
     return torch.where(x.isnan() | y.isnan(), x + y, out)
 
 
