@@ -1753,10 +1753,11 @@ def _xla_gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="
 @_lowering("ctc_loss.IntList", "ctc_loss.Tensor", family="losses", why="cpu", hands_back=True)
 def _xla_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
     """The CTC forward (alpha) recursion in log space over each target with blanks interleaved (torch_xla ran
-    _ctc_loss and its backward on the CPU), in plain ops: autograd's derivative. A Python loop over T: the graph holds
-    T steps (its compile time grows with T). Lengths never go to the host: a sample's alphas stop changing past its
-    input length. Inputs torch rejects go to its own path and error; lengths as tensors skip the checks of their
-    values (a host read: lengths past T or the targets are clamped, not raised on)."""
+    _ctc_loss and its backward on the CPU), in plain ops: autograd's derivative. Over T, one XLA While (torch_xla's
+    scan, whose backward is another: a second derivative raises, as torch's). Lengths never go to the host: a
+    sample's alphas stop changing past its input length. Inputs torch rejects go to its own path and error; lengths
+    as tensors skip the checks of their values (a host read: lengths past T or the targets are clamped, not raised
+    on)."""
     tensors = isinstance(input_lengths, torch.Tensor)
     if not _ctc_fits(log_probs, targets, input_lengths, target_lengths, blank):
         return _torch_path("ctc_loss.Tensor" if tensors else "ctc_loss.IntList")(
@@ -1777,10 +1778,13 @@ def _xla_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, re
     emitted = lp.gather(2, extended.expand(steps, n, size))
     active = torch.arange(steps, device=device)[:, None] < il
     alpha = pad(lp.new_zeros(n, 1), (0, size - 1), value=-math.inf)  # before t = 0: as if from s = -1
-    for t in range(steps):
-        one, two = (pad(alpha, (k, 0), value=-math.inf)[:, :size] for k in (1, 2))
-        came = _log_sum_exp(torch.stack([alpha, one, torch.where(skip, two, -math.inf)]))
-        alpha = torch.where(active[t, :, None], came + emitted[t], alpha)
+    xs = (emitted, active[:, :, None], skip.expand(steps, n, size))
+    looped = steps and _is_xla(lp.device) and not _transformed(lp)
+    if looped:  # its body compiled once, whatever T (unrolled, T=50 took 60-90 s to compile on XLA:CPU, against 1)
+        xs = (_NotTwice.apply(emitted), *xs[1:])
+        alpha = _import("torch_xla.experimental.scan").scan(_ctc_step, alpha, xs, is_fn_pure=True)[0]
+    for t in range(0 if looped else steps):  # under torch.func (and on CPU tensors) the graph holds T steps
+        alpha = _ctc_step(alpha, [x[t] for x in xs])[0]
     end = (2 * tl).clamp(max=2 * width)[:, None]
     before = torch.where(end > 0, alpha.gather(1, (end - 1).clamp(min=0)), -math.inf)
     loss = -_log_sum_exp(torch.stack([alpha.gather(1, end), before]))[:, 0]
@@ -1792,6 +1796,34 @@ def _xla_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, re
     if reduction == 1:
         return (loss / tl.clamp(min=1).to(loss.dtype)).mean()
     return loss.sum() if reduction == 2 else loss if log_probs.dim() == 3 else loss[0]
+
+
+class _NotTwice(torch.autograd.Function):
+    """x; its gradient, built with a graph (create_graph), raises if differentiated: scan's backward is not
+    differentiable, and a second derivative without its share would be silently wrong (torch's raises too)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not torch.is_grad_enabled():
+            return grad
+        x, = ctx.saved_tensors  # x[..., :0].sum(): a 0 with a graph (scan's gradient has none)
+        raises = torch._C._functions.DelayedError("seamless_tpu: no second derivative of ctc_loss (torch_xla's scan "
+                                                  "runs its recursion; torch's has none either)", 1)
+        return raises(grad + x[..., :0].sum())
+
+
+def _ctc_step(alpha, x):
+    """The alphas at one step from the last: staying, from s - 1, from s - 2 where l'[s] != l'[s - 2]; a sample
+    past its input length keeps them."""
+    emitted, active, skip = x
+    one, two = (torch.nn.functional.pad(alpha, (k, 0), value=-math.inf)[:, :alpha.shape[1]] for k in (1, 2))
+    came = _log_sum_exp(torch.stack([alpha, one, torch.where(skip, two, -math.inf)]))
+    return torch.where(active, came + emitted, alpha), None
 
 
 def _log_sum_exp(x):
