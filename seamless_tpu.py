@@ -1776,6 +1776,105 @@ def _xla_gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="
     return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
+@_lowering("ctc_loss.IntList", "ctc_loss.Tensor", family="losses", why="cpu", hands_back=True)
+def _xla_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+    """The CTC forward (alpha) recursion in log space over each target with blanks interleaved (torch_xla ran
+    _ctc_loss and its backward on the CPU), in plain ops: autograd's derivative. Over T, one XLA While (torch_xla's
+    scan, whose backward is another: a second derivative raises, as torch's). Lengths never go to the host: a
+    sample's alphas stop changing past its input length. Inputs torch rejects go to its own path and error; lengths
+    as tensors skip the checks of their values (a host read: lengths past T or the targets are clamped, not raised
+    on)."""
+    tensors = isinstance(input_lengths, torch.Tensor)
+    if not _ctc_fits(log_probs, targets, input_lengths, target_lengths, blank):
+        return _torch_path("ctc_loss.Tensor" if tensors else "ctc_loss.IntList")(
+            log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+    lp = log_probs if log_probs.dim() == 3 else log_probs.unsqueeze(1)
+    (steps, n, _), device = lp.shape, lp.device
+    il, tl = (torch.as_tensor(x, device=device).reshape(-1).long() for x in (input_lengths, target_lengths))
+    targets = targets.to(device, torch.long)
+    width = max(target_lengths, default=0) if not tensors else targets.shape[-1] if targets.dim() == 2 else (
+        targets.numel())  # the longest target, or a bound of it that needs no host read
+    if targets.dim() == 1:  # concatenated: each sample's targets from the sum of the lengths before it
+        at = (tl.cumsum(0) - tl)[:, None] + torch.arange(width, device=device)
+        targets = targets[at.clamp(0, max(targets.numel() - 1, 0))] if targets.numel() else at
+    labels = torch.where(torch.arange(width, device=device) < tl[:, None], targets[:, :width], blank)
+    size, pad = 2 * width + 1, torch.nn.functional.pad
+    extended = pad(torch.stack([torch.full_like(labels, blank), labels], 2).view(n, 2 * width), (0, 1), value=blank)
+    skip = extended != pad(extended, (2, 0))[:, :size]  # torch's l'[s] != l'[s - 2] (below s = 2, alpha is -inf)
+    emitted = lp.gather(2, extended.expand(steps, n, size))
+    active = torch.arange(steps, device=device)[:, None] < il
+    alpha = pad(lp.new_zeros(n, 1), (0, size - 1), value=-math.inf)  # before t = 0: as if from s = -1
+    xs = (emitted, active[:, :, None], skip.expand(steps, n, size))
+    looped = steps and _is_xla(lp.device) and not _transformed(lp)
+    if looped:  # its body compiled once, whatever T (unrolled, T=50 took 60-90 s to compile on XLA:CPU, against 1)
+        xs = (_NotTwice.apply(emitted), *xs[1:])
+        alpha = _import("torch_xla.experimental.scan").scan(_ctc_step, alpha, xs, is_fn_pure=True)[0]
+    for t in range(0 if looped else steps):  # under torch.func (and on CPU tensors) the graph holds T steps
+        alpha = _ctc_step(alpha, [x[t] for x in xs])[0]
+    end = (2 * tl).clamp(max=2 * width)[:, None]
+    before = torch.where(end > 0, alpha.gather(1, (end - 1).clamp(min=0)), -math.inf)
+    loss = -_log_sum_exp(torch.stack([alpha.gather(1, end), before]))[:, 0]
+    # torch's derivative is exp(log_probs) - the posterior, that of the logits under a log_softmax (which takes the
+    # exp term back out): a term of value 0 with that gradient, over each sample's input length
+    p = lp.exp()
+    loss = loss + torch.where(active[:, :, None], p - p.detach(), 0).sum((0, 2))
+    loss = torch.where(loss == math.inf, 0, loss) if zero_infinity else loss  # and its gradient
+    if reduction == 1:
+        return (loss / tl.clamp(min=1).to(loss.dtype)).mean()
+    return loss.sum() if reduction == 2 else loss if log_probs.dim() == 3 else loss[0]
+
+
+class _NotTwice(torch.autograd.Function):
+    """x; its gradient, built with a graph (create_graph), raises if differentiated: scan's backward is not
+    differentiable, and a second derivative without its share would be silently wrong (torch's raises too)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not torch.is_grad_enabled():
+            return grad
+        x, = ctx.saved_tensors  # x[..., :0].sum(): a 0 with a graph (scan's gradient has none)
+        raises = torch._C._functions.DelayedError("seamless_tpu: no second derivative of ctc_loss (torch_xla's scan "
+                                                  "runs its recursion; torch's has none either)", 1)
+        return raises(grad + x[..., :0].sum())
+
+
+def _ctc_step(alpha, x):
+    """The alphas at one step from the last: staying, from s - 1, from s - 2 where l'[s] != l'[s - 2]; a sample
+    past its input length keeps them."""
+    emitted, active, skip = x
+    one, two = (torch.nn.functional.pad(alpha, (k, 0), value=-math.inf)[:, :alpha.shape[1]] for k in (1, 2))
+    came = _log_sum_exp(torch.stack([alpha, one, torch.where(skip, two, -math.inf)]))
+    return torch.where(active, came + emitted, alpha), None
+
+
+def _log_sum_exp(x):
+    """logsumexp over dim 0 with a zero gradient (not NaN) where all are -inf, and NaN kept (torch's logsumexp
+    derivative, exp(x - result), is NaN there; XLA's max drops NaN on the CPU)."""
+    high = x.detach().amax(0)
+    high = torch.where(high.isfinite(), high, 0)
+    total = torch.exp(x - high).sum(0)
+    return torch.where(total == 0, -math.inf, torch.log(torch.where(total == 0, 1, total)) + high)
+
+
+def _ctc_fits(log_probs, targets, input_lengths, target_lengths, blank):
+    """Whether torch takes these inputs: its checks of shapes, dtypes and blank, and of list lengths' values."""
+    n = log_probs.shape[1] if log_probs.dim() == 3 else 1
+    if not (log_probs.dtype in (torch.float32, torch.float64) and log_probs.dim() in (2, 3) and targets.dim() in (1, 2)
+            and 0 <= blank < log_probs.shape[-1] and (targets.dim() == 1 or targets.shape[0] == n)):
+        return False
+    if isinstance(input_lengths, torch.Tensor):
+        return all(t.numel() == n and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+                   for t in (input_lengths, target_lengths))
+    return len(input_lengths) == len(target_lengths) == n and all(0 <= i <= len(log_probs) for i in input_lengths) and (
+        min(target_lengths, default=0) >= 0) and (sum(target_lengths) == len(targets) if targets.dim() == 1 else
+                                                  max(target_lengths, default=0) <= targets.shape[1])
+
+
 def _prefix_scan(x, dim, combine, identity=None):
     """combine(x[..i], x[..i-step]) over log2(n) steps, a parallel prefix of an associative `combine`: positions below
     each step are combined with `identity` (None: with themselves, for an idempotent one). Copies, not views (the

@@ -76,9 +76,7 @@ DYNAMIC = (
 # Entries the trainer still runs partly on the CPU (measured 2026-11-29, SAMPLES samples each): static shapes, no
 # lowering yet, in torch_xla or in the trainer. Each names the aten:: counters that grow, and the samples where only
 # some do. A lowering that lands takes its entry out: the tier fails while a listed entry no longer falls back.
-STILL_ON_CPU = (
-    "nn.functional.ctc_loss",  # _ctc_loss(.Tensor) and its backward
-)
+STILL_ON_CPU = ()  # none since ctc_loss (2026-11-29)
 
 
 def dtype_of(op):

@@ -108,6 +108,8 @@ OPINFO_NAMES = {
     "max_pool3d_with_indices_backward": ["nn.functional.max_pool3d"],
     "index_fill.int_Tensor": ["index_fill"],
     "masked_scatter_backward": ["masked_scatter"],
+    "ctc_loss.IntList": ["nn.functional.ctc_loss"],
+    "ctc_loss.Tensor": ["nn.functional.ctc_loss"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries

@@ -679,6 +679,35 @@ def test_logcumsumexp_is_a_parallel_prefix_with_torch_s_special_values(shape, di
         raises_as(lambda: torch.logcumsumexp(*bad), lambda: kernel("_logcumsumexp")(*bad))
 
 
+@pytest.mark.parametrize("layout", ["padded", "concatenated"])
+@pytest.mark.parametrize("lengths", [list, torch.tensor])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_ctc_loss_and_its_gradient_are_torch_s(layout, lengths, reduction):
+    """The CTC kernel against F.ctc_loss, values and gradients, on what the OpInfo samples miss: concatenated targets,
+    list lengths with the mean, repeated labels, an empty target, an input length 0, a blank other than 0, an
+    impossible alignment (an infinite loss; zero_infinity: 0 and no gradient), unbatched input; torch's errors."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 5, 6, generator=g, dtype=torch.float64).log_softmax(2)
+    padded = torch.randint(0, 6, (5, 4), generator=g)
+    padded[0, :3] = torch.tensor([2, 2, 3])
+    ins, outs = [9, 7, 2, 0, 9], [3, 0, 4, 0, 4]  # the third cannot align: 4 labels in 2 steps
+    targets = padded if layout == "padded" else torch.cat([padded[i, :k] for i, k in enumerate(outs)])
+    for blank, zero_infinity in [(0, True), (5, True), (0, False)]:
+        lp, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        args = (targets, lengths(ins), lengths(outs), blank, reduction, zero_infinity)
+        want, got = torch.ctc_loss(ref, *args), kernel("ctc_loss.IntList")(lp, *args)
+        torch.testing.assert_close(got, want)
+        if zero_infinity:  # torch's gradient of an infinite loss is NaN
+            cotangent = torch.randn(want.shape, generator=g, dtype=want.dtype)
+            torch.testing.assert_close(torch.autograd.grad(got, lp, cotangent)[0],
+                                       torch.autograd.grad(want, ref, cotangent)[0])
+    one = (x[:, 0], padded[0, :3], lengths([9]), lengths([3]), 0, reduction, False)
+    torch.testing.assert_close(kernel("ctc_loss.IntList")(*one), torch.ctc_loss(*one))
+    if lengths is list:
+        for bad in [([10, 7, 2, 0, 9], outs, 0), (ins, [3, 0, 9, 0, 4], 0), (ins, outs, 6), (ins, outs[:4], 0)]:
+            args = (x, targets, *bad, reduction, False)
+            raises_as(lambda: torch.ctc_loss(*args), lambda: kernel("ctc_loss.IntList")(*args))
+
 
 MARGINS = [((4, 5), 1, 1.0, True), ((4, 5), 2, 0.5, False), ((5,), 2, 2.0, True), ((0, 3), 1, 1.0, False),
            ((), 1, 1.0, False)]  # (input shape, p, margin, a weight)
