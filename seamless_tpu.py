@@ -151,7 +151,7 @@ class _ProcessState:
     group_we_started: bool = False  # the Ray xla_tpu hook started the process group, so it may end it
     optimizer_hooks: dict = dataclasses.field(default_factory=dict)  # "pre", "post" -> handle of the step hook (8)
     torch_patches: list = dataclasses.field(default_factory=list)  # undo functions of the header's changes
-    xla_kernels: dict = dataclasses.field(default_factory=dict)  # op -> torch_xla's kernel that ours replaced (7b)
+    xla_kernels: dict = dataclasses.field(default_factory=dict)  # op -> torch_xla's kernel ours replaced, callable (7b)
     steps: object = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # optimizer -> _StepRecord (8)
     rebinding: bool = False  # FSDP2 or tensor parallelism replaced parameters: optimizers follow before a step (9b)
     warned: set = dataclasses.field(default_factory=set)  # one-time messages already given
@@ -978,7 +978,9 @@ def _register_lowerings():
                            f"torch {_TESTED_WITH['torch']}: install that version.")
     for op, low in aten.items():  # torch_xla's own kernel of an op ours replaces at its key: ours may call it
         if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", low.key):
-            _STATE.xla_kernels[op] = torch.library.get_kernel(f"aten::{op}", low.key)
+            own = torch.library.get_kernel(f"aten::{op}", low.key)  # with its key set made once (addmm: every call)
+            _STATE.xla_kernels[op] = functools.partial(own.call_boxed, torch._C.DispatchKeySet(
+                getattr(torch._C.DispatchKey, low.key)))
     library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
     with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
         warnings.simplefilter("ignore")
@@ -1006,8 +1008,7 @@ def _torch_path(op):
 def _torch_xla_path(op):
     """torch_xla's own kernel of aten `op`, which a lowering replaced at its key, for the inputs it lowers well; None
     where there is none (a fake torch_xla, the kernels run on CPU tensors in the fast tests)."""
-    kernel, key = _STATE.xla_kernels.get(op), _LOWERINGS[op].key
-    return kernel and functools.partial(kernel.call_boxed, torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
+    return _STATE.xla_kernels.get(op)
 
 
 def _torch_checks(op, *args, **kwargs):

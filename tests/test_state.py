@@ -831,7 +831,7 @@ def test_histc_is_torch_s(bins, low, high):
 class TorchXLAScatterReduce:
     """Stands for torch_xla's scatter_reduce kernel: what it lowers (torch's CPU kernel here), and nothing else."""
 
-    def call_boxed(self, keys, self_, dim, index, src, reduce, *, include_self):
+    def __call__(self, self_, dim, index, src, reduce, *, include_self):
         assert include_self and reduce != "mean", "torch_xla ran it on the CPU"
         return torch.ops.aten.scatter_reduce.two(self_, dim, index, src, reduce, include_self=include_self)
 
