@@ -3625,7 +3625,8 @@ def _run_loop(stack, calls):
     names = [name for name, _ in stack.blocks[0].named_parameters()]
     per_block = [dict(b.named_parameters()) for b in stack.blocks]
     stacked = {name: _Stacked.apply(*(p[name] for p in per_block)) for name in names}
-    partition = functorch.min_cut_rematerialization_partition if checkpointed else functorch.default_partition
+    partition = _saving_primals(functorch.min_cut_rematerialization_partition if checkpointed
+                                else functorch.default_partition, 1 + len(carried), checkpointed)
     try:
         n = len(stack.blocks)
         seeds = [torch.randint(2**31 - 1, (n,), dtype=torch.int32, device=x.device)] if training else []  # XLA's RNG
@@ -3638,6 +3639,48 @@ def _run_loop(stack, calls):
     for forward, _, backward in scan._SCAN_COMPUTATION_CACHE.get(body, {}).values() if new else ():
         _STATE.loops.ours.update((forward, backward))  # from now on their While is built once (_reuse_while)
     return _LoopOutput.apply(out) if out.requires_grad else out
+
+
+# What the backward remakes from a block's parameter rather than save: views, and casts (autocast's)
+_REMADE = frozenset({"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand", "unsqueeze",
+                     "squeeze", "alias", "detach", "_to_copy", "select", "slice"})
+
+
+@functools.cache  # one function per kind: scan caches a body's trace by the partitioner's id
+def _saving_primals(partition, carried, remat):
+    """AOT's partitioner saves what the backward reads of the forward: `W.t()` for a linear, which scan then stacks,
+    a copy of every block's weights (+0.25x the model per device under fsdp). Given `W` itself, scan passes on the
+    stacked parameters it holds, so the backward reads a view remade from the parameter. Under checkpointing the
+    min-cut's budget is 0: the body saves its inputs and recomputes the rest, checkpointing's promise."""
+    def partition_fn(joint, inputs, *, num_fwd_outputs, **kwargs):
+        graph = joint.graph
+        outputs = torch.utils._pytree.arg_tree_leaves(*next(iter(graph.find_nodes(op="output"))).args)
+        forward, todo = set(), [n for n in outputs[:num_fwd_outputs] if isinstance(n, torch.fx.Node)]
+        while todo:  # what the forward's outputs need
+            node = todo.pop()
+            if node not in forward:
+                forward.add(node)
+                todo.extend(node.all_input_nodes)
+        params = [n for n in graph.find_nodes(op="placeholder") if str(n.target).startswith("primals")][carried:]
+        made = dict(zip(params, params))  # a view of a parameter -> its copy for the backward
+
+        def remake(node):
+            if node not in made:
+                with graph.inserting_after(node):
+                    made[node] = graph.call_function(node.target, (remake(node.args[0]), *node.args[1:]), node.kwargs)
+                made[node].meta = dict(node.meta)
+            return made[node]
+        of_params = set(params)
+        for node in list(graph.nodes):
+            if (getattr(getattr(node.target, "overloadpacket", None), "__name__", None) in _REMADE
+                    and node.all_input_nodes == [node.args[0]] and node.args[0] in of_params):
+                of_params.add(node)
+                for user in [u for u in node.users if u not in forward] if node in forward else ():
+                    user.replace_input_with(node, remake(node))
+        next(iter(graph.nodes)).meta["memory_budget"] = 0.0 if remat else None
+        joint.recompile()
+        return partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    return partition_fn
 
 
 def _reuse_while(impl):

@@ -6,6 +6,7 @@ WORKLOAD: mlp    DEPTH residual blocks x + W2 gelu(W1 x), W1 (4 WIDTH, WIDTH) (W
                  16, mean squared error; SGD
           qwen3  a Qwen3 causal LM of DEPTH layers, hidden 512 (intermediate 1536, 8 heads, 4 KV heads), built from its
                  config with random weights, 8 x 128 tokens, cross entropy; SGD
+          qwen3-remat  the same with gradient_checkpointing_enable(): each layer's activations remade in the backward
 MODE: shim  the plain loop through SeamlessTPUTrainer(model, strategy="fsdp")
       hand  torch_xla by hand: every parameter split on dim 0 over the 4 devices (FSDPv2's spec), the batch split,
             one torch_xla.sync() a step
@@ -40,7 +41,7 @@ class Block(torch.nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-def workload(name, depth, width):
+def workload(name, depth, width, mode):
     """(model, its repeated blocks, batch, loss of (model, batch))"""
     torch.manual_seed(0)
     if name == "mlp":
@@ -53,6 +54,12 @@ def workload(name, depth, width):
         vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=depth, num_attention_heads=8,
         num_key_value_heads=4, head_dim=64, max_position_embeddings=128, attn_implementation="sdpa", use_cache=False)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    if name == "qwen3-remat":  # by hand through torch_xla's checkpoint: torch's raises on XLA (no torch.xla module)
+        model.gradient_checkpointing_enable()
+        if mode == "hand":
+            import torch_xla.utils.checkpoint
+
+            model._set_gradient_checkpointing(True, torch_xla.utils.checkpoint.checkpoint)
     ids = torch.randint(1024, (8, 128), generator=torch.Generator().manual_seed(1))
     return model, list(model.model.layers), (ids, ids), lambda m, x, y: m(input_ids=x, labels=y).loss
 
@@ -69,7 +76,7 @@ def peaks(dump):
 
 
 def main(mode, name, depth, width=1024):
-    model, blocks, batch, loss_of = workload(name, int(depth), int(width))
+    model, blocks, batch, loss_of = workload(name, int(depth), int(width), mode)
     nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     model_bytes, block_bytes = nbytes(model.parameters()), nbytes(blocks[0].parameters())
     import torch_xla

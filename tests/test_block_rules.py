@@ -190,3 +190,30 @@ def test_the_hlo_reader_counts_a_loops_body_as_often_as_it_runs():
     body_dot, head_dot = 2 * 4 * 8 * 8, 2 * 4 * 2 * 8
     assert hlo.dot_flops(LOOPED_HLO) == 6 * body_dot + head_dot
     assert sorted(n for _, n in hlo.runs(LOOPED_HLO)) == [1, 6]  # the entry once, the body 6 times
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_loop_body_saves_its_parameters_not_their_views_for_the_backward(remat):
+    """A linear reads `W.t()`: AOT's partitioner would save that view, which scan writes into a buffer per block (a
+    copy of the stacked parameters); ours saves W itself, which scan passes through. Under checkpointing (budget 0)
+    the body saves only its inputs."""
+    from functorch.compile import aot_function, default_partition, make_boxed_func, min_cut_rematerialization_partition
+
+    graphs = []
+
+    def keep(module, _):
+        graphs.append(module)
+        return make_boxed_func(module)
+    partition = st._saving_primals(min_cut_rematerialization_partition if remat else default_partition, 1, remat)
+    body = aot_function(lambda x, w: torch.tanh(x @ w.t()) @ w, fw_compiler=keep, bw_compiler=keep,
+                        partition_fn=partition)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    body(x, w).sum().backward()
+    want = torch.autograd.grad((torch.tanh(x @ w.t()) @ w).sum(), (x, w))
+    torch.testing.assert_close((x.grad, w.grad), want)
+    forward = graphs[0].graph
+    saved = next(iter(forward.find_nodes(op="output"))).args[0][1:]
+    assert all(n.op == "placeholder" or "tanh" in n.name for n in saved), [n.name for n in saved]
+    assert any(n.name == "primals_2" for n in saved), [n.name for n in saved]
+    assert remat == (not any("tanh" in n.name for n in saved)), [n.name for n in saved]
+    assert st._saving_primals(default_partition, 1, False) is st._saving_primals(default_partition, 1, False)
