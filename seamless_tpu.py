@@ -3679,8 +3679,31 @@ def _saving_primals(partition, carried, remat):
                     user.replace_input_with(node, remake(node))
         next(iter(graph.nodes)).meta["memory_budget"] = 0.0 if remat else None
         joint.recompile()
-        return partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        return tuple(map(_dots_as_stored, partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)))
     return partition_fn
+
+
+def _dots_as_stored(module):
+    """`x @ W.t()` (AOT's linear) as one dot contracting W's stored dim: under fsdp GSPMD otherwise gathers the
+    transposed shards, which XLA then copies back to a row-major layout (one block's weight, in the loop's body)."""
+    aten, graph = torch.ops.aten, module.graph
+    for node in list(graph.nodes):
+        w = node.args[-1] if node.target in (aten.mm.default, aten.addmm.default) and not node.kwargs else None
+        if not isinstance(w, torch.fx.Node) or w.target is not aten.t.default:
+            continue
+        with graph.inserting_before(node):
+            y = graph.call_function(_dot_transposed, (node.args[-2], w.args[0]))
+            y = graph.call_function(aten.add.Tensor, (y, node.args[0])) if node.target is aten.addmm.default else y
+        y.meta = dict(node.meta)
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    module.recompile()
+    return module
+
+
+def _dot_transposed(a, w):  # a @ w.t() as XLA's dot over both operands' last dims
+    return _import("torch_xla")._XLAC._xla_dot_general(a, w, (([1], [1]), ([], [])))
 
 
 def _reuse_while(impl):

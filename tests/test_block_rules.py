@@ -193,10 +193,12 @@ def test_the_hlo_reader_counts_a_loops_body_as_often_as_it_runs():
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_a_loop_body_saves_its_parameters_not_their_views_for_the_backward(remat):
+def test_a_loop_body_saves_its_parameters_not_their_views_for_the_backward(remat, monkeypatch):
     """A linear reads `W.t()`: AOT's partitioner would save that view, which scan writes into a buffer per block (a
     copy of the stacked parameters); ours saves W itself, which scan passes through. Under checkpointing (budget 0)
-    the body saves only its inputs."""
+    the body saves only its inputs. `x @ W.t()` becomes one dot over W as stored (XLA's, here torch's stand-in)."""
+    dots = []
+    monkeypatch.setattr(st, "_dot_transposed", lambda a, w: dots.append(w.shape) or a @ w.t())
     from functorch.compile import aot_function, default_partition, make_boxed_func, min_cut_rematerialization_partition
 
     graphs = []
@@ -216,4 +218,7 @@ def test_a_loop_body_saves_its_parameters_not_their_views_for_the_backward(remat
     assert all(n.op == "placeholder" or "tanh" in n.name for n in saved), [n.name for n in saved]
     assert any(n.name == "primals_2" for n in saved), [n.name for n in saved]
     assert remat == (not any("tanh" in n.name for n in saved)), [n.name for n in saved]
+    assert not [n for g in graphs for n in g.graph.nodes if n.target is torch.ops.aten.mm.default
+                and n.args[1].target is torch.ops.aten.t.default]
+    assert dots[0] == (8, 8), dots  # the forward's x @ w.t(): w as stored
     assert st._saving_primals(default_partition, 1, False) is st._saving_primals(default_partition, 1, False)
