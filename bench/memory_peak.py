@@ -7,6 +7,8 @@ WORKLOAD: mlp    DEPTH residual blocks x + W2 gelu(W1 x), W1 (4 WIDTH, WIDTH) (W
           qwen3  a Qwen3 causal LM of DEPTH layers, hidden 512 (intermediate 1536, 8 heads, 4 KV heads), built from its
                  config with random weights, 8 x 128 tokens, cross entropy; SGD
           qwen3-remat  the same with gradient_checkpointing_enable(): each layer's activations remade in the backward
+          flat   a Sequential of DEPTH (Linear(WIDTH, WIDTH), LayerNorm) pairs, no block repeated, so unrolled; its
+                 largest module, a Linear, stands for a block; a batch of 16, mean squared error; SGD
 MODE: shim  the plain loop through SeamlessTPUTrainer(model, strategy="fsdp")
       hand  torch_xla by hand: every parameter split on dim 0 over the 4 devices (FSDPv2's spec), the batch split,
             one torch_xla.sync() a step
@@ -44,6 +46,11 @@ class Block(torch.nn.Module):
 def workload(name, depth, width, mode):
     """(model, its repeated blocks, batch, loss of (model, batch))"""
     torch.manual_seed(0)
+    if name == "flat":  # no repeated blocks: it stays unrolled
+        model = torch.nn.Sequential(*(m for _ in range(depth) for m in (torch.nn.Linear(width, width),
+                                                                        torch.nn.LayerNorm(width))))
+        x, y = torch.randn(16, width), torch.randn(16, width)
+        return model, [model[0]], (x, y), lambda m, x, y: F.mse_loss(m(x), y)
     if name == "mlp":
         model = torch.nn.Sequential(*(Block(width) for _ in range(depth)))
         x, y = torch.randn(16, width), torch.randn(16, width)

@@ -5,7 +5,8 @@ import os
 
 from harness import XLA_ENV, by_depth, mb, run_script
 
-MEMORY_RUNS = {"mlp": (8, 16), "qwen3": (8, 16), "qwen3-remat": (8, 16)}  # workload -> depths
+MEMORY_RUNS = {"mlp": (8, 16), "qwen3": (8, 16), "qwen3-remat": (8, 16), "flat": (24,)}  # workload -> depths
+MEMORY_WIDTHS = {"flat": ["2048"]}  # 403 MB: issue 48's flat Sequential
 MEMORY_MODES = ("shim", "hand")
 BOUND_SLACK = 64e6  # issue 48's bound: 0.75x the model + 4 blocks + 64 MB per device
 
@@ -14,7 +15,8 @@ def run_memory(s):
     """bench/memory_peak.py per workload, depth and loop, each in its own process (a smoke run: a 2-block MLP of
     width 256)."""
     env = dict(os.environ, **XLA_ENV, SEAMLESS_TPU_DEVICE="xla")
-    runs = {("mlp", 2): ["256"]} if s.smoke else {(w, d): [] for w, depths in MEMORY_RUNS.items() for d in depths}
+    runs = ({("mlp", 2): ["256"]} if s.smoke else
+            {(w, d): MEMORY_WIDTHS.get(w, []) for w, depths in MEMORY_RUNS.items() for d in depths})
     return {f"{w}/{d}/{mode}": run_script(["bench/memory_peak.py", mode, w, d, *extra], env, timeout=900)
             for (w, d), extra in runs.items() for mode in MEMORY_MODES}
 
@@ -25,7 +27,8 @@ def render_memory(runs, s):
           "SGD steps with strategy=\"fsdp\". hand: torch_xla by hand, every parameter split on dim 0, one sync a step. "
           "ideal: the parameters' and gradients' shards (0.5x the model). bound: issue 48's 0.75x the model + 4 "
           "blocks + 64 MB. mlp: residual blocks of width 1024 (4x hidden), batch 16; qwen3: hidden 512, 8 x 128 "
-          "tokens; qwen3-remat: the same with gradient_checkpointing_enable(). XLA's buffer assignment on a TPU may "
+          "tokens; qwen3-remat: the same with gradient_checkpointing_enable(); flat: 24 (Linear(2048, 2048), "
+          "LayerNorm) pairs, which stay unrolled, a Linear standing for a block. XLA's buffer assignment on a TPU may "
           "order buffers differently; nothing here measures that.", "",
           "| workload | blocks | model | trainer | trainer / model | hand | hand / model | ideal | bound | "
           "trainer within bound |", "|---" * 10 + "|"]
