@@ -89,6 +89,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   TODO(remove when torch_xla's SPMDSavePlanner saves partially replicated tensors)
 # - torch_xla.experimental.scan._backward_shard_alike, replaced where jax is missing (torch_xla[pallas] brings it).
 #   TODO(remove when torch_xla's scan backward runs under SPMD without jax)
+# - functorch.compile's partitioners, given a rewritten joint graph; node.meta["memory_budget"] (their min-cut's budget
+#   per graph). TODO(remove when torch_xla's scan saves stacked parameters by reference and takes a remat policy)
 # - torch._register_device_module("xla"), torch.utils.checkpoint._CheckpointFrame.
 #   TODO(remove when torch_xla registers torch.xla and supports use_reentrant=False)
 # - torch.distributed.checkpoint: FileSystemReader.storage_data and _slice_file, _traverse.set_element, and
@@ -1056,8 +1058,10 @@ def _xla_matmul(input, other):
 @_lowering("linear", family="products", why="batch", hands_back=True)
 def _xla_linear(input, weight, bias=None):
     """> 2-D inputs: one dot contracting the weight's dim 1, then the bias (torch's composite transposed the weight
-    for the matmul kernel: 2x the tracing a call, which a LoRA model's many Linears pay each step). 2-D: addmm."""
-    if (input.dim() < 3 or weight.dim() != 2 or input.shape[-1] != weight.shape[1] or weight.dtype != input.dtype
+    for the matmul kernel: 2x the tracing a call, which a LoRA model's many Linears pay each step). 2-D: addmm,
+    unless fsdp splits the weight (the einsum gathers it in order: _in_order)."""
+    if (input.dim() < (2 if _gathered(weight) else 3) or weight.dim() != 2 or input.shape[-1] != weight.shape[1]
+            or weight.dtype != input.dtype
             or bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != input.dtype)):  # torch's error
         return _torch_path("linear")(input, weight, bias)
     y = _xla_einsum("...n,mn->...m", (input, weight))
@@ -1221,14 +1225,33 @@ class _Einsum(torch.autograd.Function):
     def forward(ctx, subs, a, b):
         ctx.subs = subs
         ctx.save_for_backward(a, b)
-        return _dot_general(subs, a, b)
+        return _dot_general(subs, _in_order(b, a, "forward"), _in_order(a, b, "forward"))
 
     @staticmethod
     def backward(ctx, grad):
-        a, b = ctx.saved_tensors
+        a, b = (_in_order(grad, t, "backward") for t in ctx.saved_tensors)
         (sa, sb), out = ctx.subs
         return (None, _einsum_grad(grad, out, b, sb, a, sa) if ctx.needs_input_grad[1] else None,
                 _einsum_grad(grad, out, a, sa, b, sb) if ctx.needs_input_grad[2] else None)
+
+
+def _in_order(now, w, kind):
+    """`w`, if fsdp splits it, gathered for this product no earlier than the last such product's input (`now` then)
+    of this pass: without it XLA gathered every layer's weight at the program's start and kept each to its backward
+    (a flat Sequential of Linear layers: 2.75x the model per device). Adds a 0 made from that input (v == v is 1
+    or 0, never NaN; x * 0 is not folded for floats): a pass over the shard and a 4-byte all-reduce a product."""
+    if not _gathered(w) or _STATE.loops.tracing:  # a loop's body gathers one block's weights
+        return w
+    cuts = _STATE.cuts
+    gate, cuts.gates[kind] = cuts.gates.get(kind), now
+    if gate is None or not gate.numel():
+        return w
+    first = gate[(0,) * gate.dim()]  # one element: a reshape of a tensor split on dim 1 gathered it whole
+    return w + (first == first).to(w.dtype) * 0
+
+
+def _gathered(w):  # ids outlive tensors: a new one may have a dead fsdp parameter's
+    return id(w) in _STATE.cuts.gathered and isinstance(w, torch.nn.Parameter) and _is_split(w)
 
 
 def _dot_general(subs, a, b):
@@ -2535,6 +2558,9 @@ class _GraphCuts:
     no_grad_forward: bool = False  # a trainer's model ran under no_grad since the graph was last cut
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     scalars: bool = None  # torch_xla's special scalars (0, 1 as constants) as the user had them, while a step runs
+    gathered: set = dataclasses.field(default_factory=set)  # ids of the parameters fsdp splits (_in_order); not
+    # weak references, which swap_tensors (meta init) refuses; a parameter keeps its id through the swap
+    gates: dict = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> the last gathered product's input
 
 
 @dataclasses.dataclass
@@ -2650,6 +2676,7 @@ def _cut_graph():
     """Compile (the first time) and run everything pending as one graph, asynchronously. The work check's outputs
     still held are dropped: as outputs of a graph that repeats, they would make its first run a graph of its own."""
     _STATE.work_check.drop()
+    _STATE.cuts.gates.clear()
     _import("torch_xla").sync()
     _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
 
@@ -3316,6 +3343,10 @@ def _place(model, layout):
         for param in model.parameters():
             if any(layout.spec(param)) and not _is_split(param):
                 _mark_sharding(param, layout.mesh, layout.spec(param))
+            if fsdp and FSDP_AXIS in torch.utils._pytree.tree_leaves(layout.spec(param)):
+                _STATE.cuts.gathered.add(id(param))
+            else:  # an id once a dead fsdp parameter's
+                _STATE.cuts.gathered.discard(id(param))
         # The rest whole, said so: unmarked, step 1 read them unsharded and step 2 as its "{replicated}" outputs, a
         # second compile of the whole step.
         for t in itertools.chain(model.parameters(), model.buffers()):
@@ -4806,12 +4837,13 @@ class _WorkCheck:
         check reads block 0's modules as unrolled (an outline of the loop's split); nothing keeps their results but
         the held tensors, so the step's graph is the later steps'. Not counted as the step's FLOPs."""
         if any(m in self.armed for m in blocks[0].modules()):
-            counting = _STATE.meter.counting
+            counting, gates = _STATE.meter.counting, dict(_STATE.cuts.gates)  # a gate on them would keep them
             flops = counting and counting.flops
             with torch.no_grad():
                 blocks[1](blocks[0](x, *args, **kwargs), *args, **kwargs)
             if counting:
                 counting.flops = flops
+            _STATE.cuts.gates = gates
 
     def outputs(self):
         """The held tensors, once a check is due: _state_first makes them data on the devices with the state."""

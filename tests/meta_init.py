@@ -4,8 +4,10 @@
     python tests/meta_init.py meta DIR    # build on meta (seed 0), trainer, one forward; digests and memory
     python tests/meta_init.py load DIR    # build on meta, trainer, load DIR's checkpoint (no compile); never
                                           # initialised
-    python tests/meta_init.py forward DIR STRATEGY  # build on meta, trainer(strategy=STRATEGY), one no_grad forward
-                                          # of the whole model (every kernel it reaches); digests and memory
+    python tests/meta_init.py forward DIR STRATEGY [KIND]  # build on meta, trainer(strategy=STRATEGY), one no_grad
+                                          # forward of the whole model (every kernel it reaches); digests and memory
+    KIND (after STRATEGY, for cpu too): blocks (the default, below) or flat, issue 48's 403 MB Sequential of 24
+    (Linear(2048, 2048), LayerNorm) pairs
 
 The model: an embedding, 6 pre-norm blocks (LayerNorm, MultiheadAttention, a 4x MLP) at width 1024 and
 a head: 309 MB of float32, 50 MB in each block. Run 'cpu' with SEAMLESS_TPU_DEVICE=cpu and the others on
@@ -37,8 +39,11 @@ class Block(torch.nn.Module):
         return x + self.attn(h, h, h, need_weights=False)[0] + self.mlp(h)
 
 
-def build():
+def build(kind="blocks"):
     torch.manual_seed(0)
+    if kind == "flat":  # issue 48's, 403 MB: no repeated block, so no loop
+        pairs = ((torch.nn.Linear(2048, 2048), torch.nn.LayerNorm(2048)) for _ in range(24))
+        return torch.nn.Sequential(*(m for pair in pairs for m in pair))
     return torch.nn.Sequential(
         torch.nn.Embedding(4096, WIDTH), *[Block(WIDTH) for _ in range(BLOCKS)], torch.nn.Linear(WIDTH, 256)
     )
@@ -48,15 +53,15 @@ def digests(model):
     return {k: hashlib.sha1(v.detach().cpu().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}
 
 
-def main(phase, directory, strategy="fsdp"):
+def main(phase, directory, strategy="fsdp", kind="blocks"):
     report = {}
     if phase == "cpu":
-        model = build()
+        model = build(kind)
         trainer = st.SeamlessTPUTrainer(model, device="cpu")
         trainer.save_checkpoint(directory, model=model, epoch=1)
     else:
         with torch.device("meta"):
-            model = build()
+            model = build(kind)
         resets = []
         for cls in (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm):
             cls.reset_parameters = (lambda f: lambda self: (resets.append(type(self).__name__), f(self))[1])(
@@ -70,8 +75,9 @@ def main(phase, directory, strategy="fsdp"):
         if phase == "meta":  # the head alone first: any module's first forward initialises the whole model
             model[-1](trainer.to_device(torch.zeros(4, WIDTH)))
         elif phase == "forward":
+            batch = torch.zeros(4, 2048) if kind == "flat" else torch.zeros(4, 8, dtype=torch.long)
             with torch.no_grad():
-                out = model(trainer.to_device(torch.zeros(4, 8, dtype=torch.long)))
+                out = model(trainer.to_device(batch))
         else:
             import torch_xla.debug.metrics as met
 
@@ -100,4 +106,4 @@ def main(phase, directory, strategy="fsdp"):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

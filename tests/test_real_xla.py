@@ -540,15 +540,19 @@ def test_a_meta_models_first_whole_forward_grows_the_host_by_its_placement_and_a
     process grows by the devices' copies (on XLA:CPU their memory is its own: the shards once, ddp's 4 replicas) plus
     at most its 4 largest modules and 160 MB, and the weights are the CPU build's. Measured: fsdp 1.36x the model
     (1.45x before the dispatcher kernels); ddp 5.73x, 4.49x since each tensor left whole is sent as it is made (.to()
-    deferred the copy to the first graph, and the host held every one of them until then)."""
-    cpu = child.result(python(["tests/meta_init.py", "cpu", str(tmp_path)], {"SEAMLESS_TPU_DEVICE": "cpu"}))
-    for strategy in ("fsdp", "ddp"):
-        got = child.result(python(["tests/meta_init.py", "forward", str(tmp_path), strategy], XLA_ENV))
-        assert got["output"] == [4, 8, 256] and got["sharded"] == (strategy == "fsdp"), got["output"]
+    deferred the copy to the first graph, and the host held every one of them until then). Issue 48's flat Sequential
+    (403 MB of Linear and LayerNorm layers, no loop) under fsdp: 1.28x (it read 5.4x in the issue)."""
+    cpus = {kind: child.result(python(["tests/meta_init.py", "cpu", str(tmp_path / kind), "fsdp", kind],
+                                      {"SEAMLESS_TPU_DEVICE": "cpu"})) for kind in ("blocks", "flat")}
+    for strategy, kind in (("fsdp", "blocks"), ("ddp", "blocks"), ("fsdp", "flat")):
+        cpu = cpus[kind]
+        got = child.result(python(["tests/meta_init.py", "forward", str(tmp_path / kind), strategy, kind], XLA_ENV))
+        assert got["output"] == ([4, 2048] if kind == "flat" else [4, 8, 256]), got["output"]
+        assert got["sharded"] == (strategy == "fsdp"), strategy
         assert got["digests"] == cpu["digests"] and got["bytes"] == cpu["bytes"] > 300e6, strategy
         grown = got["rss_peak"] - got["rss_before"]
         bound = got["replicas"] * got["bytes"] + got["largest_4_modules"] + 160 * 2**20
-        print(strategy, f"grew {grown / 2**20:.0f} MiB ({grown / got['bytes']:.2f}x the model), bound "
+        print(strategy, kind, f"grew {grown / 2**20:.0f} MiB ({grown / got['bytes']:.2f}x the model), bound "
               f"{bound / 2**20:.0f} MiB")
         assert grown <= bound, f"{strategy}: grew {grown / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
 
@@ -588,7 +592,7 @@ def test_the_work_check_reads_the_first_block_and_its_graph_computes_no_more():
 def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
     """From the partitioned HLO of 3 AdamW steps on 4 devices: each device holds <= 0.26 of the step's dot FLOPs
     with "ddp" and "fsdp" (and a 2 x 2 tensor-parallel mesh on Qwen3), the losses are eager's, "fsdp" gathers
-    weights (<= 2.5x their bytes) and holds <= 0.30 of them per device, seq-first batches split on dim 1, and the
+    weights (<= 3x their bytes) and holds <= 0.30 of them per device, seq-first batches split on dim 1, and the
     replicated-work check is silent on
     all of them and adds no compile, execution or transfer after step 1. A model that folds its batch into T*B
     rows defeats GSPMD: the check names its module. stats() FLOPs (counted from the first step's ops) are the HLO's
@@ -610,7 +614,9 @@ def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
         assert third["compiles"] == second["compiles"] and third["executions"] == second["executions"] + 2 + reads
         assert third["device_to_host_transfers"] == second["device_to_host_transfers"] + reads
         if layout == "fsdp" and name in ("encoder", "encoder_seq_first", "gpt", "vit"):
-            assert run["all_gather_bytes"] <= 2.5 * run["param_bytes"], (run["all_gather_bytes"], run["param_bytes"])
+            # each weight gathered for its forward and again for its backward (fsdp's peak bound needs that), the
+            # vectors for each use: 2.2-2.9x (1.5x when XLA gathered each weight once and kept it to its backward)
+            assert run["all_gather_bytes"] <= 3 * run["param_bytes"], (run["all_gather_bytes"], run["param_bytes"])
         if layout == "fsdp":
             assert run["device_share"] <= 0.30, f"{name}: a device holds {run['device_share']:.2f} of the weights"
         # trainer.stats(): the first step's FLOPs, counted from its calls' shapes, against the partitioned HLO's
