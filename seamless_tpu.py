@@ -3672,71 +3672,6 @@ def _run_loop(stack, calls):
     return _LoopOutput.apply(out) if out.requires_grad else out
 
 
-# What the backward remakes from a block's parameter rather than save: views, and casts (autocast's)
-_REMADE = frozenset({"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand", "unsqueeze",
-                     "squeeze", "alias", "detach", "_to_copy", "select", "slice"})
-
-
-@functools.cache  # one function per kind: scan caches a body's trace by the partitioner's id
-def _saving_primals(partition, carried, remat):
-    """AOT's partitioner saves what the backward reads of the forward: `W.t()` for a linear, which scan then stacks,
-    a copy of every block's weights (+0.25x the model per device under fsdp). Given `W` itself, scan passes on the
-    stacked parameters it holds, so the backward reads a view remade from the parameter. Under checkpointing the
-    min-cut's budget is 0: the body saves its inputs and recomputes the rest, checkpointing's promise."""
-    def partition_fn(joint, inputs, *, num_fwd_outputs, **kwargs):
-        graph = joint.graph
-        outputs = torch.utils._pytree.arg_tree_leaves(*next(iter(graph.find_nodes(op="output"))).args)
-        forward, todo = set(), [n for n in outputs[:num_fwd_outputs] if isinstance(n, torch.fx.Node)]
-        while todo:  # what the forward's outputs need
-            node = todo.pop()
-            if node not in forward:
-                forward.add(node)
-                todo.extend(node.all_input_nodes)
-        params = [n for n in graph.find_nodes(op="placeholder") if str(n.target).startswith("primals")][carried:]
-        made = dict(zip(params, params))  # a view of a parameter -> its copy for the backward
-
-        def remake(node):
-            if node not in made:
-                with graph.inserting_after(node):
-                    made[node] = graph.call_function(node.target, (remake(node.args[0]), *node.args[1:]), node.kwargs)
-                made[node].meta = dict(node.meta)
-            return made[node]
-        of_params = set(params)
-        for node in list(graph.nodes):
-            if (getattr(getattr(node.target, "overloadpacket", None), "__name__", None) in _REMADE
-                    and node.all_input_nodes == [node.args[0]] and node.args[0] in of_params):
-                of_params.add(node)
-                for user in [u for u in node.users if u not in forward] if node in forward else ():
-                    user.replace_input_with(node, remake(node))
-        next(iter(graph.nodes)).meta["memory_budget"] = 0.0 if remat else None
-        joint.recompile()
-        return tuple(map(_dots_as_stored, partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)))
-    return partition_fn
-
-
-def _dots_as_stored(module):
-    """`x @ W.t()` (AOT's linear) as one dot contracting W's stored dim: under fsdp GSPMD otherwise gathers the
-    transposed shards, which XLA then copies back to a row-major layout (one block's weight, in the loop's body)."""
-    aten, graph = torch.ops.aten, module.graph
-    for node in list(graph.nodes):
-        w = node.args[-1] if node.target in (aten.mm.default, aten.addmm.default) and not node.kwargs else None
-        if not isinstance(w, torch.fx.Node) or w.target is not aten.t.default:
-            continue
-        with graph.inserting_before(node):
-            y = graph.call_function(_dot_transposed, (node.args[-2], w.args[0]))
-            y = graph.call_function(aten.add.Tensor, (y, node.args[0])) if node.target is aten.addmm.default else y
-        y.meta = dict(node.meta)
-        node.replace_all_uses_with(y)
-        graph.erase_node(node)
-    graph.eliminate_dead_code()
-    module.recompile()
-    return module
-
-
-def _dot_transposed(a, w):  # a @ w.t() as XLA's dot over both operands' last dims
-    return _import("torch_xla")._XLAC._xla_dot_general(a, w, (([1], [1]), ([], [])))
-
-
 def _reuse_while(impl):
     """torch_xla's _scan_impl_pytree, which builds the While computation anew on each call: for a LoRA decoder layer
     ~20 ms of Python on each of the forward and backward of every step, more than tracing 4 layers unrolled. For
@@ -3882,6 +3817,75 @@ class _LoopOutput(torch.autograd.Function):
                                "scan, whose backward is not differentiable): build the trainer with scan=False to run "
                                "them one by one")
         return grad
+
+# --- 9e. repeated blocks: what the loop's body saves ----------------------------------------------
+# AOTAutograd splits the body into a forward and a backward; what the forward hands on is saved per block, stacked by
+# scan. The partition here saves the blocks' parameters by reference and computes x @ W.t() over W as stored.
+
+
+# What the backward remakes from a block's parameter rather than save: views, and casts (autocast's)
+_REMADE = frozenset({"t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand", "unsqueeze",
+                     "squeeze", "alias", "detach", "_to_copy", "select", "slice"})
+
+
+@functools.cache  # one function per kind: scan caches a body's trace by the partitioner's id
+def _saving_primals(partition, carried, remat):
+    """AOT's partitioner saves what the backward reads of the forward: `W.t()` for a linear, which scan then stacks,
+    a copy of every block's weights (+0.25x the model per device under fsdp). Given `W` itself, scan passes on the
+    stacked parameters it holds, so the backward reads a view remade from the parameter. Under checkpointing the
+    min-cut's budget is 0: the body saves its inputs and recomputes the rest, checkpointing's promise."""
+    def partition_fn(joint, inputs, *, num_fwd_outputs, **kwargs):
+        graph = joint.graph
+        outputs = torch.utils._pytree.arg_tree_leaves(*next(iter(graph.find_nodes(op="output"))).args)
+        forward, todo = set(), [n for n in outputs[:num_fwd_outputs] if isinstance(n, torch.fx.Node)]
+        while todo:  # what the forward's outputs need
+            node = todo.pop()
+            if node not in forward:
+                forward.add(node)
+                todo.extend(node.all_input_nodes)
+        params = [n for n in graph.find_nodes(op="placeholder") if str(n.target).startswith("primals")][carried:]
+        made = dict(zip(params, params))  # a view of a parameter -> its copy for the backward
+
+        def remake(node):
+            if node not in made:
+                with graph.inserting_after(node):
+                    made[node] = graph.call_function(node.target, (remake(node.args[0]), *node.args[1:]), node.kwargs)
+                made[node].meta = dict(node.meta)
+            return made[node]
+        of_params = set(params)
+        for node in list(graph.nodes):
+            if (getattr(getattr(node.target, "overloadpacket", None), "__name__", None) in _REMADE
+                    and node.all_input_nodes == [node.args[0]] and node.args[0] in of_params):
+                of_params.add(node)
+                for user in [u for u in node.users if u not in forward] if node in forward else ():
+                    user.replace_input_with(node, remake(node))
+        next(iter(graph.nodes)).meta["memory_budget"] = 0.0 if remat else None
+        joint.recompile()
+        return tuple(map(_dots_as_stored, partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)))
+    return partition_fn
+
+
+def _dots_as_stored(module):
+    """`x @ W.t()` (AOT's linear) as one dot contracting W's stored dim: under fsdp GSPMD otherwise gathers the
+    transposed shards, which XLA then copies back to a row-major layout (one block's weight, in the loop's body)."""
+    aten, graph = torch.ops.aten, module.graph
+    for node in list(graph.nodes):
+        w = node.args[-1] if node.target in (aten.mm.default, aten.addmm.default) and not node.kwargs else None
+        if not isinstance(w, torch.fx.Node) or w.target is not aten.t.default:
+            continue
+        with graph.inserting_before(node):
+            y = graph.call_function(_dot_transposed, (node.args[-2], w.args[0]))
+            y = graph.call_function(aten.add.Tensor, (y, node.args[0])) if node.target is aten.addmm.default else y
+        y.meta = dict(node.meta)
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    module.recompile()
+    return module
+
+
+def _dot_transposed(a, w):  # a @ w.t() as XLA's dot over both operands' last dims
+    return _import("torch_xla")._XLAC._xla_dot_general(a, w, (([1], [1]), ([], [])))
 
 # --- 10. models built on meta ---------------------------------------------------------------------
 
