@@ -3341,9 +3341,10 @@ def _place(model, layout):
         # Each parameter by its spec (FSDPv2 under fsdp): XLA gives the gradients the same sharding and puts the
         # all-gathers and reduce-scatters in the step graph. Split ones stay as they are.
         for param in model.parameters():
-            if any(layout.spec(param)) and not _is_split(param):
-                _mark_sharding(param, layout.mesh, layout.spec(param))
-            if fsdp and FSDP_AXIS in torch.utils._pytree.tree_leaves(layout.spec(param)):
+            spec = layout.spec(param)
+            if any(spec) and not _is_split(param):
+                _mark_sharding(param, layout.mesh, spec)
+            if fsdp and FSDP_AXIS in torch.utils._pytree.tree_leaves(spec):
                 _STATE.cuts.gathered.add(id(param))
             else:  # an id once a dead fsdp parameter's
                 _STATE.cuts.gathered.discard(id(param))
