@@ -3401,6 +3401,13 @@ class _Stack:
         self.bodies = {}  # the calls' static signature -> the loop's body, or why those calls stay unrolled
         self.slices = {}  # (start, stop) -> the _Stack of a slice the owner iterates (self.layers[:n])
         self.calls = []  # (input, args, kwargs) of this pass's blocks so far
+        self._indices = None
+
+    def indices(self, device):
+        """0 .. N-1 as N device scalars, made once (a transfer each, no graph): _Stacked's backward gathers at them."""
+        if self._indices is None or self._indices[0].device != device:
+            self._indices = [torch.tensor([k]).to(device) for k in range(len(self.blocks))]
+        return self._indices
 
     def block_calls(self):
         self.calls = []
@@ -3656,7 +3663,7 @@ def _run_loop(stack, calls):
         body = stack.bodies[key] = _loop_body(stack.blocks[0], leaves, spec, carried, scanned, checkpointed)
     names = [name for name, _ in stack.blocks[0].named_parameters()]
     per_block = [dict(b.named_parameters()) for b in stack.blocks]
-    stacked = {name: _Stacked.apply(*(p[name] for p in per_block)) for name in names}
+    stacked = {name: _Stacked.apply(stack.indices(x.device), *(p[name] for p in per_block)) for name in names}
     partition = _saving_primals(functorch.min_cut_rematerialization_partition if checkpointed
                                 else functorch.default_partition, 1 + len(carried), checkpointed)
     try:
@@ -3793,15 +3800,18 @@ def _uniform(seed, counter, shape, device):
 
 class _Stacked(torch.autograd.Function):
     """torch.stack of the blocks' parameters, whose gradients are copies, not views of the stacked one: a view keeps
-    its base alive, and the graph computed both (the stacked gradients beside each block's: +0.25x the model)."""
+    its base alive, and the graph computed both (the stacked gradients beside each block's: +0.25x the model). Each
+    block's is a gather at an index held as device data: slices at N offsets are N kernels XLA compiles one by one
+    (XLA:CPU: ~9 ms each, most of what the step's compile grew by with depth); gathers of one shape are one kernel."""
 
     @staticmethod
-    def forward(ctx, *params):
+    def forward(ctx, indices, *params):
+        ctx.indices = indices
         return torch.stack(params)
 
     @staticmethod
     def backward(ctx, grad):
-        return tuple(g.clone() for g in grad.unbind())
+        return None, *(grad.index_select(0, k).squeeze(0) for k in ctx.indices)
 
 
 class _LoopOutput(torch.autograd.Function):
