@@ -3402,6 +3402,7 @@ class _Stack:
         self.slices = {}  # (start, stop) -> the _Stack of a slice the owner iterates (self.layers[:n])
         self.calls = []  # (input, args, kwargs) of this pass's blocks so far
         self._indices = None
+        self.frozen = {}  # parameter name -> (its blocks' parameters' versions, their stack as device data)
 
     def indices(self, device):
         """0 .. N-1 as N device scalars, made once (a transfer each, no graph): _Stacked's backward gathers at them."""
@@ -3663,7 +3664,7 @@ def _run_loop(stack, calls):
         body = stack.bodies[key] = _loop_body(stack.blocks[0], leaves, spec, carried, scanned, checkpointed)
     names = [name for name, _ in stack.blocks[0].named_parameters()]
     per_block = [dict(b.named_parameters()) for b in stack.blocks]
-    stacked = {name: _Stacked.apply(stack.indices(x.device), *(p[name] for p in per_block)) for name in names}
+    stacked = _stacks(stack, names, per_block)
     partition = _saving_primals(functorch.min_cut_rematerialization_partition if checkpointed
                                 else functorch.default_partition, 1 + len(carried), checkpointed)
     try:
@@ -3796,6 +3797,40 @@ def _uniform(seed, counter, shape, device):
     for size in shape:
         h = _mix32(h.unsqueeze(-1) + torch.arange(size, dtype=torch.int32, device=device))
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
+
+
+def _stacks(stack, names, per_block):
+    """{name: the blocks' parameters of that name, stacked}. Trainable ones are stacked in the step's graph (their
+    gradients flow back through _Stacked). A frozen name's stack (LoRA's base weights, a teacher's) is made once, in
+    a small graph of its own, and then read as device data: the step's graph no longer copies it, nor takes every
+    block's weights as inputs. It is made anew once any of those parameters is changed or replaced (its version
+    counter or its XLA tensor, which every in-place write, `.data` alias or load changes), and held beside them between
+    steps: the step held both anyway, the stack as a temporary."""
+    xlac, out, new = _import("torch_xla")._XLAC, {}, []
+    for name in names:
+        params = [p[name] for p in per_block]
+        if any(p.requires_grad for p in params) or not _device_data(params):
+            out[name] = _Stacked.apply(stack.indices(params[0].device), *params)
+            continue
+        key = [(id(p), p._version, xlac._xla_get_tensor_id(p)) for p in params]
+        cached = stack.frozen.get(name)
+        if cached is None or cached[0] != key:
+            cached = stack.frozen[name] = key, torch.stack(params)
+            new.append(cached[1])
+        out[name] = cached[1]
+    if new:  # without this, the first step's graph would make them and the second would read them: 2 compiles
+        xlac._xla_sync_multi(new, devices=[], wait=False)
+    return out
+
+
+def _device_data(tensors):
+    """Whether every tensor is data on its device, with no pending computation (which a stack's own graph would run
+    out of turn)."""
+    try:
+        _import("torch_xla")._XLAC._get_tensors_handle(tensors)
+    except RuntimeError:
+        return False
+    return True
 
 
 class _Stacked(torch.autograd.Function):

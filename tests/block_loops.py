@@ -329,6 +329,57 @@ def fsdp_peak():
     assert flat["peak"] <= flat["bound"] and flat["peak"] < 1.6 * flat["model"], flat
 
 
+def frozen_run(trainers=False):
+    """The seeds' distillation (both stacks looped) with its teacher changed between a backward and the step: one
+    layer's weight through a `.data` alias after step 2 (an EMA teacher's update), every weight by load_state_dict
+    after step 3. (losses, per step the teacher's frozen stacks {name: id})."""
+    student, teacher = lora(hf("qwen3")), hf("qwen3", seed=1).requires_grad_(False)
+    original = {k: v.clone() for k, v in teacher.state_dict().items()}
+    trainer = st.SeamlessTPUTrainer(student) if trainers else None
+    if trainers:
+        st.SeamlessTPUTrainer(teacher)
+    ids = trainer.to_device(batch()) if trainer else batch()
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-2)
+    losses, stacks, compiles = [], [], []
+    for step in range(5):
+        optimizer.zero_grad()
+        with torch.no_grad():
+            soft = F.log_softmax(teacher(input_ids=ids).logits / 2, -1)
+        logp = F.log_softmax(student(input_ids=ids).logits / 2, -1)
+        loss = F.kl_div(logp.flatten(0, 1), soft.flatten(0, 1), reduction="batchmean", log_target=True) * 4
+        loss.backward()
+        if step == 1:
+            teacher.model.layers[1].mlp.up_proj.weight.data.mul_(50.0)  # x50: a change the losses show
+        if step == 2:
+            teacher.load_state_dict(original)
+        optimizer.step()
+        losses.append(loss.detach())
+        if trainers:
+            stack, = [x for s in st._STATE.loops.stacks.values() for x in (s, *s.slices.values())  # [:n]
+                      if x.blocks[0] is teacher.model.layers[0] and x.frozen]
+            stacks.append({name: id(t) for name, (_, t) in stack.frozen.items()})
+            compiles.append(trainer.compile_stats()["compiles"])
+    return workloads.host(losses), stacks, compiles
+
+
+def frozen_eager():
+    return frozen_run()[0]
+
+
+def frozen():
+    """A frozen stack (a teacher's, LoRA's base weights) is stacked once and read as device data by later steps, and
+    stacked anew after any change to its weights: eager's losses through an in-place write to one weight and a load."""
+    want = workloads.eager_reference("frozen", __file__)
+    losses, stacks, compiles = frozen_run(trainers=True)
+    workloads.assert_close(losses, want, 1e-5, "distillation with its teacher changed twice")
+    assert len(stacks[0]) == 11 and stacks[1] == stacks[0], ("reused when unchanged", stacks[:2])
+    changed = {name for name in stacks[1] if stacks[2][name] != stacks[1][name]}
+    assert changed == {"mlp.up_proj.weight"}, ("the written weight's stack alone made anew", changed)
+    assert all(stacks[3][name] != stacks[2][name] for name in stacks[2]), "all made anew after the load"
+    assert stacks[4] == stacks[3], "reused again"
+    workloads.assert_flat(compiles, 3, "frozen stacks")  # step 3's restack of one name: a small graph of its own
+
+
 def derivatives_eager():
     model = Stack()
     ids = batch()
@@ -507,10 +558,10 @@ def dropout():
     assert not [line for line in spy.lines if "one by one" in line], spy.lines
 
 
-SCENARIOS = {f.__name__: f for f in (families, fallbacks, fsdp_peak, derivatives, resumed, dropout)}
+SCENARIOS = {f.__name__: f for f in (families, fallbacks, fsdp_peak, derivatives, resumed, dropout, frozen)}
 REFERENCES = {"families": families_eager, "fallbacks": fallbacks_eager, "derivatives": derivatives_eager,
               "fsdp_peak_flat": fsdp_peak_flat, "resumed": resumed_eager, "dropout": dropout_eager,
-              "dropout_losses": dropout_losses}
+              "dropout_losses": dropout_losses, "frozen": frozen_eager}
 
 
 def main(name, *flags):
