@@ -3846,7 +3846,7 @@ class _Stacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return None, *(grad.index_select(0, k).squeeze(0) for k in ctx.indices)
+        return None, *(grad.index_select(0, k).squeeze(0).clone() for k in ctx.indices)  # not views, as above
 
 
 class _LoopOutput(torch.autograd.Function):

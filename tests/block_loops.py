@@ -315,7 +315,8 @@ def fsdp_peak():
     blocks + 64 MB: 8 MLP blocks as one loop (one block's weights gathered at a time), and (another process) a flat
     Sequential that stays unrolled, whose products gather their weights in order. At this size 64 MB is most of the
     bound (3.7x and 2.7x the model), so each is also held under what gathering every weight at the program's start
-    gave (2.75x): 1.19x and 0.63x when written."""
+    gave (2.75x): 1.19x and 0.63x when written. The loop's is held under 1.3x: block gradients that were views of a
+    gather kept it alive, and the step output both (1.44x)."""
     flat = child.result(child.run([os.path.abspath(__file__), "fsdp_peak_flat"], timeout=300,
                                   env=child.env(**child.XLA_ENV)).stdout)
     import memory_peak  # first: it sets XLA_FLAGS to dump, before the runtime starts
@@ -325,7 +326,7 @@ def fsdp_peak():
     size = sum(p.numel() * 4 for p in model.parameters())
     print(f"fsdp peak per device: looped {peak / size:.2f}x the model (bound {bound / size:.2f}x), flat unrolled "
           f"{flat['peak'] / flat['model']:.2f}x (bound {flat['bound'] / flat['model']:.2f}x)")
-    assert peak <= bound and peak < 2 * size, (peak, bound, size)
+    assert peak <= bound and peak < 1.3 * size, (peak, bound, size)
     assert flat["peak"] <= flat["bound"] and flat["peak"] < 1.6 * flat["model"], flat
 
 
