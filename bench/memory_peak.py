@@ -7,6 +7,8 @@ WORKLOAD: mlp    DEPTH residual blocks x + W2 gelu(W1 x), W1 (4 WIDTH, WIDTH) (W
           qwen3  a Qwen3 causal LM of DEPTH layers, hidden 512 (intermediate 1536, 8 heads, 4 KV heads), built from its
                  config with random weights, 8 x 128 tokens, cross entropy; SGD
           qwen3-remat  the same with gradient_checkpointing_enable(): each layer's activations remade in the backward
+          qwen3-small  the same without checkpointing on 4 x 64 tokens, a sequence per device: a quarter of the
+                 activations, so that the parameters' and gradients' bytes show
           flat   a Sequential of DEPTH (Linear(WIDTH, WIDTH), LayerNorm) pairs, no block repeated, so unrolled; its
                  largest module, a Linear, stands for a block; a batch of 16, mean squared error; SGD
 MODE: shim  the plain loop through SeamlessTPUTrainer(model, strategy="fsdp")
@@ -67,7 +69,8 @@ def workload(name, depth, width, mode):
             import torch_xla.utils.checkpoint
 
             model._set_gradient_checkpointing(True, torch_xla.utils.checkpoint.checkpoint)
-    ids = torch.randint(1024, (8, 128), generator=torch.Generator().manual_seed(1))
+    shape = (4, 64) if name == "qwen3-small" else (8, 128)
+    ids = torch.randint(1024, shape, generator=torch.Generator().manual_seed(1))
     return model, list(model.model.layers), (ids, ids), lambda m, x, y: m(input_ids=x, labels=y).loss
 
 
