@@ -7,8 +7,10 @@ PyTorch run in a separate process.
 tests/test_workloads.py runs every name in SCENARIOS. Models are built from configs with random weights.
 """
 
+import glob
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -302,6 +304,16 @@ def peak_bytes(model, parts):
     return max(memory_peak.peaks(memory_peak.DUMP).values()), 0.75 * nbytes(model) + 4 * nbytes(parts) + 64e6
 
 
+def loop_shapes(dump):
+    """The shapes in the tuples of the step's While loops, from the partitioned programs (one device's buffers)."""
+    shapes = set()
+    for path in glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")):
+        with open(path) as f:
+            lines = [line.split(" while(")[0] for line in f if " while(" in line]
+        shapes.update(tuple(map(int, s.split(","))) for line in lines for s in re.findall(r"f32\[([\d,]+)\]", line))
+    return shapes
+
+
 def fsdp_peak_flat():
     """16 (Linear(1024, 1024), LayerNorm) pairs: no repeated block, so unrolled; 4 Linears stand for the blocks."""
     pairs = ((torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024)) for _ in range(16))
@@ -327,6 +339,11 @@ def fsdp_peak():
     print(f"fsdp peak per device: looped {peak / size:.2f}x the model (bound {bound / size:.2f}x), flat unrolled "
           f"{flat['peak'] / flat['model']:.2f}x (bound {flat['bound'] / flat['model']:.2f}x)")
     assert peak <= bound and peak < 1.3 * size, (peak, bound, size)
+    # The loops carry the 8 blocks' stacked weights and gradients, (2048, 512) and (512, 2048) each, as each device's
+    # shards, (512, 512): a block's are whole only inside the body, so its gradients leave it reduce-scattered
+    # (XLA:CPU all-reduces and slices; XLA's GPU pipeline fuses that pair into a reduce-scatter)
+    shapes = loop_shapes(memory_peak.DUMP)
+    assert (8, 512, 512) in shapes and not {(8, 2048, 512), (8, 512, 2048)} & shapes, shapes
     assert flat["peak"] <= flat["bound"] and flat["peak"] < 1.6 * flat["model"], flat
 
 
