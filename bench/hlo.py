@@ -145,26 +145,26 @@ def dumped_files(dump):
 def step_collectives(dump, param_shapes, skip=()):
     """Collectives in the training step's graphs (_step_graphs: the forward and backward, then the optimizer's step),
     read from the partitioned, optimized HLO that XLA_FLAGS=--xla_dump_to wrote: {op: (count, bytes)}, bytes being
-    each op's result on one device. "all-gather of a parameter's shape" counts the all-gathers whose result has the
-    shape of a whole parameter (or its transpose, 1s aside): FSDP's weight gathers; the others move activations.
-    Files in `skip` (an earlier run's) are left out."""
+    each op's result on one device, each op as many times as its computation runs (a loop's body: N). "all-gather of
+    a parameter's shape" counts the all-gathers whose result has the shape of a whole parameter (or its transpose, 1s
+    aside): FSDP's weight gathers; the others move activations. Files in `skip` (an earlier run's) are left out."""
     try:
         modules, _ = _step_graphs(dump, skip, matmul_flops)
     except AssertionError:
         return {}
-    hlo = ""
+    computations = []  # (a computation's text, how many times a step runs it)
     for module, _, _ in modules:
         with open(glob.glob(glob.escape(module) + ".*after_optimizations.txt")[0]) as f:
-            hlo += f.read()
+            computations += runs(f.read())
     unit = lambda dims: tuple(d for d in dims if d != 1)  # noqa: E731  XLA adds and drops 1s (conv1d as a conv2d)
     shapes = {unit(s) for s in param_shapes} | {unit(reversed(s)) for s in param_shapes}
     found = {}
-    for shape, op in COLLECTIVE.findall(hlo):
+    for shape, op, n in ((shape, op, n) for text, n in computations for shape, op in COLLECTIVE.findall(text)):
         parts = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in SHAPE.findall(shape)]
         size = sum(DTYPE_BYTES[t] * math.prod(dims) for t, dims in parts)
         keys = [op] + ([PARAM_GATHER] if op == "all-gather" and all(unit(d) in shapes for _, d in parts) else [])
         keys += [FLOAT_GATHER] if op == "all-gather" and all(t[0] in "fb" for t, _ in parts) else []
         for key in keys:
             count, total = found.get(key, (0, 0))
-            found[key] = (count + 1, total + size)
+            found[key] = (count + n, total + n * size)
     return found

@@ -80,7 +80,7 @@ def fsdp_vs_ddp(warm, rounds, steps, repeats, checkpoint_reps, rng):
     step's collectives, and time checkpoints. Reusing them saves two start-ups and their compiles,
     most of a smoke run."""
     checkpoint = f"checkpoint {checkpoint_reps}"
-    rows = compare(FSDP, "transformer", ["shim", "shim_fsdp"], "shim", dict(XLA_ENV, **{DUMP_HLO: "1"}),
+    rows = compare(FSDP, "transformer", ["shim", "shim_fsdp"], "shim", dict(XLA_ENV, **{DUMP_HLO: "spmd"}),
                    warm, rounds, steps, repeats, rng, after=("profile", checkpoint))
     profiles = {
         r["variant"]: {**r["after"]["profile"], "checkpoint": r["after"][checkpoint]} for r in rows if r["after"]

@@ -192,6 +192,23 @@ def test_the_hlo_reader_counts_a_loops_body_as_often_as_it_runs():
     assert sorted(n for _, n in hlo.runs(LOOPED_HLO)) == [1, 6]  # the entry once, the body 6 times
 
 
+def test_the_hlo_reader_counts_a_loops_collectives_as_often_as_they_run(tmp_path):
+    """bench/hlo.py's step collectives, read from a dump of one partitioned program whose loop body all-gathers an
+    (8, 8) weight: 6 gathers of 256 bytes, a parameter's shape (counted once per body, the work tier's fsdp gather
+    bound could not fail on a looped model)."""
+    import hlo
+
+    gathered = LOOPED_HLO.replace("%w = f32[8,8] constant({...})", "%s = f32[2,8] constant({...})\n"
+                                  "  %w = f32[8,8] all-gather(%s), replica_groups={}, dimensions={0}")
+    module = tmp_path / "module_0001.SyncTensorsGraph.1"
+    for suffix, text in ((".0001.spmd-partitioner.before_spmd-partitioning.txt", LOOPED_HLO),
+                         (".0002.spmd-partitioner.after_spmd-partitioning.txt", LOOPED_HLO),
+                         (".cpu_after_optimizations.txt", gathered)):
+        (tmp_path / (module.name + suffix)).write_text(text)
+    assert hlo.step_collectives(str(tmp_path), [(8, 8)]) == {
+        "all-gather": (6, 6 * 256), hlo.PARAM_GATHER: (6, 6 * 256), hlo.FLOAT_GATHER: (6, 6 * 256)}
+
+
 @pytest.mark.parametrize("remat", [False, True])
 def test_a_loop_body_saves_its_parameters_not_their_views_for_the_backward(remat, monkeypatch):
     """A linear reads `W.t()`: AOT's partitioner would save that view, which scan writes into a buffer per block (a

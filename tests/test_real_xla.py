@@ -434,13 +434,15 @@ def test_a_forward_through_functional_call_trains_like_eager():
 def test_a_block_stack_run_by_scan_layers_trains_like_eager_and_splits(eager_work_losses):
     """torch_xla's scan_layers over 4 homogeneous blocks under the trainer (it deep-copies the first block, hooks
     and all, and its SPMD backward needed jax): eager's losses, each device 1/4 of the dots with "ddp" and "fsdp",
-    fsdp all-gathering no more than the weights, and no warning."""
+    and no warning. fsdp gathers each block's weights in the loop's forward body and again in its backward (2.43x
+    the weights' bytes, each body counted as many times as it runs), and attention's activations in torch_xla's
+    body (0.76x): 3.19x when written. Counted once per body, as bench/hlo.py did before, it read under 1x."""
     out = child.result(python(["tests/work_split.py", "scan"], XLA_ENV, timeout=420))
     assert out.pop("warnings") == []
     for layout, run in out.items():
         scenarios.assert_close(run["losses"], eager_work_losses["scan"], 1e-5, f"scan {layout}")
         assert run["dots"] <= 0.26, (layout, run["dots"])
-        assert run["all_gather_bytes"] <= run["param_bytes"], (layout, run["all_gather_bytes"])
+        assert run["all_gather_bytes"] <= 3.5 * run["param_bytes"], (layout, run["all_gather_bytes"])
 
 
 def test_an_epoch_loop_with_a_new_batch_size_every_step_still_warns():
@@ -615,7 +617,8 @@ def test_every_device_does_its_share_of_the_work(name, eager_work_losses):
         assert third["device_to_host_transfers"] == second["device_to_host_transfers"] + reads
         if layout == "fsdp" and name in ("encoder", "encoder_seq_first", "gpt", "vit"):
             # each weight gathered for its forward and again for its backward (fsdp's peak bound needs that), the
-            # vectors for each use: 2.2-2.9x (1.5x when XLA gathered each weight once and kept it to its backward)
+            # vectors for each use: 2.3-2.5x, a loop's body counted as many times as it runs (1.5x when XLA gathered
+            # each weight once and kept it to its backward)
             assert run["all_gather_bytes"] <= 3 * run["param_bytes"], (run["all_gather_bytes"], run["param_bytes"])
         if layout == "fsdp":
             assert run["device_share"] <= 0.30, f"{name}: a device holds {run['device_share']:.2f} of the weights"
