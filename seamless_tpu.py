@@ -3810,6 +3810,7 @@ def _stacks(stack, names, per_block):
     for name in names:
         params = [p[name] for p in per_block]
         if any(p.requires_grad for p in params) or not _device_data(params):
+            stack.frozen.pop(name, None)  # unfrozen since: not held for nothing
             out[name] = _Stacked.apply(stack.indices(params[0].device), *params)
             continue
         key = [(id(p), p._version, xlac._xla_get_tensor_id(p)) for p in params]
