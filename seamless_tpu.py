@@ -1060,8 +1060,8 @@ def _xla_linear(input, weight, bias=None):
     """> 2-D inputs: one dot contracting the weight's dim 1, then the bias (torch's composite transposed the weight
     for the matmul kernel: 2x the tracing a call, which a LoRA model's many Linears pay each step). 2-D: addmm,
     unless fsdp splits the weight (the einsum gathers it in order: _in_order)."""
-    if (input.dim() < (2 if _gathered(weight) else 3) or weight.dim() != 2 or input.shape[-1] != weight.shape[1]
-            or weight.dtype != input.dtype
+    if (input.dim() < 2 or input.dim() == 2 and not _gathered(weight) or weight.dim() != 2
+            or input.shape[-1] != weight.shape[1] or weight.dtype != input.dtype
             or bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != input.dtype)):  # torch's error
         return _torch_path("linear")(input, weight, bias)
     y = _xla_einsum("...n,mn->...m", (input, weight))
