@@ -11,6 +11,7 @@ WORKLOAD: mlp    DEPTH residual blocks x + W2 gelu(W1 x), W1 (4 WIDTH, WIDTH) (W
                  activations, so that the parameters' and gradients' bytes show
           flat   a Sequential of DEPTH (Linear(WIDTH, WIDTH), LayerNorm) pairs, no block repeated, so unrolled; its
                  largest module, a Linear, stands for a block; a batch of 16, mean squared error; SGD
+          cnn    the same with (Conv2d(WIDTH, WIDTH, 3, padding=1), ReLU) pairs on 16 images of 8 x 8 pixels
 MODE: shim  the plain loop through SeamlessTPUTrainer(model, strategy="fsdp")
       hand  torch_xla by hand: every parameter split on dim 0 over the 4 devices (FSDPv2's spec), the batch split,
             one torch_xla.sync() a step
@@ -52,6 +53,11 @@ def workload(name, depth, width, mode):
         model = torch.nn.Sequential(*(m for _ in range(depth) for m in (torch.nn.Linear(width, width),
                                                                         torch.nn.LayerNorm(width))))
         x, y = torch.randn(16, width), torch.randn(16, width)
+        return model, [model[0]], (x, y), lambda m, x, y: F.mse_loss(m(x), y)
+    if name == "cnn":  # unrolled as flat is: no module repeated back to back
+        model = torch.nn.Sequential(*(m for _ in range(depth) for m in (torch.nn.Conv2d(width, width, 3, padding=1),
+                                                                        torch.nn.ReLU())))
+        x, y = torch.randn(16, width, 8, 8), torch.randn(16, width, 8, 8)
         return model, [model[0]], (x, y), lambda m, x, y: F.mse_loss(m(x), y)
     if name == "mlp":
         model = torch.nn.Sequential(*(Block(width) for _ in range(depth)))

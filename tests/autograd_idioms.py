@@ -23,6 +23,8 @@ weights, gradients), lists made of second derivatives (Hessian-vector products, 
                       between them trained by SGD
     hessians          torch.func.hessian over slices of the batch-split input, all of it, per sample (vmap) and
                       wrt a weight (functional_call)
+    fsdp_conv         1-, 2- and 3-D convolutions under strategy="fsdp" (their split weights gathered in order), SGD on
+                      a loss with an input-gradient penalty, and torch.func.jvp of the net
 """
 
 import sys
@@ -330,8 +332,41 @@ def hessians():
             "shapes": {k: list(v.shape) for k, v in out.items()}}
 
 
+def fsdp_conv(steps=3, lr=0.1, gp_weight=0.1):
+    """Convolutions under strategy="fsdp", whose split weights the trainer gathers for each product in order (an
+    autograd.Function of its own, _GatheredConv): 3-D, 2-D with and without bias, stride, padding and dilation, and
+    1-D, trained by SGD on a loss with an input-gradient penalty (create_graph: the penalty's gradient differentiates
+    the convolutions' backward), and torch.func.jvp of the net along a random tangent (transforms take torch's
+    path)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.Flatten(1, 2), nn.Conv2d(16, 8, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(8, 8, 3, stride=2, padding=2, dilation=2, bias=False), nn.Tanh(), nn.Flatten(2),
+                        nn.Conv1d(8, 8, 2), nn.Flatten(), nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    trainer = st.SeamlessTPUTrainer(net, strategy="fsdp")
+    convs = [m.weight for m in net if isinstance(m, nn.modules.conv._ConvNd)]
+    if st.device_type() == "xla" and not all(map(st._gathered, convs)):  # else the test would not test it
+        raise AssertionError("the convolutions' weights are not split by fsdp")
+    data = [trainer.to_device(x, t, (y.abs() * 2).long().clamp(max=3))
+            for x, t, y in batches(steps, (B, 2, 4, 6, 6), (B, 2, 4, 6, 6), (B,))]
+    losses, input_grads, tangents = [], [], []
+    for x, tangent, y in data:
+        optimizer.zero_grad()
+        x.requires_grad_(True)
+        out = net(x)
+        (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+        loss = F.cross_entropy(out, y) + gp_weight * grad.square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        input_grads.append(grad.detach())
+        tangents.append(torch.func.jvp(net, (x.detach(),), (tangent,))[1])
+    return {"first": {"losses": flat(losses), "input_grads": flat(input_grads), "jvp": flat(tangents)},
+            "second": {"weights": flat(net.parameters())}}
+
+
 IDIOMS = {f.__name__: f for f in (wgan_gp, hvp, per_sample_grads, jvp_conv, global_max_pool, frozen_bn, einsum_twice,
-                                  unbatched_fold, hessians)}
+                                  unbatched_fold, hessians, fsdp_conv)}
 
 
 def main(*args):

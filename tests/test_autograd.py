@@ -41,7 +41,10 @@ def test_autograd_idiom_matches_eager(name):
     - unbatched_fold: F.unfold on (C, H, W) and F.fold on (C*K, L), as torch documents them, have torch's shapes,
       values and gradients.
     - hessians (issue 49, ask 6): torch.func.hessian over a slice of the batch-split input, all of it, per sample
-      and wrt a weight; one form aborted torch_xla 2.9 SPMD in REFERENCE.md's seventh round, none does now."""
+      and wrt a weight; one form aborted torch_xla 2.9 SPMD in REFERENCE.md's seventh round, none does now.
+    - fsdp_conv: convolutions whose weights fsdp splits, which the trainer gathers in order by a Function of its own
+      (issue 48's ask 3): 1-3-D, stride, padding, dilation, no bias; an input-gradient penalty's second derivative,
+      torch.func.jvp."""
     xla, eager = (child.result(out) for out in child.run_together([
         (["tests/autograd_idioms.py", name], child.env(**child.XLA_ENV)),
         (["tests/autograd_idioms.py", "eager", name], child.env(SEAMLESS_TPU_DEVICE="cpu")),
