@@ -13,6 +13,7 @@ WORKLOAD: mlp    DEPTH residual blocks x + W2 gelu(W1 x), W1 (4 WIDTH, WIDTH) (W
                  largest module, a Linear, stands for a block; a batch of 16, mean squared error; SGD
           cnn    the same with (Conv2d(WIDTH, WIDTH, 3, padding=1), ReLU) pairs on 16 images of 8 x 8 pixels
 MODE: shim  the plain loop through SeamlessTPUTrainer(model, strategy="fsdp")
+      unrolled  the same with scan=False: repeated blocks run one by one, each product gathering its weight in order
       hand  torch_xla by hand: every parameter split on dim 0 over the 4 devices (FSDPv2's spec), the batch split,
             one torch_xla.sync() a step
 Prints one line RESULT {"model_bytes", "block_bytes" (one repeated block's parameters), "peak_bytes" (the largest
@@ -97,10 +98,10 @@ def main(mode, name, depth, width=1024):
     model_bytes, block_bytes = nbytes(model.parameters()), nbytes(blocks[0].parameters())
     import torch_xla
 
-    if mode == "shim":
+    if mode in ("shim", "unrolled"):
         import seamless_tpu as st
 
-        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp", scan=mode == "shim")
         x, y = trainer.to_device(*batch)
         end_step = lambda: None  # noqa: E731  the trainer cuts the graphs
     else:
