@@ -33,8 +33,8 @@ def render_memory(runs, s):
           "gradient_checkpointing_enable(); flat: 24 (Linear(2048, 2048), LayerNorm) pairs, which stay unrolled, a "
           "Linear standing for a block; cnn: 16 (Conv2d(256, 256, 3), ReLU) pairs on 16 images of 8 x 8, unrolled "
           "too. unrolled: the trainer with scan=False (blocks one by one, each product gathering its weight in "
-          "order; the same as the trainer's for flat and cnn). XLA's buffer assignment on a TPU may order buffers differently; nothing here "
-          "measures that.", "",
+          "order; the same as the trainer's for flat and cnn). XLA's buffer assignment on a TPU may order buffers "
+          "differently; nothing here measures that.", "",
           "| workload | blocks | model | trainer | trainer / model | unrolled / model | hand | hand / model | ideal | "
           "bound | trainer within bound |", "|---" * 11 + "|"]
     headline = []
@@ -46,8 +46,8 @@ def render_memory(runs, s):
         within = shim["peak_bytes"] <= bound
         workload, depth = key.split("/")
         md.append(f"| {workload} | {depth} | {mb(model)} | {mb(shim['peak_bytes'])} | "
-                  f"{shim['peak_bytes'] / model:.2f} | {unrolled['peak_bytes'] / model:.2f} | {mb(hand['peak_bytes'])} | "
-                  f"{hand['peak_bytes'] / model:.2f} | "
+                  f"{shim['peak_bytes'] / model:.2f} | {unrolled['peak_bytes'] / model:.2f} | "
+                  f"{mb(hand['peak_bytes'])} | {hand['peak_bytes'] / model:.2f} | "
                   f"{mb(model / 2)} | {mb(bound)} | {'yes' if within else 'no'} |")
         headline.append(f"memory {key}: fsdp peak per device {shim['peak_bytes'] / model:.2f}x the model (unrolled "
                         f"{unrolled['peak_bytes'] / model:.2f}x, hand "
