@@ -11,9 +11,9 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
   for XLA inputs: torch.utils.checkpoint, _LOWERINGS (products, attention, norms, pointwise, masks, losses, reductions,
-  pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
-  torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
-  torch.inference_mode() is no_grad.
+  pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; autocast's
+  products (an fsdp weight's cast marked); without jax torch_xla's scan backward, GRU; Module.to(xla) keeps
+  Parameters (swap_module_params_on_conversion in it); torch.inference_mode() is no_grad.
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook (in an XLA step torch_xla's
   special scalars off). Each trainer: forward hooks, modes counting its first step's FLOPs; log(): a thread, step
   closures. Repeated blocks on XLA: ModuleList's, Sequential's __iter__, __getitem__ (a checked loop's); scan's While.
@@ -988,6 +988,8 @@ def _register_lowerings():
         warnings.simplefilter("ignore")
         for op, low in aten.items():
             library.impl(op, low.kernel, low.key)
+        for op in _AUTOCAST_CASTS:  # torch's casts, an fsdp weight's marked for _in_order (7c)
+            library.impl(op, _autocast_cast(op), "AutocastXLA")
     _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
     for op, low in _LOWERINGS.items():
         if low.functional:
@@ -1223,24 +1225,26 @@ def _einsum_subscripts(equation, a, b):
 class _Einsum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, subs, a, b):
-        ctx.subs = subs
+        ctx.subs, ctx.gathered = subs, (_gathered(a), _gathered(b))  # a saved cast comes back unmarked
         ctx.save_for_backward(a, b)
-        return _dot_general(subs, _in_order(b, a, "forward"), _in_order(a, b, "forward"))
+        ga, gb = ctx.gathered
+        return _dot_general(subs, _in_order(b, a, "forward") if ga else a, _in_order(a, b, "forward") if gb else b)
 
     @staticmethod
     def backward(ctx, grad):
-        a, b = (_in_order(grad, t, "backward") for t in ctx.saved_tensors)
+        a, b = (_in_order(grad, t, "backward") if g else t for t, g in zip(ctx.saved_tensors, ctx.gathered))
         (sa, sb), out = ctx.subs
         return (None, _einsum_grad(grad, out, b, sb, a, sa) if ctx.needs_input_grad[1] else None,
                 _einsum_grad(grad, out, a, sa, b, sb) if ctx.needs_input_grad[2] else None)
 
 
 def _in_order(now, w, kind):
-    """`w`, if fsdp splits it, gathered for this product no earlier than the last such product's input (`now` then)
-    of this pass: without it XLA gathered every layer's weight at the program's start and kept each to its backward
-    (a flat Sequential of Linear layers: 2.75x the model per device). Adds a 0 made from that input (v == v is 1
-    or 0, never NaN; x * 0 is not folded for floats): a pass over the shard and a 4-byte all-reduce a product."""
-    if not _gathered(w) or _STATE.loops.tracing:  # a loop's body gathers one block's weights
+    """`w`, a weight fsdp splits (_gathered), gathered for this product no earlier than the last such product's input
+    (`now` then) of this pass: without it XLA gathered every layer's weight at the program's start and kept each to
+    its backward (a flat Sequential of Linear layers: 2.75x the model per device). Adds a 0 made from that input
+    (v == v is 1 or 0, never NaN; x * 0 is not folded for floats): a pass over the shard and a 4-byte all-reduce a
+    product."""
+    if _STATE.loops.tracing:  # a loop's body gathers one block's weights
         return w
     cuts = _STATE.cuts
     gate, cuts.gates[kind] = cuts.gates.get(kind), now
@@ -1250,8 +1254,36 @@ def _in_order(now, w, kind):
     return w + (first == first).to(w.dtype) * 0
 
 
-def _gathered(w):  # ids outlive tensors: a new one may have a dead fsdp parameter's
-    return id(w) in _STATE.cuts.gathered and isinstance(w, torch.nn.Parameter) and _is_split(w)
+def _gathered(w):  # ids outlive tensors: a new one may have a dead fsdp parameter's; or autocast's cast of one
+    return getattr(w, _CAST_OF_GATHERED, False) or (
+        id(w) in _STATE.cuts.gathered and isinstance(w, torch.nn.Parameter) and _is_split(w))
+
+
+_CAST_OF_GATHERED = "_seamless_tpu_cast_of_gathered"
+_AUTOCAST_CASTS = ("linear", "matmul", "einsum", "conv1d", "conv2d", "conv3d")  # the products _in_order orders
+
+
+def _autocast_cast(op):
+    """aten `op` at AutocastXLA: torch's lower-precision policy for it (every floating XLA input but float64 cast to
+    the autocast dtype, then the op with autocast off), with a weight fsdp splits marked as its cast, which the
+    product below then gathers in order (_in_order). Cast by autocast's own kernel it reached the product as another
+    tensor: under bf16 autocast a flat Sequential of Linear layers peaked at 2.75x the model per device, 0.63x in
+    fp32. Costs a tree walk and a context a product, under autocast only."""
+    def kernel(*args, **kwargs):
+        dtype = torch.get_autocast_dtype("xla")
+
+        def cast(t):
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                    and _is_xla(t.device)):
+                return t
+            out = t.to(dtype)
+            if out is not t and _gathered(t):
+                setattr(out, _CAST_OF_GATHERED, True)
+            return out
+        args, kwargs = torch.utils._pytree.tree_map(cast, (args, kwargs))
+        with torch.autocast("xla", enabled=False):
+            return getattr(torch.ops.aten, op)(*args, **kwargs)
+    return kernel
 
 
 def _dot_general(subs, a, b):

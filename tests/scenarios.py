@@ -1114,6 +1114,59 @@ def bf16_close_to_fp32():
     print(f"bf16 vs fp32: max relative diff {rel:.3g}")
 
 
+class Products(torch.nn.Module):
+    """Each product the trainer gathers in order under fsdp, with a weight fsdp splits: a 2-D Linear, x @ W (3-D),
+    torch.einsum, Conv1d, Conv2d, Conv3d; `dtypes` records each one's output dtype."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.w, self.e = torch.nn.Linear(16, 16), *(torch.nn.Parameter(torch.randn(4, 4) / 2) for _ in "we")
+        self.c1, self.c2, self.c3 = (conv(4, 4, 3, padding=1) for conv in (torch.nn.Conv1d, torch.nn.Conv2d,
+                                                                             torch.nn.Conv3d))
+        self.dtypes = []
+
+    def forward(self, x):
+        b = len(x)
+        out = [self.fc(x)]
+        out.append(out[-1].view(b, 4, 4) @ self.w)
+        out.append(torch.einsum("bij,jk->bik", out[-1], self.e))
+        out.append(self.c1(out[-1]))
+        out.append(self.c2(out[-1].view(b, 4, 2, 2)))
+        out.append(self.c3(out[-1].view(b, 4, 1, 2, 2)))
+        self.dtypes = [h.dtype for h in out]
+        return out[-1].flatten(1)
+
+
+def bf16_fsdp_products_match_fp32():
+    """Under bf16 autocast and fsdp each product's weight is gathered in order (autocast's cast of it marked, issue
+    48's ask 3): every product outputs bf16, as torch's autocast, with fp32 gradients; the 12 gates (6 products,
+    forward and backward) are the fp32 run's; losses within bf16's rounding of fp32's."""
+    st.get_device()
+    x, y = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        model = Products()
+        trainer = st.SeamlessTPUTrainer(model, strategy="fsdp", precision=precision)
+        weights = [model.fc.weight, model.w, model.e, model.c1.weight, model.c2.weight, model.c3.weight]
+        assert all(map(st._gathered, weights)), "fsdp splits each product's weight"
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        gates, in_order = [], st._in_order
+        st._in_order = lambda *args: gates.append(args[2]) or in_order(*args)
+        try:
+            losses = run_steps(model, optimizer, *trainer.to_device(x, y), 5, autocast=trainer.autocast())
+        finally:
+            st._in_order = in_order
+        want = torch.bfloat16 if precision == "bf16" else torch.float32
+        assert model.dtypes == [want] * 6, model.dtypes
+        assert gates[:12] == ["forward"] * 6 + ["backward"] * 6 and len(gates) == 60, (precision, gates[:13])
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        runs[precision] = losses
+    rel = ((runs["bf16"] - runs["fp32"]).abs() / runs["fp32"].abs()).max().item()
+    assert rel < 2e-2, f"bf16 vs fp32 relative diff {rel:.3g}"
+    print(f"bf16 vs fp32 under fsdp, products gathered in order: max relative diff {rel:.3g}")
+
+
 class Scaled(torch.nn.Linear):
     """A Linear whose output is scaled by one more tensor `scale`, 1, 2, ..., out, computed in __init__:
     a persistent buffer, a non-persistent one or a parameter (`kind`). Built on meta that value is never

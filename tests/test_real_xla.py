@@ -38,6 +38,7 @@ REAL_ONLY = [
     "async_checkpoint_saves_the_state_at_the_call",
     "unfreezing_recompiles_once_without_warning",
     "bf16_close_to_fp32",
+    "bf16_fsdp_products_match_fp32",
     "mixed_device_optimizer_is_synced",
     "fsdp_matches_eager_with_quarter_memory",
     "checkpointing_keeps_its_barrier",

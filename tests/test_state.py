@@ -112,6 +112,13 @@ def kernels_at_autograd_xla():
     return {op for op in st._LOWERINGS if not st._LOWERINGS[op].functional and ".py:" in active(op)}
 
 
+def kernels_at_autocast_xla():
+    """The products whose AutocastXLA kernel is ours (7c's _autocast_cast; torch's own is C++)."""
+    def active(op):
+        return torch._C._dispatch_dump(f"aten::{op}").partition("\nAutocastXLA: ")[2].partition("\n")[0]
+    return {op for op in st._AUTOCAST_CASTS if ".py:" in active(op)}
+
+
 def aten_lowerings():
     return {op for op, lowering in st._LOWERINGS.items() if not lowering.functional}
 
@@ -128,12 +135,13 @@ def test_reset_undoes_every_process_wide_change(fake):
         torch.inference_mode.__enter__,
     )
     hooks = len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)
-    assert kernels_at_autograd_xla() == set()
+    assert kernels_at_autograd_xla() == set() and kernels_at_autocast_xla() == set()
     st.get_device()
     assert ckpt.CheckpointFunction is not originals[0] and ckpt._CheckpointFrame.__init__ is not originals[1]
     now = (F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss)
     assert all(new is not old for new, old in zip(now, functionals)), "the batch-keeping functionals are not in"
     assert kernels_at_autograd_xla() == aten_lowerings(), "the batch-keeping kernels are not in"
+    assert kernels_at_autocast_xla() == {"linear", "matmul", "einsum", "conv1d", "conv2d", "conv3d"}
     assert {"group_norm", "batch_norm", "matmul", "kl_div", "upsample_bilinear2d.vec", "conv2d"} <= aten_lowerings()
     assert not torch.__future__.get_swap_module_params_on_conversion(), "only inside a module's .to(xla)"
     assert torch.nn.Module.to is not originals[-2], "a module's .to(xla) keeps its Parameters"
@@ -157,6 +165,7 @@ def test_reset_undoes_every_process_wide_change(fake):
     with torch.inference_mode():
         assert torch.ones(1).is_inference(), "torch's own again"
     assert kernels_at_autograd_xla() == set(), "the dispatcher is back to torch's composite kernels"
+    assert kernels_at_autocast_xla() == set(), "and to torch's autocast kernels"
     assert not hasattr(torch, "xla") and "torch.xla" not in sys.modules
     assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks
     assert st._STATE is not state and st._STATE.xla_device is None and st.get_xla_mesh() is None
