@@ -11,9 +11,9 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
   for XLA inputs: torch.utils.checkpoint, _LOWERINGS (products, attention, norms, pointwise, masks, losses, reductions,
-  pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; autocast's
-  products (an fsdp weight's cast marked); without jax torch_xla's scan backward, GRU; Module.to(xla) keeps
-  Parameters (swap_module_params_on_conversion in it); torch.inference_mode() is no_grad.
+  pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
+  torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
+  torch.inference_mode() is no_grad. The first fsdp weight: autocast's products (an fsdp weight's cast marked).
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook (in an XLA step torch_xla's
   special scalars off). Each trainer: forward hooks, modes counting its first step's FLOPs; log(): a thread, step
   closures. Repeated blocks on XLA: ModuleList's, Sequential's __iter__, __getitem__ (a checked loop's); scan's While.
@@ -988,8 +988,6 @@ def _register_lowerings():
         warnings.simplefilter("ignore")
         for op, low in aten.items():
             library.impl(op, low.kernel, low.key)
-        for op in _AUTOCAST_CASTS:  # torch's casts, an fsdp weight's marked for _in_order (7c)
-            library.impl(op, _autocast_cast(op), "AutocastXLA")
     _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
     for op, low in _LOWERINGS.items():
         if low.functional:
@@ -1263,27 +1261,48 @@ _CAST_OF_GATHERED = "_seamless_tpu_cast_of_gathered"
 _AUTOCAST_CASTS = ("linear", "matmul", "einsum", "conv1d", "conv2d", "conv3d")  # the products _in_order orders
 
 
+def _register_autocast_casts():
+    """_autocast_cast at AutocastXLA for autocast's products, once a trainer's fsdp splits a weight on XLA (undone by
+    _reset_caches): ddp never pays for them."""
+    if _STATE.cuts.autocast_casts:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # torch warns once that ours replaces its autocast kernels: they are meant to
+        warnings.simplefilter("ignore")
+        for op in _AUTOCAST_CASTS:
+            library.impl(op, _autocast_cast(op), "AutocastXLA")
+    _STATE.torch_patches.append(library._destroy)
+    _STATE.cuts.autocast_casts = True
+
+
 def _autocast_cast(op):
     """aten `op` at AutocastXLA: torch's lower-precision policy for it (every floating XLA input but float64 cast to
     the autocast dtype, then the op with autocast off), with a weight fsdp splits marked as its cast, which the
     product below then gathers in order (_in_order). Cast by autocast's own kernel it reached the product as another
     tensor: under bf16 autocast a flat Sequential of Linear layers peaked at 2.75x the model per device, 0.63x in
-    fp32. Costs a tree walk and a context a product, under autocast only."""
-    def kernel(*args, **kwargs):
-        dtype = torch.get_autocast_dtype("xla")
+    fp32. Costs ~10 us a product, under autocast only."""
+    aten = getattr(torch.ops.aten, op).default
 
-        def cast(t):
-            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-                    and _is_xla(t.device)):
-                return t
-            out = t.to(dtype)
-            if out is not t and _gathered(t):
-                setattr(out, _CAST_OF_GATHERED, True)
-            return out
-        args, kwargs = torch.utils._pytree.tree_map(cast, (args, kwargs))
-        with torch.autocast("xla", enabled=False):
-            return getattr(torch.ops.aten, op)(*args, **kwargs)
+    def kernel(*args, **kwargs):  # tensors come positional; einsum's as a list
+        dtype = torch.get_autocast_dtype("xla")
+        args = [[_autocast(t, dtype) for t in a] if isinstance(a, list) else _autocast(a, dtype) for a in args]
+        torch.set_autocast_enabled("xla", False)
+        try:
+            return aten(*args, **kwargs)
+        finally:
+            torch.set_autocast_enabled("xla", True)
     return kernel
+
+
+def _autocast(t, dtype):
+    """`t` as torch's autocast casts an input of a lower-precision op (a floating XLA tensor but float64), the cast of
+    a weight fsdp splits marked for _in_order."""
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and _is_xla(t.device)):
+        return t
+    out = t.to(dtype)
+    if out is not t and _gathered(t):
+        setattr(out, _CAST_OF_GATHERED, True)
+    return out
 
 
 def _dot_general(subs, a, b):
@@ -2617,6 +2636,7 @@ class _GraphCuts:
     gathered: set = dataclasses.field(default_factory=set)  # ids of the parameters fsdp splits (_in_order); not
     # weak references, which swap_tensors (meta init) refuses; a parameter keeps its id through the swap
     gates: dict = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> the last gathered product's input
+    autocast_casts: bool = False  # _autocast_cast is registered (the first fsdp weight on XLA)
 
 
 @dataclasses.dataclass
@@ -3402,6 +3422,7 @@ def _place(model, layout):
                 _mark_sharding(param, layout.mesh, spec)
             if fsdp and FSDP_AXIS in torch.utils._pytree.tree_leaves(spec):
                 _STATE.cuts.gathered.add(id(param))
+                _register_autocast_casts()
             else:  # an id once a dead fsdp parameter's
                 _STATE.cuts.gathered.discard(id(param))
         # The rest whole, said so: unmarked, step 1 read them unsharded and step 2 as its "{replicated}" outputs, a
