@@ -1046,7 +1046,11 @@ def _xla_matmul(input, other):
     """Batched (equal batch shapes) or > 2-D by a matrix: our einsum kernel (called directly: through torch.einsum,
     2x the tracing), where torch folds the batch dims into one: a (B, H, T, d) attention product became (B*H, T, d),
     of which GSPMD kept one of two splits (Qwen3 on 2 x 2 devices: 1/2 of attention's products per device), a (T, B,
-    E) input T*B rows. Batch-first too, where the fold keeps the split: one lowering for every layout."""
+    E) input T*B rows. Batch-first too, where the fold keeps the split: one lowering for every layout. 2-D by 2-D
+    where fsdp splits either (the einsum gathers it in order: _in_order)."""
+    if input.dim() == other.dim() == 2 and input.shape[-1] == other.shape[-2] and input.dtype == other.dtype and (
+            _gathered(input) or _gathered(other)):
+        return _xla_einsum("mn,nk->mk", (input, other))
     if input.dim() >= 3 and other.dim() >= 2 and input.shape[-1] == other.shape[-2] and input.dtype == other.dtype:
         if other.dim() == 2:
             return _xla_einsum("...n,nm->...m", (input, other))

@@ -1115,13 +1115,14 @@ def bf16_close_to_fp32():
 
 
 class Products(torch.nn.Module):
-    """Each product the trainer gathers in order under fsdp, with a weight fsdp splits: a 2-D Linear, x @ W (3-D),
-    torch.einsum, Conv1d, Conv2d, Conv3d; `dtypes` records each one's output dtype."""
+    """Each product the trainer gathers in order under fsdp, with a weight fsdp splits: a 2-D Linear, x @ W (2-D and
+    3-D), torch.einsum, Conv1d, Conv2d, Conv3d; `dtypes` records each one's output dtype."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.fc, self.w, self.e = torch.nn.Linear(16, 16), *(torch.nn.Parameter(torch.randn(4, 4) / 2) for _ in "we")
+        self.m = torch.nn.Parameter(torch.randn(16, 16) / 4)
         self.c1, self.c2, self.c3 = (conv(4, 4, 3, padding=1) for conv in (torch.nn.Conv1d, torch.nn.Conv2d,
                                                                              torch.nn.Conv3d))
         self.dtypes = []
@@ -1129,6 +1130,7 @@ class Products(torch.nn.Module):
     def forward(self, x):
         b = len(x)
         out = [self.fc(x)]
+        out.append(out[-1] @ self.m)
         out.append(out[-1].view(b, 4, 4) @ self.w)
         out.append(torch.einsum("bij,jk->bik", out[-1], self.e))
         out.append(self.c1(out[-1]))
@@ -1140,15 +1142,15 @@ class Products(torch.nn.Module):
 
 def bf16_fsdp_products_match_fp32():
     """Under bf16 autocast and fsdp each product's weight is gathered in order (autocast's cast of it marked, issue
-    48's ask 3): every product outputs bf16, as torch's autocast, with fp32 gradients; the 12 gates (6 products,
-    forward and backward) are the fp32 run's; losses within bf16's rounding of fp32's."""
+    48's ask 3): every product outputs bf16, as torch's autocast, with fp32 gradients; the 14 gates (7 products,
+    forward and backward) are the fp32 run's; the fp32 run's losses are eager's, bf16's within its rounding."""
     st.get_device()
     x, y = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
     runs = {}
     for precision in ("fp32", "bf16"):
         model = Products()
         trainer = st.SeamlessTPUTrainer(model, strategy="fsdp", precision=precision)
-        weights = [model.fc.weight, model.w, model.e, model.c1.weight, model.c2.weight, model.c3.weight]
+        weights = [model.fc.weight, model.m, model.w, model.e, model.c1.weight, model.c2.weight, model.c3.weight]
         assert all(map(st._gathered, weights)), "fsdp splits each product's weight"
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         gates, in_order = [], st._in_order
@@ -1158,10 +1160,13 @@ def bf16_fsdp_products_match_fp32():
         finally:
             st._in_order = in_order
         want = torch.bfloat16 if precision == "bf16" else torch.float32
-        assert model.dtypes == [want] * 6, model.dtypes
-        assert gates[:12] == ["forward"] * 6 + ["backward"] * 6 and len(gates) == 60, (precision, gates[:13])
+        assert model.dtypes == [want] * 7, model.dtypes
+        assert gates[:14] == ["forward"] * 7 + ["backward"] * 7 and len(gates) == 70, (precision, gates[:15])
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
         runs[precision] = losses
+    model = Products()  # eager, on the CPU: after XLA's backward, never before it
+    assert_close(runs["fp32"], run_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, 5), 1e-5,
+                 "fp32 under fsdp vs eager")
     rel = ((runs["bf16"] - runs["fp32"]).abs() / runs["fp32"].abs()).max().item()
     assert rel < 2e-2, f"bf16 vs fp32 relative diff {rel:.3g}"
     print(f"bf16 vs fp32 under fsdp, products gathered in order: max relative diff {rel:.3g}")
