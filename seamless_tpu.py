@@ -983,15 +983,21 @@ def _register_lowerings():
             own = torch.library.get_kernel(f"aten::{op}", low.key)  # with its key set made once (addmm: every call)
             _STATE.xla_kernels[op] = functools.partial(own.call_boxed, torch._C.DispatchKeySet(
                 getattr(torch._C.DispatchKey, low.key)))
-    library = torch.library.Library("aten", "IMPL")  # kernels for existing ops, at one dispatch key
-    with warnings.catch_warnings():  # torch warns once that ours replaces torch_xla's einsum: it is meant to
-        warnings.simplefilter("ignore")
-        for op, low in aten.items():
-            library.impl(op, low.kernel, low.key)
-    _STATE.torch_patches.append(library._destroy)  # the dispatcher goes back to torch's composite kernels
+    _impl_kernels((op, low.kernel, low.key) for op, low in aten.items())
     for op, low in _LOWERINGS.items():
         if low.functional:
             _patch(F, op, low.kernel)
+
+
+def _impl_kernels(kernels):
+    """Each (aten op, kernel, dispatch key) registered; _reset_caches destroys the library, and the dispatcher goes
+    back to the kernels ours replaced (torch's composites, torch_xla's, torch's autocast)."""
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # torch warns once that ours replaces a kernel (torch_xla's einsum): it is meant to
+        warnings.simplefilter("ignore")
+        for op, kernel, key in kernels:
+            library.impl(op, kernel, key)
+    _STATE.torch_patches.append(library._destroy)
 
 
 def _torch_path(op):
@@ -1048,10 +1054,8 @@ def _xla_matmul(input, other):
     of which GSPMD kept one of two splits (Qwen3 on 2 x 2 devices: 1/2 of attention's products per device), a (T, B,
     E) input T*B rows. Batch-first too, where the fold keeps the split: one lowering for every layout. 2-D by 2-D
     where fsdp splits either (the einsum gathers it in order: _in_order)."""
-    if input.dim() == other.dim() == 2 and input.shape[-1] == other.shape[-2] and input.dtype == other.dtype and (
-            _gathered(input) or _gathered(other)):
-        return _xla_einsum("mn,nk->mk", (input, other))
-    if input.dim() >= 3 and other.dim() >= 2 and input.shape[-1] == other.shape[-2] and input.dtype == other.dtype:
+    if other.dim() >= 2 and input.shape[-1:] == other.shape[-2:-1] and input.dtype == other.dtype and (
+            input.dim() >= 3 or input.dim() == other.dim() == 2 and (_gathered(input) or _gathered(other))):
         if other.dim() == 2:
             return _xla_einsum("...n,nm->...m", (input, other))
         if input.shape[:-2] == other.shape[:-2]:
@@ -1268,15 +1272,9 @@ _AUTOCAST_CASTS = ("linear", "matmul", "einsum", "conv1d", "conv2d", "conv3d")  
 def _register_autocast_casts():
     """_autocast_cast at AutocastXLA for autocast's products, once a trainer's fsdp splits a weight on XLA (undone by
     _reset_caches): ddp never pays for them."""
-    if _STATE.cuts.autocast_casts:
-        return
-    library = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # torch warns once that ours replaces its autocast kernels: they are meant to
-        warnings.simplefilter("ignore")
-        for op in _AUTOCAST_CASTS:
-            library.impl(op, _autocast_cast(op), "AutocastXLA")
-    _STATE.torch_patches.append(library._destroy)
-    _STATE.cuts.autocast_casts = True
+    if not _STATE.cuts.autocast_casts:
+        _impl_kernels((op, _autocast_cast(op), "AutocastXLA") for op in _AUTOCAST_CASTS)
+        _STATE.cuts.autocast_casts = True
 
 
 def _autocast_cast(op):

@@ -129,6 +129,10 @@ def build(family, depth=3, width=32):
     return lora(model) if family == "qwen3_lora" else model, None
 
 
+def nbytes(params):
+    return sum(p.numel() * p.element_size() for p in params)
+
+
 def batch(shape=(BATCH, SEQ)):
     return torch.randint(VOCAB, shape, generator=torch.Generator().manual_seed(1))
 
@@ -194,7 +198,9 @@ def trained(name, spy, depth=3, width=32, optimizer=torch.optim.AdamW, shape=(BA
     models = [m for m in (model, teacher) if m is not None]
     keys, params = list(model.state_dict()), list(model.parameters())
     before = spy.loops
-    trainer, _ = (st.SeamlessTPUTrainer(m, strategy="fsdp") if m is not None else None for m in (model, teacher))
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp")
+    if teacher is not None:
+        st.SeamlessTPUTrainer(teacher, strategy="fsdp")
     mine = [s for s in st._STATE.loops.stacks.values() if any(s.blocks[0] is m for x in models for m in x.modules())]
     if hook:
         mine[0].blocks[1].register_forward_hook(lambda *args: None)  # the model's own stack: its trainer came first
@@ -244,7 +250,6 @@ def family_peaks_at(depth):
         _, _, models, mine = trained(name, spy, depth, PEAK_WIDTH, optimizer=torch.optim.SGD, shape=(4, 8))
         __import__("torch_xla.core.xla_model", fromlist=["_"]).wait_device_ops()
         params = [p for m in models for p in m.parameters()]
-        nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
         out[name] = {"peak": max(v for k, v in memory_peak.peaks(memory_peak.DUMP).items() if k not in seen),
                      "trainable": nbytes(p for p in params if p.requires_grad),
                      "frozen": nbytes(p for p in params if not p.requires_grad),
@@ -374,8 +379,8 @@ def peak_bytes(model, parts, shape=None, precision=None):
         loss.backward()
         optimizer.step()
     __import__("torch_xla.core.xla_model", fromlist=["_"]).wait_device_ops()
-    nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
-    return max(memory_peak.peaks(memory_peak.DUMP).values()), 0.75 * nbytes(model) + 4 * nbytes(parts) + 64e6
+    bound = 0.75 * nbytes(model.parameters()) + 4 * nbytes(parts.parameters()) + 64e6
+    return max(memory_peak.peaks(memory_peak.DUMP).values()), bound
 
 
 def loop_shapes(dump):
@@ -389,14 +394,15 @@ def loop_shapes(dump):
 
 
 def fsdp_peak_unrolled(kind):
-    """16 (Linear(1024, 1024), LayerNorm) pairs (`flat`; `bf16`: under bf16 autocast), or 16 (Conv2d(256, 256, 3),
-    ReLU) pairs on 8 x 8 images (`cnn`): no repeated block, so unrolled; 4 Linears or Conv2ds stand for the blocks."""
-    pairs = ((torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024)) if kind != "cnn" else
-             (torch.nn.Conv2d(256, 256, 3, padding=1), torch.nn.ReLU()) for _ in range(16))
-    model = torch.nn.Sequential(*(m for pair in pairs for m in pair))
-    peak, bound = peak_bytes(model, torch.nn.ModuleList(model[:8:2]), (16, 256, 8, 8) if kind == "cnn" else None,
-                             "bf16" if kind == "bf16" else None)
-    return {"peak": peak, "bound": bound, "model": sum(p.numel() * 4 for p in model.parameters())}
+    """bench memory's 16 (Linear(1024, 1024), LayerNorm) pairs (`flat`; `bf16`: under bf16 autocast), or its 16
+    (Conv2d(256, 256, 3), ReLU) pairs on 8 x 8 images (`cnn`): no repeated block, so unrolled; 4 Linears or Conv2ds
+    stand for the blocks."""
+    import memory_peak  # first: it sets XLA_FLAGS to dump, before the runtime starts
+
+    model, _, (x, _), _ = memory_peak.workload("cnn" if kind == "cnn" else "flat", 16, 256 if kind == "cnn" else 1024,
+                                               "shim")
+    peak, bound = peak_bytes(model, torch.nn.ModuleList(model[:8:2]), x.shape, "bf16" if kind == "bf16" else None)
+    return {"peak": peak, "bound": bound, "model": nbytes(model.parameters())}
 
 
 def fsdp_peak():
@@ -415,7 +421,7 @@ def fsdp_peak():
 
     model = torch.nn.Sequential(*(memory_peak.Block(512) for _ in range(8)))
     peak, bound = peak_bytes(model, torch.nn.ModuleList(model[:4]))
-    size = sum(p.numel() * 4 for p in model.parameters())
+    size = nbytes(model.parameters())
     print(f"fsdp peak per device: looped {peak / size:.2f}x the model (bound {bound / size:.2f}x), flat unrolled "
           f"{flat['peak'] / flat['model']:.2f}x (bound {flat['bound'] / flat['model']:.2f}x)")
     assert peak <= bound and peak < 1.3 * size, (peak, bound, size)

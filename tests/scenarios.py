@@ -1121,8 +1121,8 @@ class Products(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.fc, self.w, self.e = torch.nn.Linear(16, 16), *(torch.nn.Parameter(torch.randn(4, 4) / 2) for _ in "we")
-        self.m = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.fc, self.m = torch.nn.Linear(16, 16), torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.w, self.e = (torch.nn.Parameter(torch.randn(4, 4) / 2) for _ in range(2))
         self.c1, self.c2, self.c3 = (conv(4, 4, 3, padding=1) for conv in (torch.nn.Conv1d, torch.nn.Conv2d,
                                                                              torch.nn.Conv3d))
         self.dtypes = []
