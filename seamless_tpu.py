@@ -16,7 +16,7 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
   torch.inference_mode() is no_grad. The first fsdp weight: autocast's products (an fsdp weight's cast marked).
 - first XLA use or first trainer: one global pre-step and one post-step optimizer hook (in an XLA step torch_xla's
   special scalars off). Each trainer: forward hooks, modes counting its first step's FLOPs; log(): a thread, step
-  closures. Repeated blocks on XLA: ModuleList's, Sequential's __iter__, __getitem__ (a checked loop's); scan's While.
+  closures. Repeated blocks on XLA: ModuleList's, Sequential's __iter__, __getitem__ (a checked loop's).
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
   kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread). Processes:
   a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
@@ -3468,7 +3468,6 @@ class _Loops:
 
     stacks: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     patched: bool = False
-    ours: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # scan's forward and backward of ours
     tracing: bool = False  # a loop body is being traced: activation marks become ops of the body (9a)
     built: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # fn -> While
 
@@ -3554,8 +3553,6 @@ def _find_loops(model, layout):
         for cls in (torch.nn.ModuleList, torch.nn.Sequential):
             _patch(cls, "__iter__", _iterate_blocks(cls.__dict__["__iter__"]))
             _patch(cls, "__getitem__", _slice_blocks(cls.__dict__["__getitem__"]))
-        scan = _import("torch_xla.experimental.scan")
-        _patch(scan, "_scan_impl_pytree", _reuse_while(scan._scan_impl_pytree))
         _STATE.loops.patched = True
         _STATE.torch_patches.append(lambda: setattr(_STATE.loops, "patched", False))
 
@@ -3739,8 +3736,7 @@ def _run_loop(stack, calls):
         raise _NotALoop(body)
     scan = _import("torch_xla.experimental.scan")
     functorch = importlib.import_module("functorch.compile")
-    new = body is None
-    if new:
+    if body is None:
         body = stack.bodies[key] = _loop_body(stack.blocks[0], leaves, spec, carried, scanned, checkpointed)
     names = [name for name, _ in stack.blocks[0].named_parameters()]
     per_block = [dict(b.named_parameters()) for b in stack.blocks]
@@ -3751,52 +3747,101 @@ def _run_loop(stack, calls):
         n = len(stack.blocks)
         seeds = [torch.randint(2**31 - 1, (n,), dtype=torch.int32, device=x.device)] if training else []  # XLA's RNG
         xs = (stacked, tuple(leaves[i].expand(n, *leaves[i].shape) for i in scanned), *seeds)
-        (out, *_), _ = scan.scan(body, (x, *(leaves[i] for i in carried)), xs, partition_fn=partition,
-                                 is_fn_pure=True)
+        init = (x, *(leaves[i] for i in carried))
+        parts = scan.value_and_grad_partitioned(body, init, xs, partition_fn=partition, is_fn_pure=True)
     except _NotALoop as e:
         stack.bodies[key] = str(e)
         raise
-    for forward, _, backward in scan._SCAN_COMPUTATION_CACHE.get(body, {}).values() if new else ():
-        _STATE.loops.ours.update((forward, backward))  # from now on their While is built once (_reuse_while)
-    return _LoopOutput.apply(out) if out.requires_grad else out
+    flat, xs_spec = torch.utils._pytree.tree_flatten(xs)
+    trainable = tuple(name for name, t in stacked.items() if t.requires_grad)
+    out, *_ = _Loop.apply((*parts, xs_spec, trainable), len(init), *init, *flat)
+    return out
 
 
-def _reuse_while(impl):
+class _Loop(torch.autograd.Function):
+    """The blocks as one loop: scan's forward (torch_xla's trace of the body, split by AOT's partitioner), and a
+    backward from the last block that writes block k's gradients over block k's stacked weights once it has read them.
+    So each trainable stack rides the backward's carry and XLA updates it in place: the stacked gradients take the
+    stacked weights' buffer, where scan kept both (per device under fsdp: 0.75x a trainable byte, not 1x). Its
+    backward is not differentiable again: a second derivative raises."""
+
+    @staticmethod
+    def forward(ctx, parts, n_init, *flat):
+        forward, alias, _, xs_spec, trainable = parts
+        init, xs = flat[:n_init], torch.utils._pytree.tree_unflatten(list(flat[n_init:]), xs_spec)
+        carry, (_, partial) = _scan(forward, init, xs)
+        acts, stacks = alias(partial, xs), [xs[0][name] for name in trainable]
+        ctx.at = tuple(next((k for k, a in enumerate(acts) if a is s), None) for s in stacks)  # where the body reads it
+        ctx.parts, ctx.n_init, ctx.n_flat, ctx.n = parts, n_init, len(flat), len(flat[n_init])
+        ctx.save_for_backward(*stacks, *(a for k, a in enumerate(acts) if k not in ctx.at))
+        return tuple(carry)
+
+    @staticmethod
+    def backward(ctx, *grad_carry):
+        if torch.is_grad_enabled():
+            raise RuntimeError("seamless_tpu: a second derivative through repeated blocks run as one loop (torch_xla's "
+                               "scan, whose backward is not differentiable): build the trainer with scan=False to run "
+                               "them one by one")
+        _, _, backward, xs_spec, trainable = ctx.parts
+        saved = ctx.saved_tensors
+        stacks, rest = saved[:len(trainable)], saved[len(trainable):]
+        blocks = torch.arange(ctx.n, device=grad_carry[0].device)
+        (grad_init, grads), _ = _scan(functools.partial(_backward_in_place, backward, trainable, ctx.at), (grad_carry, stacks),
+                                      (rest, blocks), reverse=True, owner=backward)
+        grad_xs = torch.utils._pytree.tree_unflatten([None] * (ctx.n_flat - ctx.n_init), xs_spec)
+        grad_xs[0].update(zip(trainable, grads))
+        return None, None, *grad_init, *torch.utils._pytree.tree_leaves(grad_xs, is_leaf=lambda v: v is None)
+
+
+def _backward_in_place(backward, trainable, at, carry, x):
+    """scan's backward of block k (run from the last): block k's weights read from the stacks the carry holds, its
+    gradients written there in their place (a dynamic slice and update: XLA keeps the stack's buffer)."""
+    (grad_carry, stacks), (rest, k) = carry, x
+    k = k.view(1)
+    weights, acts = [s.index_select(0, k).squeeze(0) for s in stacks], list(rest)
+    for position, w in sorted(((p, w) for p, w in zip(at, weights) if p is not None), key=lambda pw: pw[0]):
+        acts.insert(position, w)
+    grad_carry, (grads, *_) = backward(grad_carry, (None, acts))
+    grads = [grads[name] if grads[name] is not None else torch.zeros_like(w) for name, w in zip(trainable, weights)]
+    # XLA updates a stack in place only where it sees every read of it come first, and a weight's own gradient does
+    # not read it (XLA copied each stack twice a block). A 0 made from the input's gradient and every weight's orders
+    # the reads that lead to them: v == v is 1 or 0, never NaN; x * 0 is not folded for floats (it is for ints).
+    ends = [torch.utils._pytree.tree_leaves(grad_carry)[0], *grads]
+    zero = sum((t[(0,) * t.dim()] == t[(0,) * t.dim()]).to(torch.float32) for t in ends if t.numel()) * 0
+    grads = [g + zero.to(g.dtype) for g in grads]
+    return (grad_carry, [s.index_copy(0, k, g.unsqueeze(0)) for s, g in zip(stacks, grads)]), None
+
+
+def _scan(fn, init, xs, reverse=False, owner=None):
     """torch_xla's _scan_impl_pytree, which builds the While computation anew on each call: for a LoRA decoder layer
-    ~20 ms of Python on each of the forward and backward of every step, more than tracing 4 layers unrolled. For
-    our loops' bodies (pure: random numbers from the seeds they scan) it is built once per body and shapes, then only
-    called."""
-    @functools.wraps(impl)
-    def scan_impl(fn, init, xs, reverse=False):
-        inner = fn.keywords.get("backward") if isinstance(fn, functools.partial) else fn
-        if inner not in _STATE.loops.ours:
-            return impl(fn, init, xs, reverse)
-        scan, xlac = sys.modules[impl.__module__], _import("torch_xla")._XLAC
-        (flat_init, unflatten_carry), (flat_xs, _) = scan.tree_flatten_none(init), scan.tree_flatten_none(xs)
-        tree = torch.utils._pytree.tree_structure
-        key = (reverse, tree(init), tree(xs), tuple((t.shape, t.dtype, t.requires_grad) for t in flat_init + flat_xs))
-        built = _STATE.loops.built.setdefault(inner, {}).get(key)
-        c, x = len(flat_init), len(flat_xs)
-        if built is None:
-            user, recorded = xlac._xla_user_computation, []
-            xlac._xla_user_computation = lambda *args: recorded.append(args) or user(*args)
-            try:
-                carry, ys = impl(fn, init, xs, reverse)
-            finally:
-                xlac._xla_user_computation = user
-            (_, tensors, computation), = recorded
-            flat_ys, unflatten_y = scan.tree_flatten_none(ys)
-            y = len(flat_ys)
-            shapes = [(t.shape, t.dtype) for t in tensors[1 + c + x:1 + c + x + y]]
-            _STATE.loops.built[inner][key] = computation, shapes, tensors[1 + c + x + y:], unflatten_y
-            return carry, ys
-        computation, shapes, hoisted, unflatten_y = built
-        device = flat_init[0].device
-        ys = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
-        out = xlac._xla_user_computation("xla::scan", [torch.tensor(0, device=device), *flat_init, *flat_xs, *ys,
-                                                       *hoisted], computation)
-        return unflatten_carry(list(out[1:1 + c])), unflatten_y(list(out[1 + c + x:1 + c + x + len(shapes)]))
-    return scan_impl
+    ~20 ms of Python on each of the forward and backward of every step, more than tracing 4 layers unrolled. Our
+    loops' bodies are pure (random numbers from the seeds they scan): their While is built once per body (`owner`)
+    and shapes, then only called."""
+    scan, xlac = _import("torch_xla.experimental.scan"), _import("torch_xla")._XLAC
+    (flat_init, unflatten_carry), (flat_xs, _) = scan.tree_flatten_none(init), scan.tree_flatten_none(xs)
+    tree = torch.utils._pytree.tree_structure
+    key = (reverse, tree(init), tree(xs), tuple((t.shape, t.dtype, t.requires_grad) for t in flat_init + flat_xs))
+    built = _STATE.loops.built.setdefault(fn if owner is None else owner, {})
+    c, x = len(flat_init), len(flat_xs)
+    if key not in built:
+        user, recorded = xlac._xla_user_computation, []
+        xlac._xla_user_computation = lambda *args: recorded.append(args) or user(*args)
+        try:
+            carry, ys = scan._scan_impl_pytree(fn, init, xs, reverse)
+        finally:
+            xlac._xla_user_computation = user
+        (_, tensors, computation), = recorded
+        flat_ys, unflatten_y = scan.tree_flatten_none(ys)
+        y = len(flat_ys)
+        shapes = [(t.shape, t.dtype) for t in tensors[1 + c + x:1 + c + x + y]]
+        built[key] = computation, shapes, tensors[1 + c + x + y:], unflatten_y
+        return carry, ys
+    computation, shapes, hoisted, unflatten_y = built[key]
+    device = flat_init[0].device
+    ys = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    out = xlac._xla_user_computation("xla::scan", [torch.tensor(0, device=device), *flat_init, *flat_xs, *ys,
+                                                   *hoisted], computation)
+    return unflatten_carry(list(out[1:1 + c])), unflatten_y(list(out[1 + c + x:1 + c + x + len(shapes)]))
 
 
 def _loop_body(template, leaves, spec, carried, scanned, checkpointed):
@@ -3929,21 +3974,6 @@ class _Stacked(torch.autograd.Function):
     def backward(ctx, grad):
         return None, *(grad.index_select(0, k).squeeze(0).clone() for k in ctx.indices)  # not views, as above
 
-
-class _LoopOutput(torch.autograd.Function):
-    """The loop's output: scan's backward is not differentiable again, so a second derivative raises here."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()  # not a view: a Function's view output refuses the in-place ops a model may do after
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError("seamless_tpu: a second derivative through repeated blocks run as one loop (torch_xla's "
-                               "scan, whose backward is not differentiable): build the trainer with scan=False to run "
-                               "them one by one")
-        return grad
 
 # --- 9e. repeated blocks: what the loop's body saves ----------------------------------------------
 # AOTAutograd splits the body into a forward and a backward; what the forward hands on is saved per block, stacked by
