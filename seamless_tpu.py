@@ -3772,7 +3772,7 @@ class _Loop(torch.autograd.Function):
         carry, (_, partial) = _scan(forward, init, xs)
         acts, stacks = alias(partial, xs), [xs[0][name] for name in trainable]
         ctx.at = tuple(next((k for k, a in enumerate(acts) if a is s), None) for s in stacks)  # where the body reads it
-        ctx.parts, ctx.n_init, ctx.n_flat, ctx.n = parts, n_init, len(flat), len(flat[n_init])
+        ctx.parts, ctx.n = parts, len(flat[n_init])
         ctx.save_for_backward(*stacks, *(a for k, a in enumerate(acts) if k not in ctx.at))
         return tuple(carry)
 
@@ -3785,10 +3785,10 @@ class _Loop(torch.autograd.Function):
         _, _, backward, xs_spec, trainable = ctx.parts
         saved = ctx.saved_tensors
         stacks, rest = saved[:len(trainable)], saved[len(trainable):]
-        blocks = torch.arange(ctx.n, device=grad_carry[0].device)
-        (grad_init, grads), _ = _scan(functools.partial(_backward_in_place, backward, trainable, ctx.at), (grad_carry, stacks),
-                                      (rest, blocks), reverse=True, owner=backward)
-        grad_xs = torch.utils._pytree.tree_unflatten([None] * (ctx.n_flat - ctx.n_init), xs_spec)
+        step = functools.partial(_backward_in_place, backward, trainable, ctx.at)
+        blocks = torch.arange(ctx.n, device=grad_carry[0].device)  # an iota in the graph, not a transfer
+        (grad_init, grads), _ = _scan(step, (grad_carry, stacks), (rest, blocks), reverse=True, owner=backward)
+        grad_xs = torch.utils._pytree.tree_unflatten([None] * xs_spec.num_leaves, xs_spec)
         grad_xs[0].update(zip(trainable, grads))
         return None, None, *grad_init, *torch.utils._pytree.tree_leaves(grad_xs, is_leaf=lambda v: v is None)
 
