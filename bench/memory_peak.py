@@ -32,10 +32,13 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
+import hlo
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 DUMP = os.environ.get("MEMORY_DUMP") or tempfile.mkdtemp(prefix="seamless_tpu_memory_")
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP} --xla_dump_hlo_as_text".strip()
+# hlo.py's flags: the buffer assignment, and the programs around SPMD partitioning (a device's share of the FLOPs)
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo.DUMP_FLAGS.format(DUMP)}".strip()
 
 
 class Block(torch.nn.Module):
