@@ -1363,6 +1363,8 @@ def _grouped_conv(spatial):
         x = _windows(input[None] if unbatched else input, list(weight.shape[2:]), dilation, padding, stride)
         x = x.unflatten(1, (groups, -1))  # (N, G, C/G, K, *out)
         w = weight.flatten(2).unflatten(0, (groups, -1))  # (G, O/G, C/G, K)
+        if _gathered(weight):  # our einsum then gathers it in order, as it would the parameter
+            setattr(w, _CAST_OF_GATHERED, True)
         out = torch.einsum("ngck...,gock->ngo...", x, w).flatten(1, 2)
         out = out if bias is None else out + bias.view((-1,) + (1,) * spatial)
         return out[0] if unbatched else out

@@ -1116,7 +1116,7 @@ def bf16_close_to_fp32():
 
 class Products(torch.nn.Module):
     """Each product the trainer gathers in order under fsdp, with a weight fsdp splits: a 2-D Linear, x @ W (2-D and
-    3-D), torch.einsum, Conv1d, Conv2d, Conv3d; `dtypes` records each one's output dtype."""
+    3-D), torch.einsum, Conv1d, Conv2d, Conv3d, a grouped Conv2d; `dtypes` records each one's output dtype."""
 
     def __init__(self):
         super().__init__()
@@ -1125,6 +1125,7 @@ class Products(torch.nn.Module):
         self.w, self.e = (torch.nn.Parameter(torch.randn(4, 4) / 2) for _ in range(2))
         self.c1, self.c2, self.c3 = (conv(4, 4, 3, padding=1) for conv in (torch.nn.Conv1d, torch.nn.Conv2d,
                                                                              torch.nn.Conv3d))
+        self.g = torch.nn.Conv2d(4, 4, 3, padding=1, groups=2)
         self.dtypes = []
 
     def forward(self, x):
@@ -1136,13 +1137,14 @@ class Products(torch.nn.Module):
         out.append(self.c1(out[-1]))
         out.append(self.c2(out[-1].view(b, 4, 2, 2)))
         out.append(self.c3(out[-1].view(b, 4, 1, 2, 2)))
+        out.append(self.g(out[-1].view(b, 4, 2, 2)))
         self.dtypes = [h.dtype for h in out]
         return out[-1].flatten(1)
 
 
 def bf16_fsdp_products_match_fp32():
     """Under bf16 autocast and fsdp each product's weight is gathered in order (autocast's cast of it marked, issue
-    48's ask 3): every product outputs bf16, as torch's autocast, with fp32 gradients; the 14 gates (7 products,
+    48's ask 3): every product outputs bf16, as torch's autocast, with fp32 gradients; the 16 gates (8 products,
     forward and backward) are the fp32 run's; the fp32 run's losses are eager's, bf16's within its rounding."""
     st.get_device()
     x, y = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
@@ -1150,7 +1152,8 @@ def bf16_fsdp_products_match_fp32():
     for precision in ("fp32", "bf16"):
         model = Products()
         trainer = st.SeamlessTPUTrainer(model, strategy="fsdp", precision=precision)
-        weights = [model.fc.weight, model.m, model.w, model.e, model.c1.weight, model.c2.weight, model.c3.weight]
+        weights = [model.fc.weight, model.m, model.w, model.e, *(c.weight for c in (model.c1, model.c2, model.c3,
+                                                                                    model.g))]
         assert all(map(st._gathered, weights)), "fsdp splits each product's weight"
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         gates, in_order = [], st._in_order
@@ -1160,8 +1163,8 @@ def bf16_fsdp_products_match_fp32():
         finally:
             st._in_order = in_order
         want = torch.bfloat16 if precision == "bf16" else torch.float32
-        assert model.dtypes == [want] * 7, model.dtypes
-        assert gates[:14] == ["forward"] * 7 + ["backward"] * 7 and len(gates) == 70, (precision, gates[:15])
+        assert model.dtypes == [want] * 8, model.dtypes
+        assert gates[:16] == ["forward"] * 8 + ["backward"] * 8 and len(gates) == 80, (precision, gates[:17])
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
         runs[precision] = losses
     model = Products()  # eager, on the CPU: after XLA's backward, never before it
