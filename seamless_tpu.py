@@ -3684,9 +3684,10 @@ def _slice_blocks(getitem):
 
 
 # --- 9d. repeated blocks: running the loop ---------------------------------------------------------
-# The last _BlockCall of a pass runs the blocks as one torch_xla scan (an XLA While) over their stacked parameters, or
-# one by one with the arguments each was given, where a loop would differ from them. In training the loop also scans
-# one seed per block, from which the body's dropout draws its masks (_RandomOps).
+# The last _BlockCall of a pass runs the blocks as one XLA While over their stacked parameters (torch_xla's scan
+# forward; a backward that writes the gradients over the stack), or one by one with the arguments each was given,
+# where a loop would differ from them. In training the loop also scans one seed per block, from which the body's
+# dropout draws its masks (_RandomOps).
 
 
 def _unrolled_because(stack, calls):
