@@ -269,8 +269,8 @@ def family_peaks():
     devices: 0.75x its bytes in all); a frozen weight's stack (0.25x; the program that makes one stack holds it and
     its shards, 0.5x of that stack). Measured 0.98-1.23x of that (LoRA the most: its blocks' bytes are mostly frozen),
     the rest activations; stop 56's peaks, with the gradients stacked apart from the weights as torch_xla's scan
-    does, come to up to 1.47x of it (GPT-2); a loop that held its stacked weights or gradients whole would take 2x or more, a frozen stack made whole
-    4x or more."""
+    does, come to up to 1.47x of it (GPT-2); a loop that held its stacked weights or gradients whole would take 2x or
+    more, a frozen stack made whole 4x or more."""
     runs = [child.result(out) for out in child.run_together(
         [([os.path.abspath(__file__), "family_peaks_at", str(depth)], child.env(**child.XLA_ENV)) for depth in (8, 16)],
         timeout=360)]
