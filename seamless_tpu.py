@@ -1248,16 +1248,20 @@ def _in_order(now, w, kind):
     """`w`, a weight fsdp splits (_gathered), gathered for this product no earlier than the last such product's input
     (`now` then) of this pass: without it XLA gathered every layer's weight at the program's start and kept each to
     its backward (a flat Sequential of Linear layers: 2.75x the model per device). Adds a 0 made from that input
-    (v == v is 1 or 0, never NaN; x * 0 is not folded for floats): a pass over the shard and a 4-byte all-reduce a
-    product."""
+    (_zero_after): a pass over the shard and a 4-byte all-reduce a product."""
     if _STATE.loops.tracing:  # a loop's body gathers one block's weights
         return w
     cuts = _STATE.cuts
     gate, cuts.gates[kind] = cuts.gates.get(kind), now
-    if gate is None or not gate.numel():
-        return w
-    first = gate[(0,) * gate.dim()]  # one element: a reshape of a tensor split on dim 1 gathered it whole
-    return w + (first == first).to(w.dtype) * 0
+    return w if gate is None or not gate.numel() else w + _zero_after([gate], w.dtype)
+
+
+def _zero_after(tensors, dtype):
+    """A 0 of `dtype` that XLA computes only once every tensor (none empty) is: added to a value, it orders that
+    value's work after theirs. One element of each (a reshape of a tensor split on dim 1 gathered it whole) equal to
+    itself, 1 or 0, never NaN; times 0, which XLA does not fold for floats (it does for ints)."""
+    ones = [(t[(0,) * t.dim()] == t[(0,) * t.dim()]).to(dtype) for t in tensors]
+    return sum(ones[1:], ones[0]) * 0
 
 
 def _gathered(w):  # ids outlive tensors: a new one may have a dead fsdp parameter's; or autocast's cast of one
@@ -3808,9 +3812,9 @@ def _backward_in_place(backward, trainable, at, carry, x):
     grads = [grads[name] if grads[name] is not None else torch.zeros_like(w) for name, w in zip(trainable, weights)]
     # XLA updates a stack in place only where it sees every read of it come first, and a weight's own gradient does
     # not read it (XLA copied each stack twice a block). A 0 made from the input's gradient and every weight's orders
-    # the reads that lead to them: v == v is 1 or 0, never NaN; x * 0 is not folded for floats (it is for ints).
-    ends = [torch.utils._pytree.tree_leaves(grad_carry)[0], *grads]
-    zero = sum((t[(0,) * t.dim()] == t[(0,) * t.dim()]).to(torch.float32) for t in ends if t.numel()) * 0
+    # the reads that lead to them.
+    ends = [t for t in (torch.utils._pytree.tree_leaves(grad_carry)[0], *grads) if t.numel()]
+    zero = _zero_after(ends, torch.float32)
     grads = [g + zero.to(g.dtype) for g in grads]
     return (grad_carry, [s.index_copy(0, k, g.unsqueeze(0)) for s, g in zip(stacks, grads)]), None
 
