@@ -14,9 +14,9 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
   pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
   torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
   torch.inference_mode() is no_grad. The first fsdp weight: autocast's products (an fsdp weight's cast marked).
-- first XLA use or first trainer: one global pre-step and one post-step optimizer hook (in an XLA step torch_xla's
-  special scalars off). Each trainer: forward hooks, modes counting its first step's FLOPs; log(): a thread, step
-  closures. Repeated blocks on XLA: ModuleList's, Sequential's __iter__, __getitem__ (a checked loop's).
+- first XLA use or first trainer: pre- and post-step optimizer hooks (in an XLA step torch_xla's special scalars off; in
+  a first or pinned step a function mode, the lr tagged). Each trainer: forward hooks, first-step FLOP modes; log(): a
+  thread, step closures. Repeated blocks on XLA: ModuleList's, Sequential's __iter__, __getitem__ (checked).
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
   kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread). Processes:
   a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
@@ -80,8 +80,9 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
 # - _XLAC._xla_dot_general, torch._C._are_functorch_transforms_active. TODO(remove when XLA einsum is twice diff.)
-# - _XLAC._xla_sync_multi, _get/_set_xla_handle_special_scalars; torch._functionalize_sync, _has_data_mutation (the
-#   first step, a step's graph). TODO(remove when optimizers have an init and torch_xla's graphs ignore scalar values)
+# - _XLAC._xla_sync_multi, _get/_set_xla_handle_special_scalars, _xla_tensors_from_aten; torch._functionalize_sync,
+#   _has_data_mutation, torch._C._len_torch_function_stack, _get_function_stack_at (the first step, a step's graph).
+#   TODO(remove when optimizers have an init and torch_xla's graphs ignore scalar values)
 # - torch._C._functions.DelayedError: scan's backward is not differentiable (ctc_loss). TODO(remove when it is)
 # - torch._C.DispatchKeySet: the key set a kernel that replaced torch_xla's calls its kernel with (get_kernel).
 #   TODO(remove when torch_xla lowers addmm for any beta, scatter_reduce's mean and avg_pool's backward)
@@ -2628,9 +2629,9 @@ def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corne
 # --- 8. the step: its hooks, graph cuts, the first step's state, the recompile watchdog -----------
 # One global pre-step and one post-step hook run each concern of an optimizer step in a fixed order (docs/design.md,
 # "The step"): before it rebinding, then on XLA the watchdog, scaled gradients rebuilt, the state first, the work check,
-# the cut, SGD's damped momentum and special scalars off; after it, on XLA the cut, special scalars back and the
-# watchdog, then preemption, the meter and the profiler. A trainer model's forward has one hook too
-# (_before_forward): special scalars back (a step that raised), meta init, then the cut that ends the last iteration.
+# the cut, SGD's damped momentum, special scalars off and _OwnScalars on (a first or pinned step); after it, on XLA the
+# cut, both back and the watchdog, then preemption, the meter and the profiler. A trainer model's forward has one hook
+# too (_before_forward): both back (a step that raised), meta init, then the cut that ends the last iteration.
 
 
 @dataclasses.dataclass
@@ -2642,6 +2643,7 @@ class _GraphCuts:
     no_grad_forward: bool = False  # a trainer's model ran under no_grad since the graph was last cut
     models: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # models whose forwards cut graphs
     scalars: bool = None  # torch_xla's special scalars (0, 1 as constants) as the user had them, while a step runs
+    own_scalars: object = None  # the _OwnScalars mode while a step runs
     gathered: set = dataclasses.field(default_factory=set)  # ids of the parameters fsdp splits (_in_order); not
     # weak references, which swap_tensors (meta init) refuses; a parameter keeps its id through the swap
     gates: dict = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> the last gathered product's input
@@ -2659,6 +2661,7 @@ class _StepRecord:
     owned: tuple = None  # when `ours` was decided
     ours: bool = False  # it steps a trainer's parameters (not a probe's): preemption and the meter count its steps
     steps: int = 0  # steps taken, for the watchdog's warning
+    pinned: dict = dataclasses.field(default_factory=dict)  # _OwnScalars: call -> {place: (last value, its scalar)}
 
 
 def _install_step_hooks():
@@ -2694,7 +2697,8 @@ def _before_step(optimizer, args, kwargs):
     _cut_graph()
     if first:
         _momentum_first(optimizer)
-    _special_scalars(in_step=True)
+    _special_scalars(in_step=True, record=record, first=first,  # torch's steps keep no lr (a user's might)
+                     groups=optimizer.param_groups if _torch_steps(optimizer) else ())
     # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
     if callable(kwargs.get("closure")):
         kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
@@ -2727,17 +2731,126 @@ def _rebuild_scaled_grads(optimizer):
                 torch._functionalize_sync(grad)
 
 
-def _special_scalars(in_step):
+def _special_scalars(in_step, record=None, first=False, groups=()):
     """torch_xla makes 0 and 1 graph constants and other numbers inputs: a scalar 1 at one step only (Adafactor's first
     weight) made that step a graph of its own. Off in a step; then as the user had them (after the step, or at the
-    forward after one that raised). Costs a constant folded less per such scalar."""
+    forward after one that raised). Costs a constant folded less per such scalar. _OwnScalars runs in an optimizer's
+    first step, and in every step of one it pinned a call of."""
     cuts, xla = _STATE.cuts, sys.modules.get("torch_xla")
     if in_step:
         cuts.scalars = xla._XLAC._get_xla_handle_special_scalars() if cuts.scalars is None else cuts.scalars
         xla._XLAC._set_xla_handle_special_scalars(False)
-    elif cuts.scalars is not None:
+        if first or record.pinned:
+            cuts.own_scalars = _OwnScalars(record.pinned, groups if first else None).__enter__()
+        return
+    if cuts.scalars is not None:
         xla._XLAC._set_xla_handle_special_scalars(cuts.scalars)
         cuts.scalars = None
+    mode, cuts.own_scalars = cuts.own_scalars, None
+    if mode is not None:
+        mode.leave()
+
+
+# The ops whose float arguments a Tensor may replace (in place too: mul_), and the keywords that scale an operand.
+# Elsewhere a 0-dim tensor would be read as a Scalar: .item(), a sync (full_like's fill value, norm's p).
+_TENSOR_OVERLOADS = frozenset(
+    "mul div true_divide add sub rsub lerp clamp clamp_min clamp_max pow fill masked_fill eq ne lt le gt ge".split()
+    + [f"__{op}__" for op in "mul rmul truediv rtruediv add radd sub rsub pow rpow setitem".split()])
+_SCALED_BY = {"alpha": ("add", "sub"), "value": ("addcmul", "addcdiv")}
+
+
+class _Varying(float):
+    """A float an optimizer's first step derives from a step count (Tensor.item) or its lr, which a scheduler moves:
+    one equal to another there may differ later. Arithmetic keeps the tag; math.sqrt and float() drop it."""
+
+
+def _still_varying(float_op):
+    def op(self, *other):
+        out = float_op(self, *other)
+        return out if out is NotImplemented else _Varying(out)
+    return op
+
+
+for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "pow", "rpow", "neg", "abs"):
+    setattr(_Varying, f"__{_name}__", _still_varying(getattr(float, f"__{_name}__")))
+_FLOATS = {float, _Varying}
+
+
+class _OwnScalars(torch.overrides.TorchFunctionMode):
+    """torch_xla gives equal scalars one device input, so floats equal at one step only gave it a graph of its own: at
+    step 1 RAdam's bias correction 1 - beta1^1 is its lerp weight 1 - beta1, a warmup's lr 0 makes AdamW's 1 - lr x
+    weight_decay 1 (torch_xla's own alpha=1 of every add). At an optimizer's first step (detect: its groups, whose lr
+    become _Varying for it) a _Varying float equal to 1, or one equal to another call's float with either varying,
+    pins its call: there, at that and every later step, the call's floats are device scalars of their own (one per
+    place, sent once per new value). For good: each use of a device tensor is one graph node where a number's are
+    one each (unpinned at step 2, the step compiled again). Costs 5-7 us per op in the steps it runs (an optimizer
+    with a pinned call: RAdam, AdamW warmed up from lr 0) and none where floats equal at step 1 stay equal."""
+
+    def __init__(self, pinned, groups=None):
+        super().__init__()
+        self.pinned, self.detect, self.seen, self.lrs = pinned, groups is not None, {}, []
+        for group in groups or ():
+            if type(group.get("lr")) is float:
+                self.lrs.append((group, group["lr"], _Varying(group["lr"])))
+                group["lr"] = self.lrs[-1][2]
+
+    def leave(self):
+        for group, lr, varying in self.lrs:
+            if group.get("lr") is varying:
+                group["lr"] = lr
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is self:
+            self.__exit__(None, None, None)  # else a mode the step pushed is above it: it passes through from now
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.item and self.detect and not torch.is_grad_enabled():  # not a closure's loss
+            out = func(*args, **kwargs)
+            return _Varying(out) if type(out) is float else out  # a step count: Adam's bias corrections
+        if len(args) < 2 or not _FLOATS & {type(v) for v in (*args, *kwargs.values())}:
+            return func(*args, **kwargs)  # most calls: x.grad, x.is_complex(), x.add_(y)
+        frame = sys._getframe(1)
+        if frame.f_globals.get("__name__") == "torch._tensor":  # v - x, 2 / x: torch's operator wrappers
+            frame = frame.f_back
+        call = (frame.f_code, frame.f_lasti)
+        if not self.detect and call not in self.pinned:
+            return func(*args, **kwargs)
+        name, target = getattr(func, "__name__", ""), args[0]
+        op = name if name.startswith("__") else name.rstrip("_")  # mul_ is mul
+        numbers = [where for where in range(1, len(args)) if type(args[where]) in (int, *_FLOATS)]
+        places = [*(numbers if op in _TENSOR_OVERLOADS and all(type(args[i]) in _FLOATS for i in numbers) else ()), *(
+            key for key, ops in _SCALED_BY.items() if type(kwargs.get(key)) in _FLOATS and op in ops
+            and all(isinstance(t, torch.Tensor) for t in args[1:3]))]  # an int beside: the Scalar overload, .item()
+        if not places or not (isinstance(target, torch.Tensor) and target.is_floating_point() and _is_xla(
+                target.device)) or torch.is_grad_enabled() or "out" in kwargs:  # grad: a closure's forward
+            return func(*args, **kwargs)
+        values = [kwargs[where] if isinstance(where, str) else args[where] for where in places]
+        if self.detect and any([self._collides(call, v, target.dtype) for v in values]):
+            self.pinned.setdefault(call, {})
+        own = self.pinned.get(call)
+        if own is None:
+            return func(*args, **kwargs)
+        args, kwargs = list(args), dict(kwargs)
+        for where, value in zip(places, values):
+            last, scalar = own.get(where, (None, None))
+            if scalar is None or last != value:
+                scalar = _import("torch_xla")._XLAC._xla_tensors_from_aten(
+                    [torch.tensor(value, dtype=target.dtype)], [str(target.device)])[0]  # device data of its own
+                own[where] = (value, scalar)
+            if where == "alpha":  # add/sub(x, y, alpha=a) is x +- y x a, as torch_xla lowers it
+                del kwargs[where]
+                args[1] = args[1] * scalar
+            elif where == "value":  # addcmul/addcdiv(x, t1, t2, value=v): x + (t1 op t2) x v, as torch_xla lowers them
+                other = (args[1] * args[2] if name.startswith("addcmul") else args[1] / args[2]) * scalar
+                return target.add_(other) if name.endswith("_") else torch.add(target, other)
+            else:
+                args[where] = scalar
+        return func(*args, **kwargs)
+
+    def _collides(self, call, value, dtype):
+        key, varying = float(torch.tensor(value).to(dtype)), type(value) is _Varying  # torch_xla's key: op's type
+        first, first_varying = self.seen.setdefault(key, (call, varying))
+        return varying and key == 1.0 or first != call and (varying or first_varying)
 
 
 def _has_xla_params(optimizer):

@@ -3,12 +3,14 @@ has not), each plain, with an LR scheduler and with gradient clipping (and AdamW
 MLP through the trainer (XLA) or as written (eager, SEAMLESS_TPU_DEVICE=cpu).
 
     python tests/first_step.py GROUP...  # a key of GROUPS, a case (adam/clip) or "all"; reports (child.report)
-    {case: {"losses": [...], "weights": [...], "state": [...], "compiles": [after each step], "split_like": bool}}
+    {case: {"losses": [...], "weights": [...], "state": [...], "compiles": [after each step], "split_like": bool,
+            "pinned": int}}
 
 "compiles" counts torch_xla's UncachedCompile from the case's start. Each case's MLP has a width of its own, so no
 case meets a graph another compiled in the same process. "state" is the optimizer's state after the last step,
 every tensor in parameter then key order (Adam's step counts included). "split_like": every state tensor of a
 parameter's shape, and its gradient, is laid out like its parameter (fsdp: split, the same bytes per device).
+"pinned": the calls of its step whose floats _OwnScalars made device scalars (each step pays its mode).
 """
 
 import sys
@@ -26,7 +28,7 @@ OPTIMIZERS = {  # name -> (the optimizer, the trainer's strategy)
     "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, maximize=True),
     "sgd_dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1),
     "adam": lambda p: torch.optim.Adam(p, lr=0.01),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),  # 1 - lr x wd = beta2 (till lr moves)
     "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
     "adamw_fsdp": lambda p: torch.optim.AdamW(p, lr=0.01),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, eps=1e-4),
@@ -103,7 +105,8 @@ def run(case, width):
              sorted(optimizer.state[p].items()) if isinstance(v, torch.Tensor)]
     return {"losses": torch.stack(losses).cpu().tolist(),
             "weights": torch.cat([p.detach().cpu().flatten() for p in model.parameters()]).tolist(),
-            "state": torch.cat(state).tolist() if state else [], "compiles": compiles, "split_like": split_like}
+            "state": torch.cat(state).tolist() if state else [], "compiles": compiles, "split_like": split_like,
+            "pinned": len(st._STATE.steps[optimizer].pinned) if xla else 0}
 
 
 def main(*names):

@@ -967,6 +967,86 @@ def scans_keep_special_values():
             assert close.all(), (name, dim, got[~close][:4], want[~close][:4])
 
 
+def _scalar_forms(x, y, z, v):
+    """Each way torch's optimizers pass a float to an op, one call site each."""
+    return [x * v, x.mul(v), x / v, x.div(v), v - x, x.lerp(y, v), x.clone().lerp_(y, v), x.clamp(v, 2.0),
+            x.add(y, alpha=v), x.clone().sub_(y, alpha=v), torch.addcmul(x, y, z, value=v),
+            x.clone().addcdiv_(y, z, value=v), torch.full_like(x, v)]
+
+
+def _pair(x, v):
+    return x.mul(0.37), x.mul(v)  # two calls
+
+
+def _inputs(*tensors):
+    return len(re.findall(r"= \S+ parameter\(", st._import("torch_xla")._XLAC._get_xla_tensors_hlo(list(tensors))))
+
+
+def step_scalars_are_inputs_of_their_own():
+    """Issue 49: _OwnScalars, the optimizer step's mode. At a first step (detect) a _Varying float (from a step count or
+    the lr) equal to 1, or to another call's float, pins its call; constants equal at every step do not. A pinned
+    call's floats become device scalars of their own, and every form gives the number's answer exactly: a Tensor
+    overload (mul, div, v - x, lerp, clamp), alpha (add, sub) and value (addcmul, addcdiv), in place or not, with
+    nothing read to the host. full_like has no Tensor overload (a 0-dim tensor there is .item()): its number stays.
+    Under grad (a closure's forward) nothing is pinned. In a graph, two calls' equal floats are one input on
+    torch_xla and two when pinned, as two distinct numbers are at later steps. The mode, and the lr it tagged, leave
+    after a step, and after a step that raised at the trainer's next forward."""
+    device = st.get_device()
+    g = torch.Generator().manual_seed(0)
+    x, y, z = (torch.randn(8, 4, generator=g).to(device) for _ in range(3))
+    z = z.abs() + 0.5
+    pinned = {}
+    with torch.no_grad():
+        with torch.enable_grad(), st._OwnScalars(pinned, ()):
+            _scalar_forms(x, y, z, st._Varying(1.0))
+        with st._OwnScalars(pinned, ()):
+            _scalar_forms(x, y, z, 1.0)
+            _pair(x, 0.37)
+        assert pinned == {}, "under grad: the user's ops as written; constants equal at every step stay numbers"
+        with st._OwnScalars(pinned, ()):
+            _scalar_forms(x, y, z, st._Varying(1.0))
+        assert sorted(len(places) for places in pinned.values()) == [1] * 11 + [2], pinned  # not full_like's
+        want = [t.cpu() for t in _scalar_forms(x, y, z, 0.37)]
+        met = st._import("torch_xla.debug.metrics")
+        reads = met.metric_data("TransferFromDeviceTime")[0]
+        with st._OwnScalars(pinned):
+            got = _scalar_forms(x, y, z, 0.37)
+        assert met.metric_data("TransferFromDeviceTime")[0] == reads, "no value read to the host"
+        got = [t.cpu() for t in got]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), [(a - b).abs().max() for a, b in zip(got, want)]
+        assert {value for places in pinned.values() for value, _ in places.values()} == {0.37, 2.0}
+        assert (_inputs(*_pair(x, 0.37)), _inputs(*_pair(x, 0.5))) == (2, 3), "torch_xla: equal floats, one input"
+        pinned = {}
+        with st._OwnScalars(pinned, ()):
+            assert _inputs(*_pair(x, st._Varying(0.37))) == 3 and len(pinned) == 1, "pinned: two inputs, as later"
+        with st._OwnScalars(pinned):
+            assert _inputs(*_pair(x, 0.5)) == 3
+
+    class Raises(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("the step raised")
+
+    model = torch.nn.Linear(4, 2)
+    trainer, optimizer = st.SeamlessTPUTrainer(model), Raises(model.parameters(), lr=0.1)
+    inputs = trainer.to_device(torch.randn(8, 4))
+    model(inputs).sum().backward()
+    try:
+        optimizer.step()
+    except RuntimeError as e:
+        assert str(e) == "the step raised"
+    assert "_OwnScalars" in function_modes(), "the raising step's mode is still in force"
+    assert type(optimizer.param_groups[0]["lr"]) is st._Varying
+    model(inputs)
+    assert "_OwnScalars" not in function_modes(), "the next forward ended it"
+    assert type(optimizer.param_groups[0]["lr"]) is float, "and gave the lr back"
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert function_modes() == [], "a step ends its own (and the first step's FLOP count ended)"
+
+
+def function_modes():
+    return [type(torch._C._get_function_stack_at(i)).__name__ for i in range(torch._C._len_torch_function_stack())]
+
+
 def rnn_modules_load_their_state_after_a_trainer():
     """Issue 47: with a trainer made, load_state_dict works on every RNN module of the process (the user's LSTM model
     on XLA, a GRU on the CPU, an LSTM the user moved) and loads the weights. torch's swap_module_params_on_conversion

@@ -47,6 +47,7 @@ REAL_ONLY = [
     "run_costs_on_xla",
     "rnn_modules_load_their_state_after_a_trainer",
     "scans_keep_special_values",
+    "step_scalars_are_inputs_of_their_own",
 ]
 
 
@@ -290,14 +291,17 @@ ONE_STEP_GRAPH = [3] * first_step.STEPS
 # Measured exceptions, each counted as it is so that a change is seen; none compiles a step twice but RAdam. SGD with
 # dampening: its buffer is made from the gradients after the cut (_momentum_first), a graph of its own. Adafactor
 # reads values to the host inside its step, each read a graph of its own. ASGD plain reads eta and mu to the host (a
-# graph of its own, cached). RAdam: torch_xla gives equal numbers one device input, and at step 1 its bias correction
-# 1 - beta1^1 is its lerp weight 1 - beta1 (step 2's graph has one input more); from step 6 (rho_t > 5) it takes its
-# other branch. AdamW with a warmup from lr 0 (transformers' linear schedule): lr 0 makes scalars of step 1 equal that
-# later differ, one input (with torch_xla's device-data cache off in the step it compiles once, but that costs a
-# transfer per scalar and parameter every step).
-COMPILES = {"adamw/warmup": [3] + [4] * 7, "sgd_dampening": [4] * 8, "adafactor/plain": [11] * 8,
-            "adafactor/scheduler": [9] * 8, "adafactor/clip": [9] * 8, "radam": [3] + [4] * 4 + [5] * 3,
-            "asgd/plain": [4] * 8}
+# graph of its own, cached). RAdam: from step 6 (rho_t > 5) it takes its other branch. (Before _OwnScalars, RAdam's
+# step 2 compiled too: its bias correction 1 - beta1^1 was its lerp weight 1 - beta1, one input; so did AdamW's with a
+# warmup from lr 0, and with lr x weight_decay = 1 - beta2 under a scheduler.)
+COMPILES = {"sgd_dampening": [4] * 8, "adafactor/plain": [11] * 8, "adafactor/scheduler": [9] * 8,
+            "adafactor/clip": [9] * 8, "radam": [3] * 5 + [4] * 3, "asgd/plain": [4] * 8}
+# The steps that pin calls (_OwnScalars: a float from the lr or a step count equal to another at step 1), and so run
+# its mode at every step. AdamW here: 1 - lr x weight_decay is beta2 (0.01 x 0.1), and with a warmup from lr 0 it is
+# 1; RAdam: its bias correction 1 - beta1^1 is 1 - beta1, and lr is weight_decay; NAdam: 1 - beta2^1 is 1 - beta2;
+# Adafactor: its three lerp weights 1 - beta2_t are 1 at step 1. Constants passed twice (SGD's momentum with
+# Nesterov, Adadelta's rho) are equal at every step: nothing pinned.
+PINNED = {"adamw": 1, "radam": 2, "adafactor": 3, "nadam": 1}
 BFLOAT16 = {"muon": 1e-2}  # Muon orthogonalises in bfloat16: XLA's and the CPU's products round apart (2^-8)
 
 
@@ -311,9 +315,9 @@ def test_every_optimizer_compiles_its_step_once_and_trains_like_eager():
     state tensor is laid out like its parameter (fsdp: split like it, so the same bytes per device). The
     hyperparameters avoid two traps of XLA against eager that are not the state's: the normalisers of RMSprop and
     NAdam at their default eps divide by the root of a tiny g^2, so a gradient element near 0 turns XLA's last-bit
-    differences into 1e-5 of weight (RMSprop: measured the same with the state made in the step); and AdamW's lr x
-    weight_decay equal to 1 - beta2 (0.01 x 0.1) gave its step one scalar input where a scheduler's next lr gives
-    two, a graph more (torch_xla shares equal scalars)."""
+    differences into 1e-5 of weight (RMSprop: measured the same with the state made in the step). AdamW's lr x
+    weight_decay is 1 - beta2 (0.01 x 0.1), and its warmup starts at lr 0: numbers equal at step 1 only
+    (_OwnScalars)."""
     runs = [("cpu", "all"), ("xla", "sgd"), ("xla", "adam"), ("xla", "others"), ("xla", "more"), ("xla", "rest")]
     results = []
     for pair in (runs[:2], runs[2:4], runs[4:]):
@@ -332,6 +336,7 @@ def test_every_optimizer_compiles_its_step_once_and_trains_like_eager():
         scenarios.assert_close(run["state"], want["state"], tol * max(1.0, largest), f"{case} state")
         expected = COMPILES.get(case, COMPILES.get(name, ONE_STEP_GRAPH))
         assert run["compiles"] == expected, (case, run["compiles"], expected)
+        assert run["pinned"] == PINNED.get(name, 0), (case, run["pinned"])
         assert run["split_like"], f"{case}: a gradient or state tensor is laid out unlike its parameter"
 
 
