@@ -344,7 +344,7 @@ def ema_eval(decay=0.9, copy_after=False):
     a deep copy of the model the trainer placed (on the device, its hook dicts copied with it)."""
     model = mlp()
     ema = None if copy_after else copy.deepcopy(model).requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     trainer = st.SeamlessTPUTrainer(model)
     ema = copy.deepcopy(model).requires_grad_(False) if copy_after else ema.to(trainer.device)
     g = torch.Generator().manual_seed(1)
