@@ -2626,7 +2626,7 @@ def _xla_grid_sampler(input, grid, interpolation_mode, padding_mode, align_corne
         out = out + torch.where(inside[:, None], value, 0) * weight[:, None]
     return out.to(input.dtype)
 
-# --- 8. the step: its hooks, graph cuts, the first step's state, the recompile watchdog -----------
+# --- 8. the step: its hooks, graph cuts, the recompile watchdog -----------------------------------
 # One global pre-step and one post-step hook run each concern of an optimizer step in a fixed order (docs/design.md,
 # "The step"): before it rebinding, then on XLA the watchdog, scaled gradients rebuilt, the state first, the work check,
 # the cut, SGD's damped momentum, special scalars off and _OwnScalars on (a first or pinned step); after it, on XLA the
@@ -2720,6 +2720,203 @@ def _after_step(optimizer, args, kwargs):
         _STATE.profile.step_end()
 
 
+def _has_xla_params(optimizer):
+    # Any XLA parameter needs the sync, or its graph grows without bound; the first usually answers.
+    return any(_is_xla(p.device) for group in optimizer.param_groups for p in group["params"])
+
+
+def _cut_around(closure):
+    """A closure is one graph, the optimizer's work between closures another. Uncut, each value LBFGS read recompiled
+    the whole forward and backward: time_sequence_prediction's 100-step LSTM, a 36,000-op graph for 3-4 min a read."""
+    @functools.wraps(closure)
+    def cut():
+        _cut_graph()
+        loss = closure()
+        _cut_graph()
+        return loss
+    return cut
+
+
+def _cut_graph():
+    """Compile (the first time) and run everything pending as one graph, asynchronously. The work check's outputs
+    still held are dropped: as outputs of a graph that repeats, they would make its first run a graph of its own."""
+    _STATE.work_check.drop()
+    _STATE.cuts.gates.clear()
+    _import("torch_xla").sync()
+    _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
+
+
+def _cut_each_iteration(model):
+    """For loops no optimizer step ends (accumulation, updates by hand, eval): a trainer model's forward cuts the graph
+    if a backward reached its parameters, or it ran under no_grad, since the last cut. Costs a flag per backward."""
+    if model in _STATE.cuts.models:
+        return
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_saw_backward)
+    model.register_forward_pre_hook(_owned(model, _before_forward), with_kwargs=True)
+    _STATE.cuts.models.add(model)
+
+
+def _saw_backward(param):
+    _STATE.cuts.backward = True
+    if param.grad is not None and _is_split(param):
+        # A graph's outputs take the layout XLA's propagation gives them: cut off from the step (or the next
+        # micro-batch) that reads it, an fsdp gradient came out whole, 4x its shard on 4 devices, all-reduced where
+        # it was reduce-scattered. Costs a mark per split parameter per backward.
+        _lay_out_like(param.grad, param)
+
+
+def _before_forward(module, args, kwargs):
+    """A trainer model's forward starts: meta init, the cut that ends the last iteration, the watchdog's look."""
+    cuts = _STATE.cuts
+    _special_scalars(in_step=False)
+    _STATE.meta_init.before_forward(module)
+    if cuts.backward or cuts.no_grad_forward:
+        kind = "train" if cuts.backward else "eval"
+        _cut_graph()
+        cuts.watchdog.after_forward_cut((cuts.watchdog.serial(module), kind), _import("torch_xla.debug.metrics"))
+    cuts.no_grad_forward |= not torch.is_grad_enabled()
+    if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
+        cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
+                                         for t in (*args, *kwargs.values()))
+
+
+class _CompileWatchdog:
+    """Counts XLA compiles per iteration (cut to cut); warns once per process when one pair of consecutive cuts
+    compiles on consecutive runs past warm-up. Not per optimizer: that warned about graphs met once late (the step
+    after an eval, an EMA copy's 3rd step). A cut costs a counter read and the CPU ops' names; no sync."""
+
+    def __init__(self):
+        self.serials, self._numbers = weakref.WeakKeyDictionary(), itertools.count()  # by object: ids are reused
+        self.pairs = {}  # (previous cut, this cut) -> (runs, late compiles in a row); a cut: (id, layout or kind)
+        self.cut, self.cuts = None, 0  # the last cut, and how many there were
+        self.late_compiles = 0  # iterations after warm-up that compiled
+        self.sliced_input = False  # a forward's input was a view of a larger XLA tensor
+        self.in_step = False  # inside optimizer.step(): a closure's forwards belong to the step
+        self._at_cut = 0  # the compile count at the last cut, or at the start of the step in progress
+        self.cpu_ops = set()  # the ops torch_xla ran on the CPU that a warning named
+
+    def before_step(self, met):
+        self.in_step = True
+        self._at_cut = met.counter_value("UncachedCompile") or 0
+
+    def after_step(self, optimizer, record, met):  # a new group: a new cut, warmed anew
+        record.steps += 1
+        self.in_step = False
+        history = optimizer.defaults.get("history_size") if isinstance(optimizer, torch.optim.LBFGS) else None
+        self._count(met, (self.serial(optimizer), record.groups), record.steps, "step", history and (
+            f"LBFGS compiles new graphs until its history is full (history_size={history}), since it reads every "
+            "history term in each inner iteration; a smaller history_size (e.g. 10) bounds them. "))
+
+    def serial(self, obj):
+        """A number for `obj` no later object gets (a notebook's rebuilt model and optimizer reused the old ids, and
+        their first compiles counted as late ones)."""
+        if obj not in self.serials:
+            self.serials[obj] = next(self._numbers)
+        return self.serials[obj]
+
+    def after_forward_cut(self, key, met):
+        if not self.in_step:  # else LBFGS: its step counts a closure's forwards
+            self._count(met, key, self.cuts + 1, "iteration")
+
+    def _count(self, met, cut, index, what, known_cause=None):
+        _name_cpu_fallbacks(met, self.cpu_ops)
+        now = met.counter_value("UncachedCompile") or 0
+        compiled, self._at_cut = now - self._at_cut, now
+        pair, self.cut, self.cuts = (self.cut, cut), cut, self.cuts + 1
+        runs, in_a_row = self.pairs.get(pair, (0, 0))
+        late = bool(compiled and runs >= WARMUP_STEPS)
+        in_a_row = in_a_row + 1 if late else 0
+        self.pairs[pair], self.late_compiles = (runs + 1, in_a_row), self.late_compiles + late
+        if in_a_row < LATE_COMPILES_TO_WARN or not _once("recompiles"):
+            return
+        cause = known_cause or ("A model input is a slice of a device tensor (e.g. source[i:i + seq_len] on XLA): "
+                                "each new offset is a new graph. Keep the source on the host and move each batch with "
+                                "trainer.to_device, or select with index_select and an index tensor. "
+                                if self.sliced_input else "")
+        logger.warning(
+            "seamless_tpu: %s %d compiled %d new XLA graph(s) after warm-up. Each recompile stalls training. %s%s"
+            "input shapes that change between steps (a smaller last batch: use trainer.prepare_data_loader, which "
+            "drops it), Python control flow on tensor values, or .item()/print(tensor) inside the step. "
+            "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause,
+            "Other causes: " if cause else "Likely causes: ")
+
+
+# --- 8b. the first step: its state, and the step's scalars ----------------------------------------
+# Before an optimizer's first step its state is made (one small graph), so step 1's graphs are every later step's; in
+# each XLA step the numbers torch_xla would fold (0, 1) or share (equal at step 1 only) stay inputs of their own
+# (docs/design.md, "First-step compile time").
+
+
+def _state_first(optimizer, record):
+    """Before an optimizer's first step, the state it would create (and the work check's outputs) become device data
+    by a small graph of their own: step 1's graphs are then every later step's, compiled once (made inside it, step 2
+    read the state as input: a second compile of the step). Costs a small graph once (the state's first values; with
+    the work check, the forward up to its last held module)."""
+    if record.ready == record.groups and not _STATE.work_check.held:  # not a first step, new group or model
+        return
+    _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
+    if params:
+        _init_state(optimizer)
+        for p in params:
+            if optimizer.state.get(p):
+                optimizer.state[p] = _state_like(optimizer.state[p], p)
+    ready = [v for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+             for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and _is_xla(v.device)]
+    ready = [t for t in ready + _STATE.work_check.outputs() if not _is_device_data(t)]
+    if ready:
+        _import("torch_xla")._XLAC._xla_sync_multi(ready, devices=[], wait=False)  # compiles a graph, async
+    record.ready = record.groups
+
+
+def _init_state(optimizer):
+    """The state torch's first step makes, made by torch's own code: each group's _init_group, which every torch.optim
+    step calls first (NAdam's mu_product 1, ASGD's eta the lr, Rprop's step sizes the lr, Adam's zeros). Left to the
+    step: a step or _init_group not torch's (a subclass's own), fused or differentiable groups, and optimizers with
+    no _init_group (LBFGS, SparseAdam). SGD's momentum: zeros stand for its first step's copy of the gradient only
+    without dampening; with it the buffer is made from the gradients after the cut (_momentum_first)."""
+    if not _torch_steps(optimizer):
+        return
+    with torch.no_grad():
+        init = type(optimizer)._init_group
+        for group in optimizer.param_groups:  # (group, params_with_grad, grads, one list per kind of state...)
+            init(optimizer, group, *([] for _ in range(len(inspect.signature(init).parameters) - 2)))
+            for p in group["params"] if isinstance(optimizer, torch.optim.SGD) and group["momentum"] and not group[
+                    "dampening"] else ():
+                if p.grad is not None and not optimizer.state.get(p):
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+
+def _torch_steps(optimizer):
+    kind = type(optimizer)
+    return all(getattr(f, "__module__", "").startswith("torch.optim.") for f in (
+        kind.step, getattr(kind, "_init_group", None))) and not any(
+        group.get("fused") or group.get("differentiable") for group in optimizer.param_groups)
+
+
+def _momentum_first(optimizer):
+    """SGD's momentum buffer with dampening before its first step, once the cut made the gradients data: that step
+    copies the gradient g (weight decay and maximize applied) where later ones take momentum x buf + (1 - dampening)
+    x g, so a buffer of dampening / momentum x g gives step 1 the later steps' graph and torch's numbers to a
+    rounding. Costs a small graph once."""
+    if not (isinstance(optimizer, torch.optim.SGD) and _torch_steps(optimizer)):
+        return
+    made = []
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            momentum, dampening, decay = group["momentum"], group["dampening"], group["weight_decay"]
+            for p in group["params"] if momentum and dampening else ():
+                if p.grad is not None and not optimizer.state.get(p):
+                    g = (-p.grad if group["maximize"] else p.grad).add(p, alpha=decay)
+                    optimizer.state[p] = _state_like({"momentum_buffer": g * (dampening / momentum)}, p)
+                    made.append(optimizer.state[p]["momentum_buffer"])
+    if made and _is_xla(made[0].device):
+        _import("torch_xla")._XLAC._xla_sync_multi(made, devices=[], wait=False)  # compiles a graph, async
+
+
 def _rebuild_scaled_grads(optimizer):
     """A gradient scaled in place (clipping) is a view that torch_xla rebuilds from its base where it is next read:
     on step 1 the state's reads did, on later steps the step's, and its outputs came in another order (a graph more:
@@ -2798,9 +2995,10 @@ class _OwnScalars(torch.overrides.TorchFunctionMode):
         for group, lr, varying in self.lrs:
             if group.get("lr") is varying:
                 group["lr"] = lr
+        self.pinned, self.detect = {}, False  # inert, if a mode the step pushed keeps it on the stack
         depth = torch._C._len_torch_function_stack()
         if depth and torch._C._get_function_stack_at(depth - 1) is self:
-            self.__exit__(None, None, None)  # else a mode the step pushed is above it: it passes through from now
+            self.__exit__(None, None, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -2852,196 +3050,6 @@ class _OwnScalars(torch.overrides.TorchFunctionMode):
         first, first_varying = self.seen.setdefault(key, (call, varying))
         return varying and key == 1.0 or first != call and (varying or first_varying)
 
-
-def _has_xla_params(optimizer):
-    # Any XLA parameter needs the sync, or its graph grows without bound; the first usually answers.
-    return any(_is_xla(p.device) for group in optimizer.param_groups for p in group["params"])
-
-
-def _cut_around(closure):
-    """A closure is one graph, the optimizer's work between closures another. Uncut, each value LBFGS read recompiled
-    the whole forward and backward: time_sequence_prediction's 100-step LSTM, a 36,000-op graph for 3-4 min a read."""
-    @functools.wraps(closure)
-    def cut():
-        _cut_graph()
-        loss = closure()
-        _cut_graph()
-        return loss
-    return cut
-
-
-def _cut_graph():
-    """Compile (the first time) and run everything pending as one graph, asynchronously. The work check's outputs
-    still held are dropped: as outputs of a graph that repeats, they would make its first run a graph of its own."""
-    _STATE.work_check.drop()
-    _STATE.cuts.gates.clear()
-    _import("torch_xla").sync()
-    _STATE.cuts.backward = _STATE.cuts.no_grad_forward = False
-
-
-def _cut_each_iteration(model):
-    """For loops no optimizer step ends (accumulation, updates by hand, eval): a trainer model's forward cuts the graph
-    if a backward reached its parameters, or it ran under no_grad, since the last cut. Costs a flag per backward."""
-    if model in _STATE.cuts.models:
-        return
-    for param in model.parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(_saw_backward)
-    model.register_forward_pre_hook(_owned(model, _before_forward), with_kwargs=True)
-    _STATE.cuts.models.add(model)
-
-
-def _saw_backward(param):
-    _STATE.cuts.backward = True
-    if param.grad is not None and _is_split(param):
-        # A graph's outputs take the layout XLA's propagation gives them: cut off from the step (or the next
-        # micro-batch) that reads it, an fsdp gradient came out whole, 4x its shard on 4 devices, all-reduced where
-        # it was reduce-scattered. Costs a mark per split parameter per backward.
-        _lay_out_like(param.grad, param)
-
-
-def _before_forward(module, args, kwargs):
-    """A trainer model's forward starts: meta init, the cut that ends the last iteration, the watchdog's look."""
-    cuts = _STATE.cuts
-    _special_scalars(in_step=False)
-    _STATE.meta_init.before_forward(module)
-    if cuts.backward or cuts.no_grad_forward:
-        kind = "train" if cuts.backward else "eval"
-        _cut_graph()
-        cuts.watchdog.after_forward_cut((cuts.watchdog.serial(module), kind), _import("torch_xla.debug.metrics"))
-    cuts.no_grad_forward |= not torch.is_grad_enabled()
-    if cuts.watchdog.late_compiles and not cuts.watchdog.sliced_input:  # only once a warning may follow
-        cuts.watchdog.sliced_input = any(isinstance(t, torch.Tensor) and t._base is not None and _is_xla(t.device)
-                                         for t in (*args, *kwargs.values()))
-
-
-def _state_first(optimizer, record):
-    """Before an optimizer's first step, the state it would create (and the work check's outputs) become device data
-    by a small graph of their own: step 1's graphs are then every later step's, compiled once (made inside it, step 2
-    read the state as input: a second compile of the step). Costs a small graph once (the state's first values; with
-    the work check, the forward up to its last held module)."""
-    if record.ready == record.groups and not _STATE.work_check.held:  # not a first step, new group or model
-        return
-    _place_optimizer_state(optimizer)  # state made on the CPU (Adagrad makes it at construction) moves, split like p
-    params = [p for group in optimizer.param_groups for p in group["params"]
-              if p.grad is not None and not optimizer.state.get(p) and _is_xla(p.device)]
-    if params:
-        _init_state(optimizer)
-        for p in params:
-            if optimizer.state.get(p):
-                optimizer.state[p] = _state_like(optimizer.state[p], p)
-    ready = [v for group in optimizer.param_groups for p in group["params"] if p.grad is not None
-             for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and _is_xla(v.device)]
-    ready = [t for t in ready + _STATE.work_check.outputs() if not _is_device_data(t)]
-    if ready:
-        _import("torch_xla")._XLAC._xla_sync_multi(ready, devices=[], wait=False)  # compiles a graph, async
-    record.ready = record.groups
-
-
-def _init_state(optimizer):
-    """The state torch's first step makes, made by torch's own code: each group's _init_group, which every torch.optim
-    step calls first (NAdam's mu_product 1, ASGD's eta the lr, Rprop's step sizes the lr, Adam's zeros). Left to the
-    step: a step or _init_group not torch's (a subclass's own), fused or differentiable groups, and optimizers with
-    no _init_group (LBFGS, SparseAdam). SGD's momentum: zeros stand for its first step's copy of the gradient only
-    without dampening; with it the buffer is made from the gradients after the cut (_momentum_first)."""
-    if not _torch_steps(optimizer):
-        return
-    with torch.no_grad():
-        init = type(optimizer)._init_group
-        for group in optimizer.param_groups:  # (group, params_with_grad, grads, one list per kind of state...)
-            init(optimizer, group, *([] for _ in range(len(inspect.signature(init).parameters) - 2)))
-            for p in group["params"] if isinstance(optimizer, torch.optim.SGD) and group["momentum"] and not group[
-                    "dampening"] else ():
-                if p.grad is not None and not optimizer.state.get(p):
-                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-
-
-def _torch_steps(optimizer):
-    kind = type(optimizer)
-    return all(getattr(f, "__module__", "").startswith("torch.optim.") for f in (
-        kind.step, getattr(kind, "_init_group", None))) and not any(
-        group.get("fused") or group.get("differentiable") for group in optimizer.param_groups)
-
-
-def _momentum_first(optimizer):
-    """SGD's momentum buffer with dampening before its first step, once the cut made the gradients data: that step
-    copies the gradient g (weight decay and maximize applied) where later ones take momentum x buf + (1 - dampening)
-    x g, so a buffer of dampening / momentum x g gives step 1 the later steps' graph and torch's numbers to a
-    rounding. Costs a small graph once."""
-    if not (isinstance(optimizer, torch.optim.SGD) and _torch_steps(optimizer)):
-        return
-    made = []
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            momentum, dampening, decay = group["momentum"], group["dampening"], group["weight_decay"]
-            for p in group["params"] if momentum and dampening else ():
-                if p.grad is not None and not optimizer.state.get(p):
-                    g = (-p.grad if group["maximize"] else p.grad).add(p, alpha=decay)
-                    optimizer.state[p] = _state_like({"momentum_buffer": g * (dampening / momentum)}, p)
-                    made.append(optimizer.state[p]["momentum_buffer"])
-    if made and _is_xla(made[0].device):
-        _import("torch_xla")._XLAC._xla_sync_multi(made, devices=[], wait=False)  # compiles a graph, async
-
-
-class _CompileWatchdog:
-    """Counts XLA compiles per iteration (cut to cut); warns once per process when one pair of consecutive cuts
-    compiles on consecutive runs past warm-up. Not per optimizer: that warned about graphs met once late (the step
-    after an eval, an EMA copy's 3rd step). A cut costs a counter read and the CPU ops' names; no sync."""
-
-    def __init__(self):
-        self.serials, self._numbers = weakref.WeakKeyDictionary(), itertools.count()  # by object: ids are reused
-        self.pairs = {}  # (previous cut, this cut) -> (runs, late compiles in a row); a cut: (id, layout or kind)
-        self.cut, self.cuts = None, 0  # the last cut, and how many there were
-        self.late_compiles = 0  # iterations after warm-up that compiled
-        self.sliced_input = False  # a forward's input was a view of a larger XLA tensor
-        self.in_step = False  # inside optimizer.step(): a closure's forwards belong to the step
-        self._at_cut = 0  # the compile count at the last cut, or at the start of the step in progress
-        self.cpu_ops = set()  # the ops torch_xla ran on the CPU that a warning named
-
-    def before_step(self, met):
-        self.in_step = True
-        self._at_cut = met.counter_value("UncachedCompile") or 0
-
-    def after_step(self, optimizer, record, met):  # a new group: a new cut, warmed anew
-        record.steps += 1
-        self.in_step = False
-        history = optimizer.defaults.get("history_size") if isinstance(optimizer, torch.optim.LBFGS) else None
-        self._count(met, (self.serial(optimizer), record.groups), record.steps, "step", history and (
-            f"LBFGS compiles new graphs until its history is full (history_size={history}), since it reads every "
-            "history term in each inner iteration; a smaller history_size (e.g. 10) bounds them. "))
-
-    def serial(self, obj):
-        """A number for `obj` no later object gets (a notebook's rebuilt model and optimizer reused the old ids, and
-        their first compiles counted as late ones)."""
-        if obj not in self.serials:
-            self.serials[obj] = next(self._numbers)
-        return self.serials[obj]
-
-    def after_forward_cut(self, key, met):
-        if not self.in_step:  # else LBFGS: its step counts a closure's forwards
-            self._count(met, key, self.cuts + 1, "iteration")
-
-    def _count(self, met, cut, index, what, known_cause=None):
-        _name_cpu_fallbacks(met, self.cpu_ops)
-        now = met.counter_value("UncachedCompile") or 0
-        compiled, self._at_cut = now - self._at_cut, now
-        pair, self.cut, self.cuts = (self.cut, cut), cut, self.cuts + 1
-        runs, in_a_row = self.pairs.get(pair, (0, 0))
-        late = bool(compiled and runs >= WARMUP_STEPS)
-        in_a_row = in_a_row + 1 if late else 0
-        self.pairs[pair], self.late_compiles = (runs + 1, in_a_row), self.late_compiles + late
-        if in_a_row < LATE_COMPILES_TO_WARN or not _once("recompiles"):
-            return
-        cause = known_cause or ("A model input is a slice of a device tensor (e.g. source[i:i + seq_len] on XLA): "
-                                "each new offset is a new graph. Keep the source on the host and move each batch with "
-                                "trainer.to_device, or select with index_select and an index tensor. "
-                                if self.sliced_input else "")
-        logger.warning(
-            "seamless_tpu: %s %d compiled %d new XLA graph(s) after warm-up. Each recompile stalls training. %s%s"
-            "input shapes that change between steps (a smaller last batch: use trainer.prepare_data_loader, which "
-            "drops it), Python control flow on tensor values, or .item()/print(tensor) inside the step. "
-            "PT_XLA_DEBUG=1 names the cause.", what, index, compiled, cause,
-            "Other causes: " if cause else "Likely causes: ")
 
 # --- 9a. layouts: the _Layout value, meshes, XLA placement, batch and activation sharding ---------
 
