@@ -214,7 +214,7 @@ def _reset_caches():
         _STATE.meter.counting.stop()  # a first step that never ended: its modes leave torch's stacks
     hooks, patches = _STATE.optimizer_hooks.values(), reversed(_STATE.torch_patches)
     for undo in [*(probe.cache_clear for probe in _CACHED_PROBES), *(hook.remove for hook in hooks), *patches,
-                 functools.partial(_special_scalars, in_step=False)]:
+                 _step_scalars_off]:
         undo()
     _STATE = _ProcessState()
 
@@ -2697,8 +2697,8 @@ def _before_step(optimizer, args, kwargs):
     _cut_graph()
     if first:
         _momentum_first(optimizer)
-    _special_scalars(in_step=True, record=record, first=first,  # torch's steps keep no lr (a user's might)
-                     groups=optimizer.param_groups if _torch_steps(optimizer) else ())
+    # The first step tags the lr of torch's own steps only: a user's step might keep it.
+    _step_scalars_on(record, first, optimizer.param_groups if _torch_steps(optimizer) else ())
     # What the hook returns replaces the step's (args, kwargs); args[0] is the optimizer.
     if callable(kwargs.get("closure")):
         kwargs = {**kwargs, "closure": _cut_around(kwargs["closure"])}
@@ -2711,7 +2711,7 @@ def _after_step(optimizer, args, kwargs):
     record = _STATE.steps.get(optimizer) or _record(optimizer)
     if _has_xla_params(optimizer):
         _cut_graph()  # the step's graph
-        _special_scalars(in_step=False)
+        _step_scalars_off()
         _STATE.cuts.watchdog.after_step(optimizer, record, _import("torch_xla.debug.metrics"))
     if _STATE.preemption.owns(optimizer, record):
         _STATE.preemption.after_step(optimizer)
@@ -2770,7 +2770,7 @@ def _saw_backward(param):
 def _before_forward(module, args, kwargs):
     """A trainer model's forward starts: meta init, the cut that ends the last iteration, the watchdog's look."""
     cuts = _STATE.cuts
-    _special_scalars(in_step=False)
+    _step_scalars_off()
     _STATE.meta_init.before_forward(module)
     if cuts.backward or cuts.no_grad_forward:
         kind = "train" if cuts.backward else "eval"
@@ -2928,18 +2928,20 @@ def _rebuild_scaled_grads(optimizer):
                 torch._functionalize_sync(grad)
 
 
-def _special_scalars(in_step, record=None, first=False, groups=()):
+def _step_scalars_on(record, first, groups):
     """torch_xla makes 0 and 1 graph constants and other numbers inputs: a scalar 1 at one step only (Adafactor's first
-    weight) made that step a graph of its own. Off in a step; then as the user had them (after the step, or at the
-    forward after one that raised). Costs a constant folded less per such scalar. _OwnScalars runs in an optimizer's
-    first step, and in every step of one it pinned a call of."""
+    weight) made that step a graph of its own. Off in a step; then as the user had them (_step_scalars_off: after the
+    step, or at the forward after one that raised). Costs a constant folded less per such scalar. _OwnScalars runs in
+    an optimizer's first step (tagging `groups`' lr), and in every step of one it pinned a call of."""
     cuts, xla = _STATE.cuts, sys.modules.get("torch_xla")
-    if in_step:
-        cuts.scalars = xla._XLAC._get_xla_handle_special_scalars() if cuts.scalars is None else cuts.scalars
-        xla._XLAC._set_xla_handle_special_scalars(False)
-        if first or record.pinned:
-            cuts.own_scalars = _OwnScalars(record.pinned, groups if first else None).__enter__()
-        return
+    cuts.scalars = xla._XLAC._get_xla_handle_special_scalars() if cuts.scalars is None else cuts.scalars
+    xla._XLAC._set_xla_handle_special_scalars(False)
+    if first or record.pinned:
+        cuts.own_scalars = _OwnScalars(record.pinned, groups if first else None).__enter__()
+
+
+def _step_scalars_off():
+    cuts, xla = _STATE.cuts, sys.modules.get("torch_xla")
     if cuts.scalars is not None:
         xla._XLAC._set_xla_handle_special_scalars(cuts.scalars)
         cuts.scalars = None

@@ -1038,8 +1038,10 @@ def step_scalars_are_inputs_of_their_own():
     model(inputs)
     assert "_OwnScalars" not in function_modes(), "the next forward ended it"
     assert type(optimizer.param_groups[0]["lr"]) is float, "and gave the lr back"
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain.step()
     assert function_modes() == [], "a step ends its own (and the first step's FLOP count ended)"
+    assert type(plain.param_groups[0]["lr"]) is float, "a first step that ended gives its lr back"
 
 
 def function_modes():
