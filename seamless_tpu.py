@@ -50,7 +50,9 @@ import io
 import itertools
 import logging
 import math
+import operator
 import os
+import random
 import re
 import shutil
 import signal
@@ -3580,67 +3582,71 @@ def _place(model, layout):
     return model
 
 # --- 9c. repeated blocks: which stacks run as one loop ---------------------------------------------
-# A stack of identical blocks (a ModuleList or Sequential of one class, the same parameters, attributes apart from an
-# index) that its owner's forward runs as `x = block(x, ...)`, and nothing else, runs as one XLA While loop over the
-# blocks' stacked weights (torch_xla's scan): one block traced, compiled and, under fsdp, gathered at a time. The
-# owner's loop gets a _BlockCall per block: each records its arguments and hands its input on unchanged (the source
-# check says nothing reads it), and the last runs the loop, or the blocks one by one where a loop would differ.
+# A stack of blocks of one class (a ModuleList or Sequential) that its owner's forward runs as `x = block(x, ...)`,
+# and nothing else, runs as one XLA While loop over the blocks' stacked weights: one turn traced, compiled and, under
+# fsdp, gathered at a time. A turn is one block, or a period of them (Gemma2's sliding and global layers); blocks
+# before and after the run that repeats (T5's first) run on their own. Which blocks share a turn's body is proven
+# where the body is traced (9d), not guessed here. The owner's loop gets a _BlockCall per block: a looped one records
+# its arguments and hands its input on unchanged (the source check says nothing reads it), and the last runs the loop.
+
+MAX_PERIOD = 8  # blocks a turn at most (Gemma3: 6)
 
 
 class _NotALoop(Exception):
-    """Raised inside a loop body's trace: these blocks, called so, stay unrolled (the message says why)."""
+    """These blocks, called so, run one by one (the message says why): raised by a check or the body's trace."""
 
 
 @dataclasses.dataclass
 class _Loops:
-    """The stacks a trainer runs as loops (9c): container -> _Stack; the patches, installed once per process."""
+    """The stacks that run as loops (9c): container -> _Stack; tracing: a body is being traced (its activation marks
+    become ops of the body, 9a)."""
 
     stacks: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
-    patched: bool = False
-    tracing: bool = False  # a loop body is being traced: activation marks become ops of the body (9a)
-    built: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)  # fn -> While
+    tracing: bool = False
 
 
 class _Stack:
-    """Blocks run as one loop where `code` (their owner's forward) iterates them; what it learnt per way of calling."""
+    """A registered stack: its blocks as `members()` gives them, the owner's forward that iterates them (`code`), how
+    they repeat (`plan`: blocks[start:stop] loop, `period` a turn; None and `reason` where none do), and one cache of
+    the bodies traced for it (9d), each under a key holding all its trace assumed."""
 
-    def __init__(self, blocks, code, where):
-        self.blocks, self.code, self.where = blocks, code, where
-        self.bodies = {}  # the calls' static signature -> the loop's body, or why those calls stay unrolled
+    def __init__(self, members, code, where):
+        self.members, self.code, self.where, self.blocks = members, code, where, None
         self.slices = {}  # (start, stop) -> the _Stack of a slice the owner iterates (self.layers[:n])
-        self.calls = []  # (input, args, kwargs) of this pass's blocks so far
-        self._indices = None
-        self.frozen = {}  # parameter name -> (its blocks' parameters' versions, their stack as device data)
+        self.refresh()
 
-    def indices(self, device):
-        """0 .. N-1 as N device scalars, made once (a transfer each, no graph): _Stacked's backward gathers at them."""
-        if self._indices is None or self._indices[0].device != device:
-            self._indices = [torch.tensor([k]).to(device) for k in range(len(self.blocks))]
-        return self._indices
+    def refresh(self):
+        """Plan again where the container's members changed (append, replace, delete): the bodies and stacks go."""
+        blocks = self.members()
+        if self.blocks is not None and len(blocks) == len(self.blocks) and all(map(operator.is_, blocks, self.blocks)):
+            return
+        self.blocks, self.calls, self.bodies, self.frozen, self.indices, self.watch = blocks, [], {}, {}, {}, None
+        self.plan, self.reason = _plan([_block_state(b) for b in blocks])
+
+    @property
+    def looped(self):
+        return self.blocks[self.plan.start:self.plan.stop]
 
     def block_calls(self):
+        self.refresh()
         self.calls = []
         return [_BlockCall(self, k) for k in range(len(self.blocks))]
 
     def call(self, k, x, args, kwargs):
-        if k != len(self.calls) or (k and x is not self.calls[0][0]):
+        plan = self.plan
+        if plan is None or not plan.start <= k < plan.stop:  # before or after the run that repeats
+            return self.blocks[k](x, *args, **kwargs)
+        if k - plan.start != len(self.calls) or (self.calls and x is not self.calls[0][0]):
             raise RuntimeError(f"seamless_tpu bug: the loop over {self.where} called block {k} out of order")
         self.calls.append((x, args, kwargs))
-        if k < len(self.blocks) - 1:
+        if k < plan.stop - 1:
             return x  # the next block's input: the source check proved nothing else reads it
         calls, self.calls = self.calls, []
-        reason = _unrolled_because(self, calls)
-        if reason is None:
-            _STATE.work_check.probe(self.blocks, *calls[0])
-            try:
-                return _run_loop(self, calls)
-            except _NotALoop as e:
-                reason = str(e)
-        if reason:
-            _say_unrolled(self.where, len(self.blocks), reason)
-        for block, (_, args, kwargs) in zip(self.blocks, calls):
-            x = block(x, *args, **kwargs)
-        return x
+        return _run_blocks(self, calls)
+
+
+class _Plan(collections.namedtuple("_Plan", "start stop period")):
+    """blocks[start:stop] run as one loop, `period` blocks a turn."""
 
 
 class _BlockCall:
@@ -3659,31 +3665,65 @@ class _BlockCall:
 
 
 def _find_loops(model, layout):
-    """Register every stack of `model` that can run as a loop; log once why an identical-looking one cannot."""
+    """Register every stack of `model` that can run as a loop, its container's class swapped for one whose iteration
+    gives _BlockCalls to the owner's checked forward; log once why a stack of blocks cannot."""
     named = dict(model.named_modules())
     for path, container in named.items():
-        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or len(container) < 2:
+        if (not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or len(container) < 2
+                or container in _STATE.loops.stacks):
             continue
-        blocks, where = list(container), path or type(model).__name__
+        blocks, where = list(container._modules.values()), path or type(model).__name__
         if len({type(b) for b in blocks}) > 1 or next(blocks[0].parameters(), None) is None:
             continue  # not a stack of blocks (a Sequential of layers, a list of parameterless modules)
-        reason = _blocks_differ(blocks) or _splits_lost(blocks, layout)
         owner_path, _, attr = path.rpartition(".")
         owner = named.get(owner_path) if path else None
-        code, loop_reason = _loop_code(owner, attr) if owner is not None else (None, "it has no owner module")
+        code, reason = _loop_code(owner, attr) if owner is not None else (None, "it has no owner module")
         if code is None and isinstance(container, torch.nn.Sequential):
-            code, loop_reason = _loop_code(container, None)  # its own forward: called, not iterated, by its owner
-        reason = reason or (None if code is not None else loop_reason)
+            code, reason = _loop_code(container, None)  # its own forward: called, not iterated, by its owner
+        stack = code and _Stack(lambda c=container: list(c._modules.values()), code, where)
+        reason = reason or stack.reason or _splits_lost(stack.looped, layout)
         if reason:
             _say_unrolled(where, len(blocks), reason)
             continue
-        _STATE.loops.stacks[container] = _Stack(blocks, code, where)
-    if _STATE.loops.stacks and not _STATE.loops.patched:
-        for cls in (torch.nn.ModuleList, torch.nn.Sequential):
-            _patch(cls, "__iter__", _iterate_blocks(cls.__dict__["__iter__"]))
-            _patch(cls, "__getitem__", _slice_blocks(cls.__dict__["__getitem__"]))
-        _STATE.loops.patched = True
-        _STATE.torch_patches.append(lambda: setattr(_STATE.loops, "patched", False))
+        _STATE.loops.stacks[container] = stack
+        container.__class__ = _looped_class(type(container))
+        _STATE.torch_patches.append(functools.partial(_unloop, weakref.ref(container), type(container).__base__))
+
+
+def _unloop(container, cls):  # _reset_caches: the container's own class back
+    if container() is not None:
+        container().__class__ = cls
+
+
+@functools.cache
+def _looped_class(cls):
+    """`cls` (ModuleList, Sequential or a subclass) whose __iter__ gives the forward whose loop was checked (its code
+    object, one frame up) _BlockCalls, and whose slices taken there are stacks too. Swapped onto registered containers
+    alone, as torch's parametrize swaps a module's class: every other container keeps its own. Pickled and deep-copied
+    as `cls` (an EMA copy of the model holds plain containers)."""
+    def __iter__(self):
+        stack = _STATE.loops.stacks.get(self)
+        if stack is None or sys._getframe(1).f_code is not stack.code:
+            return cls.__iter__(self)
+        return iter(stack.block_calls())
+
+    def __getitem__(self, idx):
+        part, stack = cls.__getitem__(self, idx), _STATE.loops.stacks.get(self)
+        if stack is not None and isinstance(idx, slice) and sys._getframe(1).f_code is stack.code:
+            key = idx.indices(len(self))
+            if key not in stack.slices:
+                blocks = lambda: stack.members()[slice(*key)]  # noqa: E731
+                stack.slices[key] = _Stack(blocks, stack.code, f"{stack.where}[{key[0]}:{key[1]}]")
+            if stack.slices[key].plan is not None:
+                _STATE.loops.stacks[part] = stack.slices[key]
+        return part
+
+    def __reduce_ex__(self, protocol):
+        reduced = object.__reduce_ex__(self, protocol)  # (copyreg.__newobj__, (class, ...), state, ...)
+        return (reduced[0], (cls, *reduced[1][1:]), *reduced[2:])
+
+    return type(cls.__name__, (cls,), {"__iter__": __iter__, "__getitem__": __getitem__, "__reduce_ex__": __reduce_ex__,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def _splits_lost(blocks, layout):
@@ -3706,60 +3746,130 @@ def _say_unrolled(where, count, reason):
         _log("seamless_tpu: the %d blocks of %s run one by one, not as one loop: %s", count, where, reason)
 
 
-def _blocks_differ(blocks):
-    """Why `blocks` are not one block repeated (None if they are): structure, parameters, attributes, buffers or plain
-    tensors."""
-    first = _block_signature(blocks[0])
-    for k, block in enumerate(blocks[1:], 1):
-        other = _block_signature(block)
-        if other != first:
-            what = next(name for name, a, b in zip(("structure", "parameters", "attributes"), first, other) if a != b)
-            return f"block {k} differs from block 0 in its {what}"
-    if any(next(b.buffers(), None) is not None for b in blocks):
+# A module's own bookkeeping, which _block_state leaves out: its hooks (checked at each call, 9d), and its
+# parameters, buffers and submodules (described by name, shape and dtype)
+_MODULE_BOOKS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+
+def _block_state(block, seen=None):
+    """What a block's forward may read, as comparable values: for each module (name, class, its attributes: private
+    ones, `training`, an object's such as a config's one level down; its parameters' and buffers' names, shapes and
+    dtypes). `seen` shares one object's value between blocks (a config they all hold) within one call."""
+    seen = {} if seen is None else seen
+    return tuple((name, type(m), tuple((k, _plain(v, seen, 0)) for k, v in m.__dict__.items()
+                                       if k not in _MODULE_BOOKS),
+                  tuple((k, p.shape, p.dtype) for k, p in m._parameters.items() if p is not None),
+                  tuple((k, b.shape, b.dtype) for k, b in m._buffers.items() if b is not None))
+                 for name, m in block.named_modules())
+
+
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _plain(v, seen, depth):
+    """`v` as a hashable value that equals another's where a forward reading either would do the same: containers
+    walked, an object by its attributes (to depth 2), a tensor, a module or anything unhashable by identity."""
+    if type(v) in _PLAIN_TYPES:
+        return v
+    if isinstance(v, (tuple, list)):
+        return type(v), tuple(_plain(w, seen, depth) for w in v)
+    if isinstance(v, Mapping):
+        return type(v), tuple((k, _plain(w, seen, depth)) for k, w in v.items())
+    if isinstance(v, (torch.Tensor, torch.nn.Module)):
+        return type(v), id(v)
+    if hasattr(v, "__dict__") and not callable(v) and depth < 2:
+        if id(v) not in seen:
+            seen[id(v)] = None  # a cycle back to it reads as its identity
+            seen[id(v)] = type(v), tuple((k, _plain(w, seen, depth + 1)) for k, w in vars(v).items())
+        return seen[id(v)] or (type(v), id(v))
+    try:
+        hash(v)
+    except TypeError:
+        return type(v), id(v)
+    return v
+
+
+def _plan(states):
+    """(the longest run of blocks that repeats with a period of at most MAX_PERIOD blocks, twice or more: the most
+    blocks, then the shortest period, then the earliest; None), or (None, why). An attribute whose value differs in
+    every block (an index, a module path holding one) counts as equal here: the body's trace proves it unread (9d)."""
+    values = collections.defaultdict(list)
+    for state in states:
+        for name, _, attrs, _, _ in state:
+            for k, v in attrs:
+                values[name, k].append(v)
+    index = {key for key, vs in values.items() if len(vs) == len(states) and len(set(vs)) == len(vs)}
+    sigs = [tuple((name, cls, tuple((k, None if (name, k) in index else v) for k, v in attrs), params, buffers)
+                  for name, cls, attrs, params, buffers in state) for state in states]
+    held = _holds(states[0])
+    if held:
+        return None, held
+    n, best = len(sigs), None
+    for period in range(1, min(MAX_PERIOD, n // 2) + 1):
+        for start in range(n - 2 * period + 1):
+            stop = start + period
+            while stop + period <= n and sigs[stop:stop + period] == sigs[start:start + period]:
+                stop += period
+            if stop - start >= 2 * period and (best is None or stop - start > best.stop - best.start):
+                best = _Plan(start, stop, period)
+    if best is None:
+        k = next(k for k in range(1, n) if sigs[k] != sigs[0])
+        return None, f"no run of blocks repeats ({_difference(states[0], states[k], k, 0)})"
+    return best, None
+
+
+def _holds(state):
+    """Why a block of this state cannot share a body with others (None if it can): buffers, which a forward may
+    update (running statistics), or a tensor neither parameter nor buffer, which the body would hold as a constant."""
+    if any(buffers for _, _, _, _, buffers in state):
         return "the blocks hold buffers, which a forward may update (running statistics)"
-    held = next((f"{name + '.' if name else ''}{k}" for name, m in blocks[0].named_modules()
-                 for k, v in vars(m).items() if isinstance(v, torch.Tensor)), None)
-    if held:  # block 0's would stand for every block's in the loop's body
-        return f"a block holds the tensor {held!r}, neither parameter nor buffer"
+    held = next((f"{name + '.' if name else ''}{k}" for name, _, attrs, _, _ in state for k, v in attrs
+                 if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], type) and issubclass(v[0], torch.Tensor)),
+                None)
+    return held and f"a block holds the tensor {held!r}, neither parameter nor buffer"
+
+
+def _difference(a, b, k, j):
+    """What block k's state `b` holds apart from block j's `a`, in words."""
+    if [(m[0], m[1]) for m in a] != [(m[0], m[1]) for m in b]:
+        return f"block {k} differs from block {j} in its modules"
+    for (name, _, attrs_a, params_a, buffers_a), (_, _, attrs_b, params_b, buffers_b) in zip(a, b):
+        where = f"{name + '.' if name else ''}"
+        if params_a != params_b or buffers_a != buffers_b:
+            return f"block {k} differs from block {j} in the parameters or buffers of module {name!r}"
+        if attrs_a != attrs_b:
+            ka, kb = dict(attrs_a), dict(attrs_b)
+            attr = next(x for x in (*ka, *kb) if ka.get(x, _MISSING) != kb.get(x, _MISSING))
+            return (f"block {k} differs from block {j} in {where}{attr} ({_shown(_raw(kb.get(attr)), 30)} against "
+                    f"{_shown(_raw(ka.get(attr)), 30)})")
     return None
 
 
-def _block_signature(block):
-    """(modules' names and classes, parameters' names, shapes, dtypes and requires_grad, public attributes), where an
-    index may differ: integers (layer_idx), and a module path's numbers (peft's target_name 'layers.3.q_proj')."""
-    def plain(v):
-        if isinstance(v, str):
-            return _name_pattern(v)
-        if isinstance(v, Mapping):
-            return {k: plain(w) for k, w in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(w) for w in v]
-        if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), v.dtype)
-        return "int" if isinstance(v, int) and not isinstance(v, bool) else v
-    modules = tuple((name, type(m)) for name, m in block.named_modules())
-    params = tuple((name, p.shape, p.dtype, p.requires_grad) for name, p in block.named_parameters())
-    attrs = [(name, k, plain(v)) for name, m in block.named_modules() for k, v in sorted(vars(m).items())
-             if not k.startswith("_")]
-    return modules, params, repr(attrs)
+_MISSING = object()
+
+
+def _raw(v):  # _plain's value, shown: a container's contents, an object's type
+    return v[1] if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], type) else v
 
 
 def _loop_code(owner, attr):
     """(the code of owner's forward, None) if its one loop over self.<attr> (self, for attr None) is `x = block(x,
-    ...)` and reads the block only for attributes; else (None, why)."""
+    ...)` and reads the block only for attributes; else (None, why). `self` is the forward's first argument, by any
+    name."""
     forward = inspect.unwrap(type(owner).forward)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError):  # no source (a compiled or generated forward)
         return None, f"the source of {type(owner).__name__}.forward is not available to check its loop"
+    me = forward.__code__.co_varnames[0] if forward.__code__.co_argcount else None
 
     def over(node):  # self.<attr>, self.<attr>[...], enumerate(either)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "enumerate":
             node = node.args[0] if len(node.args) == 1 else None
         node = node.value if isinstance(node, ast.Subscript) else node
         if attr is None:
-            return isinstance(node, ast.Name) and node.id == "self"
-        return isinstance(node, ast.Attribute) and node.attr == attr and getattr(node.value, "id", None) == "self"
+            return isinstance(node, ast.Name) and node.id == me
+        return isinstance(node, ast.Attribute) and node.attr == attr and getattr(node.value, "id", None) == me
 
     loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and over(n.iter)]
     name = type(owner).__name__ + ".forward"
@@ -3782,157 +3892,474 @@ def _loop_code(owner, attr):
         return None, f"the loop in {name} (line {loop.lineno}) does more than `x = block(x, ...)`"
     return forward.__code__, None
 
-
-def _iterate_blocks(iterate):
-    """ModuleList's or Sequential's __iter__: a registered stack, iterated by the forward whose loop was checked,
-    gives _BlockCalls; anything else, the modules."""
-    @functools.wraps(iterate)
-    def __iter__(self):
-        stack = _STATE.loops.stacks.get(self)
-        if stack is None or sys._getframe(1).f_code is not stack.code:
-            return iterate(self)
-        return iter(stack.block_calls())
-    return __iter__
-
-
-def _slice_blocks(getitem):
-    """ModuleList's or Sequential's __getitem__: a slice of a registered stack, taken by that forward, is one too."""
-    @functools.wraps(getitem)
-    def __getitem__(self, idx):
-        part, stack = getitem(self, idx), _STATE.loops.stacks.get(self)
-        if stack is not None and isinstance(idx, slice) and sys._getframe(1).f_code is stack.code:
-            key = idx.indices(len(stack.blocks))
-            blocks = stack.blocks[slice(*key)]
-            if len(blocks) > 1:
-                stack.slices.setdefault(key, _Stack(blocks, stack.code, f"{stack.where}[{key[0]}:{key[1]}]"))
-                _STATE.loops.stacks[part] = stack.slices[key]
-        return part
-    return __getitem__
-
-
 # --- 9d. repeated blocks: running the loop ---------------------------------------------------------
-# The last _BlockCall of a pass runs the blocks as one XLA While over their stacked parameters (torch_xla's scan
-# forward; a backward that writes the gradients over the stack), or one by one with the arguments each was given,
-# where a loop would differ from them. In training the loop also scans one seed per block, from which the body's
-# dropout draws its masks (_RandomOps).
+# The last looped block's call runs the looped blocks as one XLA While over their stacked parameters, or one by one
+# with the arguments each was given where a loop would differ (and says why, once). One cache per stack holds the
+# traced bodies, under a key of everything a trace assumed, re-read at each call: the calls' arguments; each block's
+# state (9c) against its turn's, where the body read; grad mode, autocast, the mesh and the matmul precision. The
+# trace proves what it assumed: an attribute that differs within a turn's blocks is unreadable while it runs
+# (_Unread), and an attribute it wrote, random numbers Python drew or any failure keeps the blocks unrolled.
 
 
-def _unrolled_because(stack, calls):
-    """Why these calls of `stack`'s blocks must run one by one (None: as one loop)."""
-    (x, args, kwargs), blocks = calls[0], stack.blocks
-    if not isinstance(x, torch.Tensor) or not _is_xla(x.device):
-        return f"its input is a {type(x).__name__}" + (f" on {x.device}" if isinstance(x, torch.Tensor) else "")
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    if _transformed(x, *(t for t in leaves if isinstance(t, torch.Tensor))):
-        return ""  # torch.func or forward-mode AD: the blocks one by one give their numbers
-    for _, args_k, kwargs_k in calls[1:]:
-        others = torch.utils._pytree.tree_leaves((args_k, kwargs_k))
-        if len(others) != len(leaves) or any(a is not b and (isinstance(a, torch.Tensor) or a != b)
-                                             for a, b in zip(leaves, others)):
-            return "the blocks are called with different arguments"
-    odd = [type(v).__name__ for v in leaves
-           if not isinstance(v, (torch.Tensor, bool, int, float, str, type(None), torch.dtype))]
-    if odd:
-        return f"they are called with a {odd[0]} (a cache, or another object a block may change)"
-    for k, block in enumerate(blocks):
+def _run_blocks(stack, calls):
+    """The looped blocks' calls as one loop, else one by one with the arguments each was given."""
+    try:
+        return _run_loop(stack, calls)
+    except _NotALoop as e:
+        if str(e):  # "": torch.func or forward-mode AD, which runs the blocks one by one silently
+            _say_unrolled(stack.where, len(calls), str(e))
+    x = calls[0][0]
+    for block, (_, args, kwargs) in zip(stack.looped, calls):
+        x = block(x, *args, **kwargs)
+    return x
+
+
+class _Run(collections.namedtuple("_Run", "stack calls args body")):
+    """One call of a loop: its stack, the calls recorded, their _Arguments and the _Body that runs them."""
+
+
+def _run_loop(stack, calls):
+    """The looped blocks as one loop; the body for their key traced first if the stack's cache has none."""
+    args = _Arguments(stack, calls)
+    if stack.watch is None or not stack.watch.same():
+        stack.watch = None
+        stack.watch = _Watch(stack.looped, _states_key(stack))
+    key = (args.key, stack.watch.key, _torch_state())
+    body = stack.bodies.get(key)
+    if isinstance(body, str):
+        raise _NotALoop(body)
+    run, inputs = _Run(stack, calls, args, body), _loop_inputs(stack, args, calls[0][0])
+    if body is None:
+        try:
+            body = stack.bodies[key] = _Body(run, stack.watch.key[-1], inputs)
+        except _NotALoop as e:
+            stack.bodies[key] = str(e)
+            raise
+    run = run._replace(body=body)
+    _STATE.work_check.probe(stack.looped[0], functools.partial(_first_two, run))  # once proven free of side effects
+    return body.run(run, inputs)
+
+
+def _states_key(stack):
+    """The looped blocks' part of a body's key: each turn position's state (9c) but the attributes that differ between
+    its blocks (`marked`: the trace proves them unread), which parameters are trainable, and `marked` ({(position,
+    module, attribute): why}), last. Raises _NotALoop where the blocks cannot share a body: they differ in structure,
+    hold buffers or tensors, or a hook is registered on one."""
+    looped, period, start, seen = stack.looped, stack.plan.period, stack.plan.start, {}
+    for k, block in enumerate(looped):
         for name, m in block.named_modules():
             hooks = [h for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
                      for h in d.values() if not getattr(h, "seamless_tpu", False)]
             if hooks:
-                return f"a hook is registered on {stack.where}.{k}{'.' + name if name else ''}"
-    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
-        return "a global module hook is registered"
+                raise _NotALoop(f"a hook is registered on {stack.where}.{start + k}{'.' + name if name else ''}")
+    states, marked = [_block_state(b, seen) for b in looped], {}
+    for k in range(period, len(looped)):
+        j = k % period
+        if [m[:2] + m[3:] for m in states[k]] != [m[:2] + m[3:] for m in states[j]]:
+            raise _NotALoop(_difference(states[j], states[k], start + k, start + j))
+        if k < 2 * period and _holds(states[j]):
+            raise _NotALoop(_holds(states[j]))
+        for (name, _, attrs, _, _), (_, _, same, _, _) in zip(states[k], states[j]):
+            mine, theirs = dict(attrs), dict(same)
+            for a in mine.keys() | theirs.keys():
+                if mine.get(a, _MISSING) != theirs.get(a, _MISSING) and (j, name, a) not in marked:
+                    marked[j, name, a] = (
+                        f"block {start + k} differs from block {start + j} in {name + '.' if name else ''}{a} "
+                        f"({_shown(_raw(mine.get(a)), 30)} against {_shown(_raw(theirs.get(a)), 30)}), which their "
+                        "forward reads")
+    trainable = tuple(p.requires_grad for b in looped for p in b.parameters())
+    return tuple(_unmarked(states[j], j, marked) for j in range(period)), trainable, frozenset(marked.items())
+
+
+class _Watch:
+    """What a stack's blocks' key was read from, by identity, so that each call tells cheaply that nothing changed
+    since: each module's attributes, submodules, parameters, buffers and hooks, and the dicts, lists and objects (a
+    config) it holds, one level down; each parameter's requires_grad. Anything else: the states are read again."""
+
+    def __init__(self, blocks, key):
+        self.key, self.dicts, modules = key, [], [m for b in blocks for m in b.modules()]
+        for m in modules:
+            self.dicts += [m.__dict__, m._modules, m._parameters, m._buffers, m._forward_hooks, m._forward_pre_hooks,
+                           m._backward_hooks, m._backward_pre_hooks]
+            for k, v in m.__dict__.items():
+                if isinstance(v, dict) and k not in _MODULE_BOOKS:
+                    self.dicts.append(v)
+                elif k not in _MODULE_BOOKS and not isinstance(v, torch.nn.Module) and not callable(v) and hasattr(
+                        v, "__dict__"):
+                    self.dicts.append(vars(v))  # an object such as a config
+        self.lists = [v for m in modules for k, v in m.__dict__.items() if isinstance(v, list)]
+        self.dicts = list({id(d): d for d in self.dicts}.values())  # a config the blocks share, once
+        self.empty = [d for d in self.dicts + self.lists if not d]  # most hooks and buffers: only their length
+        self.dicts, self.lists = [d for d in self.dicts if d], [v for v in self.lists if v]
+        self.values, self.items = [tuple(d.values()) for d in self.dicts], [tuple(v) for v in self.lists]
+        self.params = [p for b in blocks for p in b.parameters()]
+        self.flags = [p.requires_grad for p in self.params]
+
+    def same(self):
+        """Costs ~5 us a module at each call (a LoRA decoder layer holds 55: 28 of them, ~1.6 ms)."""
+        try:  # tuples compare each item by identity first, then by ==, where a tensor would raise
+            return (not any(map(len, self.empty)) and [tuple(d.values()) for d in self.dicts] == self.values
+                    and [tuple(v) for v in self.lists] == self.items
+                    and [p.requires_grad for p in self.params] == self.flags)
+        except RuntimeError:
+            return False
+
+
+def _first_two(run):
+    """The looped blocks' first two run on their own (the work check's probe), a stand-in for the empty cache."""
+    x, args = run.calls[0][0], run.args
+    for k in (0, 1):
+        a, kw = args.of(k % run.stack.plan.period, args.tensors, _CacheRecorder())
+        x = run.stack.looped[k](x, *a, **kw)
+
+
+def _unmarked(state, j, marked):
+    return tuple((name, cls, tuple((a, None if (j, name, a) in marked else v) for a, v in attrs), params, buffers)
+                 for name, cls, attrs, params, buffers in state)
+
+
+def _torch_state():
+    """What a body's trace and its While read of torch's and torch_xla's state beyond its inputs."""
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("xla"), torch.get_autocast_dtype("xla"),
+            torch.get_default_dtype(), _import("torch_xla")._XLAC._xla_get_mat_mul_precision(), id(_STATE.mesh),
+            bool(torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks))
+
+
+class _Arguments:
+    """The looped blocks' arguments, a turn's worth: each position's pytree spec and leaves, the distinct tensors among
+    them (floating ones ride in the carry; others, such as position ids, are scanned as N copies: N x their bytes), an
+    empty transformers cache among them (the loop records its updates), and their part of the body's key. Raises
+    _NotALoop where a loop would differ: another input, arguments that differ from those of the turn's blocks, an
+    object a block may change, a hook on a block, torch.func."""
+
+    def __init__(self, stack, calls):
+        x, period, start = calls[0][0], stack.plan.period, stack.plan.start
+        if not isinstance(x, torch.Tensor) or not _is_xla(x.device):
+            raise _NotALoop(f"its input is a {type(x).__name__}" + (f" on {x.device}" if isinstance(x, torch.Tensor)
+                                                                     else ""))
+        self.turn = [torch.utils._pytree.tree_flatten((args, kwargs)) for _, args, kwargs in calls[:period]]
+        self.tensors, self.cache, described = [], None, []
+        for leaves, spec in self.turn:
+            for v in leaves:
+                if isinstance(v, torch.Tensor):
+                    at = next((i for i, t in enumerate(self.tensors) if t is v), len(self.tensors))
+                    self.tensors[at:at + 1] = [v]
+                    described.append(("tensor", at))
+                elif _empty_cache(v) and self.cache in (None, v):
+                    self.cache = v
+                    described.append("cache")
+                elif not isinstance(v, (bool, int, float, str, type(None), torch.dtype)):
+                    raise _NotALoop(f"they are called with a {type(v).__name__} (a cache holding tokens, or another "
+                                    "object a block may change)")
+                else:
+                    described.append(v)
+        if _transformed(x, *self.tensors):
+            raise _NotALoop("")  # torch.func or forward-mode AD: the blocks one by one give their numbers
+        for k, (_, args, kwargs) in enumerate(calls[period:], period):
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            same = self.turn[k % period][0]
+            if len(leaves) != len(same) or any(a is not b and (isinstance(a, torch.Tensor) or a != b)
+                                               for a, b in zip(leaves, same)):
+                raise _NotALoop(f"block {start + k} is called with other arguments than block {start + k % period}")
+        self.carried = [i for i, t in enumerate(self.tensors) if t.is_floating_point() or t.is_complex()]
+        self.scanned = [i for i, t in enumerate(self.tensors) if i not in self.carried]
+        self.key = (tuple(spec for _, spec in self.turn), tuple(described), x.shape, x.dtype,
+                    tuple((t.shape, t.dtype, t.requires_grad) for t in self.tensors))
+
+    def of(self, j, tensors, cache):
+        """Position j's (args, kwargs), with `tensors` for the calls' tensors and `cache` for the empty cache."""
+        leaves, spec = self.turn[j]
+        fresh = iter(tensors[i] for v in leaves if isinstance(v, torch.Tensor)
+                     for i in [next(i for i, t in enumerate(self.tensors) if t is v)])
+        leaves = [next(fresh) if isinstance(v, torch.Tensor) else cache if v is self.cache and v is not None else v
+                  for v in leaves]
+        return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+def _empty_cache(v):
+    """Whether `v` is a transformers cache of the kinds a decoder makes in training (DynamicCache, its layers plain or
+    sliding-window) holding no tokens: each layer's update then returns that layer's own keys and values."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return (cache_utils is not None and type(v) is cache_utils.DynamicCache and not v.offloading
+            and all(type(layer) in (cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer)
+                    and not layer.is_initialized for layer in v.layers))
+
+
+class _CacheRecorder:
+    """An empty cache's stand-in in a loop's body: update(k, v, layer_idx) returns the layer's own keys and values, as
+    the empty cache does, and records them, which the loop outputs per block; after the loop the cache gets each
+    block's, under that block's own layer index. Anything else asked of it keeps the blocks unrolled."""
+
+    def __init__(self):
+        self.updates = []
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.updates.append((key_states, value_states, layer_idx))
+        return key_states, value_states
+
+    def __getattr__(self, name):
+        raise _NotALoop(f"a block reads the cache's {name!r}, where a loop records its updates only")
+
+
+class _Unread:
+    """What a body's trace sees for an attribute that differs between blocks of one turn: any use raises, so a trace
+    that ends proves the body does not read it (transformers' layer_idx: passed to the cache's update only). Python
+    cannot intercept `is` and `type()`: a forward that branches on those alone is not caught."""
+
+    def __init__(self, why, where):
+        object.__setattr__(self, "_why", why)
+        object.__setattr__(self, "where", where)  # (module name, attribute): the cache's update reads it per block
+
+    def _refuse(self, *args, **kwargs):
+        raise _NotALoop(object.__getattribute__(self, "_why"))
+
+    def __repr__(self):
+        return object.__getattribute__(self, "_why")
+
+
+for _name in ("getattribute", "bool", "index", "int", "float", "complex", "len", "iter", "contains", "getitem", "call",
+              "hash", "eq", "ne", "lt", "le", "gt", "ge", "format", "str", "neg", "pos", "abs", "invert", "round",
+              "trunc", "floor", "ceil", *(f"{r}{op}" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod",
+                                                                  "pow", "and", "or", "xor", "lshift", "rshift",
+                                                                  "matmul", "divmod") for r in ("", "r"))):
+    setattr(_Unread, f"__{_name}__", _Unread._refuse)
+
+
+def _proven(trace, reps, marked):
+    """trace() with the attributes in `marked` ({(position, module, attribute): why}) unreadable, raising _NotALoop
+    where it failed, read one, or did what a loop cannot repeat per block: wrote an attribute (an MoE's aux loss, a
+    lazily built cache), drew Python's or numpy's random numbers. All of it is put back, so the blocks then run one by
+    one as if never traced."""
+    modules = [dict(r.named_modules()) for r in reps]
+    saved = [{name: dict(m.__dict__) for name, m in mods.items()} for mods in modules]
+    before, rng = [_block_state(r) for r in reps], _rng_states()
+    marked = dict(marked)
+    unread = {(j, name, a): _Unread(why, (name, a)) for (j, name, a), why in marked.items()}
+    for (j, name, a), marker in unread.items():
+        modules[j][name].__dict__[a] = marker
+    failed = None
+    try:
+        return trace()
+    except _NotALoop as e:
+        failed = e
+        raise
+    except Exception as e:  # any failure of the trace: the blocks one by one give eager's behaviour (or error)
+        read = [why for why in marked.values() if "_Unread" in str(e)]  # a marker passed where torch wants a value
+        failed = _NotALoop(read[0] if read else f"tracing a block failed ({type(e).__name__}: "
+                           f"{_shown(str(e), 120)})")
+        raise failed from e
+    finally:
+        wrote = next((f"{name + '.' if name else ''}{a}" for (j, name, a), marker in unread.items()
+                      if modules[j][name].__dict__.get(a) is not marker), None)
+        for (j, name, a), marker in unread.items():
+            modules[j][name].__dict__[a] = saved[j][name].get(a, marker)
+        wrote = wrote or next(filter(None, map(_written, before, [_block_state(r) for r in reps])), None)
+        for mods, dicts in zip(modules, saved):
+            for name, m in mods.items():
+                if m.__dict__.keys() != dicts[name].keys() or any(v is not dicts[name][k]
+                                                                   for k, v in m.__dict__.items()):
+                    m.__dict__.clear()
+                    m.__dict__.update(dicts[name])
+        drew = _rng_key(rng) != _rng_key(_rng_states())
+        random.setstate(rng[0])
+        if rng[1] is not None:
+            sys.modules["numpy"].random.set_state(rng[1])
+        if wrote or drew:  # raised over the trace's result or error: the cause
+            raise _NotALoop(f"a block's forward writes {wrote}" if wrote else
+                            "a block's forward draws random numbers from Python's random or numpy") from failed
+
+
+def _written(before, after):
+    """The first attribute a block's state `after` holds apart from `before`, by its path; None if none."""
+    for (name, _, x, _, _), (_, _, y, _, _) in zip(before, after):
+        x, y = dict(x), dict(y)
+        attr = next((a for a in (*x, *y) if x.get(a, _MISSING) != y.get(a, _MISSING)), None)
+        if attr:
+            return f"{name + '.' if name else ''}{attr}"
     return None
 
 
-def _run_loop(stack, calls):
-    """The blocks as one XLA While loop (torch_xla's scan) over their stacked parameters; the body traced once per
-    way of calling them. The tensors among the arguments ride in the carry, unchanged."""
-    x, args, kwargs = calls[0]
-    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    # Floating tensors ride in the carry; scan's carry must be differentiable, so others (position ids, bool masks)
-    # are scanned over as N copies (an expand: N x their bytes)
-    carried = [i for i in tensors if leaves[i].is_floating_point() or leaves[i].is_complex()]
-    scanned = [i for i in tensors if i not in carried]
-    training = any(m.training for m in stack.blocks[0].modules())  # dropout may draw: a seed per block, each call
-    checkpointed = any(getattr(b, "gradient_checkpointing", False) and b.training for b in stack.blocks)
-    key = (spec, tuple(None if i in tensors else v for i, v in enumerate(leaves)), x.shape, x.dtype,
-           tuple((leaves[i].shape, leaves[i].dtype, leaves[i].requires_grad) for i in tensors),
-           torch.is_grad_enabled(), tuple(m.training for m in stack.blocks[0].modules()), checkpointed,
-           torch.is_autocast_enabled("xla"))
-    body = stack.bodies.get(key)
-    if isinstance(body, str):
-        raise _NotALoop(body)
-    scan = _import("torch_xla.experimental.scan")
-    functorch = importlib.import_module("functorch.compile")
-    if body is None:
-        body = stack.bodies[key] = _loop_body(stack.blocks[0], leaves, spec, carried, scanned, checkpointed)
-    names = [name for name, _ in stack.blocks[0].named_parameters()]
-    per_block = [dict(b.named_parameters()) for b in stack.blocks]
-    stacked = _stacks(stack, names, per_block)
-    partition = _saving_primals(functorch.min_cut_rematerialization_partition if checkpointed
-                                else functorch.default_partition, 1 + len(carried), checkpointed)
-    try:
-        n = len(stack.blocks)
-        seeds = [torch.randint(2**31 - 1, (n,), dtype=torch.int32, device=x.device)] if training else []  # XLA's RNG
-        xs = (stacked, tuple(leaves[i].expand(n, *leaves[i].shape) for i in scanned), *seeds)
-        init = (x, *(leaves[i] for i in carried))
-        parts = scan.value_and_grad_partitioned(body, init, xs, partition_fn=partition, is_fn_pure=True)
-    except _NotALoop as e:
-        stack.bodies[key] = str(e)
-        raise
-    flat, xs_spec = torch.utils._pytree.tree_flatten(xs)
-    trainable = tuple(name for name, t in stacked.items() if t.requires_grad)
-    out, *_ = _Loop.apply((*parts, xs_spec, trainable), len(init), *init, *flat)
-    return out
+def _rng_states():
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy and numpy.random.get_state()
+
+
+def _rng_key(states):  # numpy's state holds an array: compared by its bytes
+    return states[0], states[1] and (states[1][1].tobytes(), states[1][2:])
+
+
+class _Body:
+    """One turn of a stack's loop, traced by AOTAutograd through torch_xla's scan: its forward, alias and backward
+    graphs; the stacked parameters it gives gradients (`trainable`: one no block uses gets none, as in eager); where
+    each cache update's layer index is read (`recorded`); and the While programs built from it, once per shapes
+    (torch_xla builds them anew at each call: ~20 ms of Python each for a LoRA layer's forward and backward)."""
+
+    def __init__(self, run, marked, inputs):
+        stack, args = run.stack, run.args
+        self.reps = stack.looped[:stack.plan.period]  # a turn's blocks as traced: the first turn's
+        self.checkpointed = any(getattr(m, "gradient_checkpointing", False) and m.training
+                                for b in self.reps for m in b.modules())
+        self.recorded, self.whiles, given = [], {}, []
+        init, xs = inputs
+        functorch = importlib.import_module("functorch.compile")
+        partition = _saving_primals(functorch.min_cut_rematerialization_partition if self.checkpointed
+                                    else functorch.default_partition, len(init), self.checkpointed, given)
+        scan = _import("torch_xla.experimental.scan")
+        self.forward, self.alias, self.backward = _proven(lambda: scan.value_and_grad_partitioned(
+            _turn(self, args), init, xs, partition_fn=partition, is_fn_pure=False), self.reps, marked)
+        places = [(j, name) for j, params in enumerate(xs[0]) for name in params]  # xs's first leaves, in order
+        self.trainable = [at for at, g in zip(places, given[len(init):]) if g]
+
+    def run(self, run, inputs):
+        init, xs = inputs
+        flat, xs_spec = torch.utils._pytree.tree_flatten(xs)
+        out = _Loop.apply(run, xs_spec, len(init), *init, *flat)
+        if run.args.cache is not None:
+            _fill(run, out[len(init):])
+        return out[0]
+
+    def scan(self, kind, fn, init, xs, reverse=False):
+        """torch_xla's _scan_impl_pytree, its While computation built once per `kind` and shapes, then only called.
+        Our bodies are pure (random numbers from the seeds they scan), so their While never changes."""
+        scan, xlac = _import("torch_xla.experimental.scan"), _import("torch_xla")._XLAC
+        (flat_init, unflatten_carry), (flat_xs, _) = scan.tree_flatten_none(init), scan.tree_flatten_none(xs)
+        tree = torch.utils._pytree.tree_structure
+        key = (kind, reverse, tree(init), tree(xs),
+               tuple((t.shape, t.dtype, t.requires_grad) for t in flat_init + flat_xs))
+        c, x = len(flat_init), len(flat_xs)
+        if key not in self.whiles:
+            user, recorded = xlac._xla_user_computation, []
+            xlac._xla_user_computation = lambda *args: recorded.append(args) or user(*args)
+            try:
+                carry, ys = scan._scan_impl_pytree(fn, init, xs, reverse)
+            finally:
+                xlac._xla_user_computation = user
+            (_, tensors, computation), = recorded
+            flat_ys, unflatten_y = scan.tree_flatten_none(ys)
+            y = len(flat_ys)
+            shapes = [(t.shape, t.dtype) for t in tensors[1 + c + x:1 + c + x + y]]
+            self.whiles[key] = computation, shapes, tensors[1 + c + x + y:], unflatten_y
+            return carry, ys
+        computation, shapes, hoisted, unflatten_y = self.whiles[key]
+        device = flat_init[0].device
+        ys = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+        out = xlac._xla_user_computation("xla::scan", [torch.tensor(0, device=device), *flat_init, *flat_xs, *ys,
+                                                       *hoisted], computation)
+        return unflatten_carry(list(out[1:1 + c])), unflatten_y(list(out[1 + c + x:1 + c + x + len(shapes)]))
+
+
+def _loop_inputs(stack, args, x):
+    """scan's (init, xs): the input and the floating arguments carried; each turn's position's stacked parameters,
+    the other arguments' N copies, and in training a seed per turn from XLA's RNG (a graph value: no host read)."""
+    turns = len(stack.looped) // stack.plan.period
+    training = any(m.training for b in stack.looped[:stack.plan.period] for m in b.modules())  # dropout may draw
+    seeds = [torch.randint(2**31 - 1, (turns,), dtype=torch.int32, device=x.device)] if training else []
+    scanned = tuple(args.tensors[i].expand(turns, *args.tensors[i].shape) for i in args.scanned)
+    return (x, *(args.tensors[i] for i in args.carried)), (_stacks(stack), scanned, *seeds)
+
+
+def _turn(body, args):
+    """scan's fn: one turn of the loop on the carry, each of the turn's blocks with its blocks' parameters swapped in;
+    in training their dropout draws from the turn's seed; an empty cache's updates are the turn's outputs."""
+    def turn(carry, xs):
+        (x, *carried), (params, scanned, *seed) = carry, xs
+        tensors = [None] * len(args.tensors)
+        for i, t in zip(args.carried + args.scanned, (*carried, *scanned)):
+            tensors[i] = t
+        cache, body.recorded = _CacheRecorder(), []
+        _STATE.loops.tracing = True
+        try:
+            with _RandomOps(*seed), _checkpointing_off(body.reps, body.checkpointed):
+                for j, block in enumerate(body.reps):
+                    a, kw = args.of(j, tensors, cache)
+                    versions, updates = [t._version for t in (x, *tensors)], len(cache.updates)
+                    out = torch.func.functional_call(block, params[j], (x, *a), kw, strict=False)
+                    if [t._version for t in (x, *tensors)] != versions:
+                        raise _NotALoop("a block writes its input in place, which its caller may still hold")
+                    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+                        raise _NotALoop("a block returns " + (
+                            f"shape {tuple(out.shape)} {out.dtype} for {tuple(x.shape)} {x.dtype}" if isinstance(
+                                out, torch.Tensor) else f"a {type(out).__name__}, not a tensor like its input"))
+                    x = out
+                    body.recorded += [(j, object.__getattribute__(i, "where") if type(i) is _Unread else i)
+                                      for _, _, i in cache.updates[updates:]]
+        finally:
+            _STATE.loops.tracing = False
+        return (x, *carried), tuple(t for k, v, _ in cache.updates for t in (k, v)) or None
+    return turn
+
+
+def _fill(run, ys):
+    """The empty cache given what eager's blocks would have put in it: each looped block's keys and values, under its
+    own layer index (read from the block where the trace saw an attribute that differs, HF's layer_idx)."""
+    looped, period = run.stack.looped, run.stack.plan.period
+    for turn in range(len(looped) // period):
+        for u, (j, index) in enumerate(run.body.recorded):
+            if isinstance(index, tuple):  # (module name, attribute) of the block
+                index = getattr(looped[turn * period + j].get_submodule(index[0]), index[1])
+            run.args.cache.update(ys[2 * u][turn], ys[2 * u + 1][turn], index)
 
 
 class _Loop(torch.autograd.Function):
-    """The blocks as one loop: scan's forward (torch_xla's trace of the body, split by AOT's partitioner), and a
-    backward from the last block that writes block k's gradients over block k's stacked weights once it has read them.
-    So each trainable stack rides the backward's carry and XLA updates it in place: the stacked gradients take the
-    stacked weights' buffer, where scan kept both (per device under fsdp: 0.75x a trainable byte, not 1x). Its
-    backward is not differentiable again: a second derivative raises."""
+    """The looped blocks: scan's forward (the body's forward graph in a While), and a backward from the last turn
+    that writes its gradients over its stacked weights once it has read them, so each trainable stack rides the
+    backward's carry and XLA updates it in place: the stacked gradients take the stacked weights' buffer, where scan
+    kept both (per device under fsdp: 0.75x a trainable byte, not 1x). A backward that builds a graph (create_graph:
+    a gradient penalty, a Hessian-vector product) recomputes the blocks one by one instead (_recomputed)."""
 
     @staticmethod
-    def forward(ctx, parts, n_init, *flat):
-        forward, alias, _, xs_spec, trainable = parts
+    def forward(ctx, run, xs_spec, n_init, *flat):
+        body = run.body
         init, xs = flat[:n_init], torch.utils._pytree.tree_unflatten(list(flat[n_init:]), xs_spec)
-        carry, (_, partial) = _scan(forward, init, xs)
-        acts, stacks = alias(partial, xs), [xs[0][name] for name in trainable]
+        carry, (ys, partial) = body.scan("forward", body.forward, init, xs)
+        acts, stacks = body.alias(partial, xs), [xs[0][j][name] for j, name in body.trainable]
         ctx.at = tuple(next((k for k, a in enumerate(acts) if a is s), None) for s in stacks)  # where the body reads it
-        ctx.parts, ctx.n = parts, len(flat[n_init])
-        ctx.save_for_backward(*stacks, *(a for k, a in enumerate(acts) if k not in ctx.at))
-        return tuple(carry)
+        ctx.run, ctx.xs_spec, ctx.n_init, ys = run, xs_spec, n_init, list(ys or ())
+        ctx.outputs = [(t.shape, t.dtype) for t in (*carry, *(y[0] for y in ys))]  # a turn's
+        ctx.save_for_backward(*flat, *(a for k, a in enumerate(acts) if k not in ctx.at))
+        ctx.set_materialize_grads(False)
+        return (*carry, *ys)
 
     @staticmethod
-    def backward(ctx, *grad_carry):
+    def backward(ctx, *grads):
+        run, n_init, saved = ctx.run, ctx.n_init, ctx.saved_tensors
+        flat, rest = saved[:n_init + ctx.xs_spec.num_leaves], saved[n_init + ctx.xs_spec.num_leaves:]
+        init, xs = flat[:n_init], torch.utils._pytree.tree_unflatten(list(flat[n_init:]), ctx.xs_spec)
         if torch.is_grad_enabled():
-            raise RuntimeError("seamless_tpu: a second derivative through repeated blocks run as one loop (torch_xla's "
-                               "scan, whose backward is not differentiable): build the trainer with scan=False to run "
-                               "them one by one")
-        _, _, backward, xs_spec, trainable = ctx.parts
-        saved = ctx.saved_tensors
-        stacks, rest = saved[:len(trainable)], saved[len(trainable):]
-        step = functools.partial(_backward_in_place, backward, trainable, ctx.at)
-        blocks = torch.arange(ctx.n, device=grad_carry[0].device)  # an iota in the graph, not a transfer
-        (grad_init, grads), _ = _scan(step, (grad_carry, stacks), (rest, blocks), reverse=True, owner=backward)
-        grad_xs = torch.utils._pytree.tree_unflatten([None] * xs_spec.num_leaves, xs_spec)
-        grad_xs[0].update(zip(trainable, grads))
-        return None, None, *grad_init, *torch.utils._pytree.tree_leaves(grad_xs, is_leaf=lambda v: v is None)
+            return None, None, None, *_recomputed(run, init, xs, grads)
+        device, turns = init[0].device, len(flat[n_init])
+        grad_carry = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, init)]
+        given = tuple(g is not None for g in grads[n_init:])
+        step = functools.partial(_backward_in_place, run.body.backward, run.body.trainable, ctx.at, given,
+                                 ctx.outputs[n_init:])
+        turn = torch.arange(turns, device=device)  # an iota in the graph, not a transfer
+        stacks = [xs[0][j][name] for j, name in run.body.trainable]
+        (grad_init, grad_stacks), _ = run.body.scan(("backward", given), step, (grad_carry, stacks),
+                                                    (rest, [g for g in grads[n_init:] if g is not None], turn), True)
+        return None, None, None, *grad_init, *_grads_of_xs(xs, dict(zip(run.body.trainable, grad_stacks)))
 
 
-def _backward_in_place(backward, trainable, at, carry, x):
-    """scan's backward of block k (run from the last): block k's weights read from the stacks the carry holds, its
-    gradients written there in their place (a dynamic slice and update: XLA keeps the stack's buffer)."""
-    (grad_carry, stacks), (rest, k) = carry, x
+def _grads_of_xs(xs, stacked):
+    """The gradients of scan's xs, flat: {(position, name): gradient} for the stacked parameters; none for the others
+    (the arguments scanned, the seeds)."""
+    return [stacked.get((j, name)) for j, params in enumerate(xs[0]) for name in params] + [None] * (
+        len(xs[1]) + len(xs) - 2)
+
+
+def _backward_in_place(backward, trainable, at, given, outputs, carry, x):
+    """scan's backward of turn k (run from the last): its weights read from the stacks the carry holds, its gradients
+    written there in their place (a dynamic slice and update: XLA keeps the stack's buffer). A cache update's
+    gradient nobody gave is a zero made here, not a stack of them."""
+    (grad_carry, stacks), (rest, grad_ys, k) = carry, x
     k = k.view(1)
     weights, acts = [s.index_select(0, k).squeeze(0) for s in stacks], list(rest)
     for position, w in sorted(((p, w) for p, w in zip(at, weights) if p is not None), key=lambda pw: pw[0]):
         acts.insert(position, w)
-    grad_carry, (grads, *_) = backward(grad_carry, (None, acts))
-    grads = [grads[name] if grads[name] is not None else torch.zeros_like(w) for name, w in zip(trainable, weights)]
+    grad_ys = iter(grad_ys)
+    grad_y = tuple(next(grad_ys) if g else torch.zeros(shape, dtype=dtype, device=k.device)
+                   for g, (shape, dtype) in zip(given, outputs))
+    grad_carry, (params, *_) = backward(grad_carry, (grad_y or None, acts))
+    grads = [params[j][name] for j, name in trainable]
     # XLA updates a stack in place only where it sees every read of it come first, and a weight's own gradient does
     # not read it (XLA copied each stack twice a block). A 0 made from the input's gradient and every weight's orders
     # the reads that lead to them.
@@ -3942,67 +4369,47 @@ def _backward_in_place(backward, trainable, at, carry, x):
     return (grad_carry, [s.index_copy(0, k, g.unsqueeze(0)) for s, g in zip(stacks, grads)]), None
 
 
-def _scan(fn, init, xs, reverse=False, owner=None):
-    """torch_xla's _scan_impl_pytree, which builds the While computation anew on each call: for a LoRA decoder layer
-    ~20 ms of Python on each of the forward and backward of every step, more than tracing 4 layers unrolled. Our
-    loops' bodies are pure (random numbers from the seeds they scan): their While is built once per body (`owner`)
-    and shapes, then only called."""
-    scan, xlac = _import("torch_xla.experimental.scan"), _import("torch_xla")._XLAC
-    (flat_init, unflatten_carry), (flat_xs, _) = scan.tree_flatten_none(init), scan.tree_flatten_none(xs)
-    tree = torch.utils._pytree.tree_structure
-    key = (reverse, tree(init), tree(xs), tuple((t.shape, t.dtype, t.requires_grad) for t in flat_init + flat_xs))
-    built = _STATE.loops.built.setdefault(fn if owner is None else owner, {})
-    c, x = len(flat_init), len(flat_xs)
-    if key not in built:
-        user, recorded = xlac._xla_user_computation, []
-        xlac._xla_user_computation = lambda *args: recorded.append(args) or user(*args)
-        try:
-            carry, ys = scan._scan_impl_pytree(fn, init, xs, reverse)
-        finally:
-            xlac._xla_user_computation = user
-        (_, tensors, computation), = recorded
-        flat_ys, unflatten_y = scan.tree_flatten_none(ys)
-        y = len(flat_ys)
-        shapes = [(t.shape, t.dtype) for t in tensors[1 + c + x:1 + c + x + y]]
-        built[key] = computation, shapes, tensors[1 + c + x + y:], unflatten_y
-        return carry, ys
-    computation, shapes, hoisted, unflatten_y = built[key]
-    device = flat_init[0].device
-    ys = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
-    out = xlac._xla_user_computation("xla::scan", [torch.tensor(0, device=device), *flat_init, *flat_xs, *ys,
-                                                   *hoisted], computation)
-    return unflatten_carry(list(out[1:1 + c])), unflatten_y(list(out[1 + c + x:1 + c + x + len(shapes)]))
-
-
-def _loop_body(template, leaves, spec, carried, scanned, checkpointed):
-    """scan's fn: one block (`template`, block 0, with each block's parameters swapped in) on the carry; in training,
-    its dropout draws from the block's seed."""
-    leaves = list(leaves)
-
-    def body(carry, xs):
-        (x, *values), (params, others, *seed) = carry, xs  # seed: [the block's] in training, else []
-        for i, v in zip(carried + scanned, values + list(others)):
-            leaves[i] = v
-        args, kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
-        _STATE.loops.tracing = True
-        try:
-            with _RandomOps(*seed), _checkpointing_off(template, checkpointed):
-                out = torch.func.functional_call(template, params, (x, *args), kwargs, strict=False)
-        finally:
-            _STATE.loops.tracing = False
-        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
-            raise _NotALoop("a block returns " + (f"shape {tuple(out.shape)} {out.dtype} for {tuple(x.shape)} "
-                                                   f"{x.dtype}" if isinstance(out, torch.Tensor) else
-                                                   f"a {type(out).__name__}, not a tensor like its input"))
-        return (out, *values), None
-    return body
+def _recomputed(run, init, xs, grads):
+    """_Loop's backward when it builds a graph (create_graph): the blocks recomputed one by one from the loop's input,
+    as activation checkpointing does (their dropout draws the loop's masks, from its seeds), and differentiated with a
+    graph, so that their gradients differentiate again: eager's numbers for a gradient penalty or a Hessian-vector
+    product through a looped stack. Costs a forward and a backward of the blocks unrolled, in that step's graph."""
+    args, looped, period = run.args, run.stack.looped, run.stack.plan.period
+    tensors, seeds = list(args.tensors), xs[2] if len(xs) > 2 else None
+    for i, t in zip(args.carried, init[1:]):
+        tensors[i] = t
+    cache, x = _CacheRecorder(), init[0]
+    with torch.enable_grad():
+        for turn in range(len(looped) // period):
+            with _RandomOps(seeds[turn]) if seeds is not None else contextlib.nullcontext():
+                for j in range(period):
+                    a, kw = args.of(j, tensors, cache)
+                    x = looped[turn * period + j](x, *a, **kw)
+    per_turn = len(cache.updates) // max(1, len(looped) // period)
+    ys = [torch.stack([u[i] for u in cache.updates[n::per_turn]]) for n in range(per_turn) for i in (0, 1)]
+    outs = [(o, g) for o, g in zip((x, *ys), (grads[0], *grads[len(init):])) if g is not None and o.requires_grad]
+    params = {(j, name): [dict(b.named_parameters())[name] for b in looped[j::period]]
+              for j, named in enumerate(xs[0]) for name in named}
+    wrt = [t for t in init if t.requires_grad] + [p for ps in params.values() for p in ps if p.requires_grad]
+    got = iter(torch.autograd.grad([o for o, _ in outs], wrt, [g for _, g in outs], create_graph=True,
+                                   allow_unused=True) if outs and wrt else [None] * len(wrt))
+    grad_init = [next(got) if t.requires_grad else None for t in init]
+    grad_init = [g if k == 0 or grads[k] is None else grads[k] if g is None else g + grads[k]  # carried: passed on
+                 for k, g in enumerate(grad_init)]
+    stacked = {}
+    for place, ps in params.items():
+        gs = [next(got) if p.requires_grad else None for p in ps]
+        if any(g is not None for g in gs):
+            stacked[place] = torch.stack([torch.zeros_like(p) if g is None else g for g, p in zip(gs, ps)])
+    return *grad_init, *_grads_of_xs(xs, stacked)
 
 
 @contextlib.contextmanager
-def _checkpointing_off(block, checkpointed):
+def _checkpointing_off(blocks, checkpointed):
     """Inside the loop the body's rematerialization is the partitioner's (min-cut): transformers' checkpointing of
     each layer call stays off while the body is traced."""
-    modules = [m for m in block.modules() if getattr(m, "gradient_checkpointing", False)] if checkpointed else []
+    modules = [m for b in blocks for m in b.modules() if getattr(m, "gradient_checkpointing", False)] if (
+        checkpointed) else []
     for m in modules:
         m.gradient_checkpointing = False
     try:
@@ -4014,7 +4421,7 @@ def _checkpointing_off(block, checkpointed):
 
 class _RandomOps(TorchDispatchMode):
     """A random op in a loop body, traced once, would draw the same numbers for every block and step. Dropout's
-    (native_dropout; bernoulli_ with a float p: dropout1d-3d, alpha dropout) draws from the block's seed instead
+    (native_dropout; bernoulli_ with a float p: dropout1d-3d, alpha dropout) draws from the turn's seed instead
     (_uniform): integer ops, so the body stays pure and its backward and remat see the forward's masks. Any other
     random op, or dropout with no seed (eval mode), keeps the blocks unrolled."""
 
@@ -4054,29 +4461,34 @@ def _uniform(seed, counter, shape, device):
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
 
 
-def _stacks(stack, names, per_block):
-    """{name: the blocks' parameters of that name, stacked}. Trainable ones are stacked in the step's graph (their
-    gradients flow back through _Stacked). A frozen name's stack (LoRA's base weights, a teacher's) is made once, in
-    a small graph of its own, and then read as device data: the step's graph no longer copies it, nor takes every
-    block's weights as inputs. It is made anew once any of those parameters is changed or replaced (its version
-    counter or its XLA tensor, which every in-place write, `.data` alias or load changes), and held beside them between
-    steps: the step held both anyway, the stack as a temporary."""
-    xlac, out, new = _import("torch_xla")._XLAC, {}, []
-    for name in names:
-        params = [p[name] for p in per_block]
-        if any(p.requires_grad for p in params) or not _device_data(params):
-            stack.frozen.pop(name, None)  # unfrozen since: not held for nothing
-            out[name] = _Stacked.apply(stack.indices(params[0].device), *params)
-            continue
-        key = [(id(p), p._version, xlac._xla_get_tensor_id(p)) for p in params]
-        cached = stack.frozen.get(name)
-        if cached is None or cached[0] != key:
-            cached = stack.frozen[name] = key, torch.stack(params)
-            new.append(cached[1])
-        out[name] = cached[1]
+def _stacks(stack):
+    """Per position of a turn, {name: that position's blocks' parameters of that name, stacked}. Trainable ones are
+    stacked in the step's graph (their gradients flow back through _Stacked). A frozen one's stack (LoRA's base
+    weights, a teacher's) is made once, in a small graph of its own, and then read as device data: the step's graph
+    no longer copies it, nor takes every block's weights as inputs. It is made anew once any of those parameters is
+    changed or replaced (its version counter or its XLA tensor, which every in-place write, `.data` alias or load
+    changes), and held beside them between steps: the step held both anyway, the stack as a temporary."""
+    xlac, out, new, period = _import("torch_xla")._XLAC, [], [], stack.plan.period
+    for j in range(period):
+        per_block, stacked = [dict(b.named_parameters()) for b in stack.looped[j::period]], {}
+        for name in per_block[0]:
+            params = [p[name] for p in per_block]
+            if any(p.requires_grad for p in params) or not _device_data(params):
+                stack.frozen.pop((j, name), None)  # unfrozen since: not held for nothing
+                key = (len(params), params[0].device)  # N device scalars made once, where _Stacked's backward gathers
+                indices = stack.indices.setdefault(key, [torch.tensor([k]).to(key[1]) for k in range(key[0])])
+                stacked[name] = _Stacked.apply(indices, *params)
+                continue
+            key = [(id(p), p._version, xlac._xla_get_tensor_id(p)) for p in params]
+            cached = stack.frozen.get((j, name))
+            if cached is None or cached[0] != key:
+                cached = stack.frozen[j, name] = key, torch.stack(params)
+                new.append(cached[1])
+            stacked[name] = cached[1]
+        out.append(stacked)
     if new:  # without this, the first step's graph would make them and the second would read them: 2 compiles
         xlac._xla_sync_multi(new, devices=[], wait=False)
-    return out
+    return tuple(out)
 
 
 def _device_data(tensors):
@@ -4093,21 +4505,25 @@ class _Stacked(torch.autograd.Function):
     """torch.stack of the blocks' parameters, whose gradients are copies, not views of the stacked one: a view keeps
     its base alive, and the graph computed both (the stacked gradients beside each block's: +0.25x the model). Each
     block's is a gather at an index held as device data: slices at N offsets are N kernels XLA compiles one by one
-    (XLA:CPU: ~9 ms each, most of what the step's compile grew by with depth); gathers of one shape are one kernel."""
+    (XLA:CPU: ~9 ms each, most of what the step's compile grew by with depth); gathers of one shape are one kernel.
+    No gradient (a parameter no block uses) leaves every block's None, as in eager."""
 
     @staticmethod
     def forward(ctx, indices, *params):
         ctx.indices = indices
+        ctx.set_materialize_grads(False)
         return torch.stack(params)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return (None,) * (1 + len(ctx.indices))
         return None, *(grad.index_select(0, k).squeeze(0).clone() for k in ctx.indices)  # not views, as above
 
-
 # --- 9e. repeated blocks: what the loop's body saves ----------------------------------------------
-# AOTAutograd splits the body into a forward and a backward; what the forward hands on is saved per block, stacked by
-# scan. The partition here saves the blocks' parameters by reference and computes x @ W.t() over W as stored.
+# AOTAutograd splits the body into a forward and a backward; what the forward hands on is saved per turn, stacked by
+# scan. The partition here saves the blocks' parameters by reference, computes x @ W.t() over W as stored, and notes
+# which inputs the backward gives a gradient.
 
 
 # What the backward remakes from a block's parameter rather than save: views, and casts (autocast's)
@@ -4115,15 +4531,18 @@ _REMADE = frozenset({"t", "transpose", "permute", "view", "_unsafe_view", "resha
                      "squeeze", "alias", "detach", "_to_copy", "select", "slice"})
 
 
-@functools.cache  # one function per kind: scan caches a body's trace by the partitioner's id
-def _saving_primals(partition, carried, remat):
+def _saving_primals(partition, carried, remat, given=None):
     """AOT's partitioner saves what the backward reads of the forward: `W.t()` for a linear, which scan then stacks,
     a copy of every block's weights (+0.25x the model per device under fsdp). Given `W` itself, scan passes on the
     stacked parameters it holds, so the backward reads a view remade from the parameter. Under checkpointing the
-    min-cut's budget is 0: the body saves its inputs and recomputes the rest, checkpointing's promise."""
+    min-cut's budget is 0: the body saves its inputs and recomputes the rest, checkpointing's promise. `given` gets,
+    per input, whether the backward gives it a gradient (a parameter no block uses gets none)."""
     def partition_fn(joint, inputs, *, num_fwd_outputs, **kwargs):
         graph = joint.graph
-        outputs = torch.utils._pytree.arg_tree_leaves(*next(iter(graph.find_nodes(op="output"))).args)
+        results = next(iter(graph.find_nodes(op="output"))).args[0]
+        if given is not None:
+            given[:] = [g is not None for g in results[num_fwd_outputs:]]
+        outputs = torch.utils._pytree.arg_tree_leaves(*results)
         forward, todo = set(), [n for n in outputs[:num_fwd_outputs] if isinstance(n, torch.fx.Node)]
         while todo:  # what the forward's outputs need
             node = todo.pop()
@@ -5123,15 +5542,15 @@ class _WorkCheck:
     checks: list = dataclasses.field(default_factory=list)  # a model's check, due once its first forward ended
     armed: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # modules whose first forward it reads
 
-    def probe(self, blocks, x, args, kwargs):
-        """A loop of blocks (9c) in a first forward the check reads: blocks 0 and 1 run on their own as well, so the
-        check reads block 0's modules as unrolled (an outline of the loop's split); nothing keeps their results but
-        the held tensors, so the step's graph is the later steps'. Not counted as the step's FLOPs."""
-        if any(m in self.armed for m in blocks[0].modules()):
+    def probe(self, block, run):
+        """A loop of blocks (9c) in a first forward the check reads: run() runs its first two blocks on their own as
+        well, so the check reads `block`'s modules as unrolled (an outline of the loop's split); nothing keeps their
+        results but the held tensors, so the step's graph is the later steps'. Not counted as the step's FLOPs."""
+        if any(m in self.armed for m in block.modules()):
             counting, gates = _STATE.meter.counting, dict(_STATE.cuts.gates)  # a gate on them would keep them
             flops = counting and counting.flops
             with torch.no_grad():
-                blocks[1](blocks[0](x, *args, **kwargs), *args, **kwargs)
+                run()
             if counting:
                 counting.flops = flops
             _STATE.cuts.gates = gates

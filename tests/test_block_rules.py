@@ -125,25 +125,46 @@ def layers(**changes):
     return blocks
 
 
-@pytest.mark.parametrize("changes, why", [
-    ({}, None),
-    ({"b1": lambda b: setattr(b, "layer_idx", 1)}, "block 1 differs from block 0 in its attributes"),
-    ({"b0": lambda b: setattr(b, "layer_idx", 0), "b1": lambda b: setattr(b, "layer_idx", 1),
-      "b2": lambda b: setattr(b, "layer_idx", 2)}, None),  # an index may differ
-    ({"b0": lambda b: setattr(b, "name", "layers.0.up"), "b1": lambda b: setattr(b, "name", "layers.1.up"),
-      "b2": lambda b: setattr(b, "name", "layers.2.up")}, None),  # a module path's number too (peft's target_name)
-    ({"b2": lambda b: setattr(b.drop, "p", 0.5)}, "block 2 differs from block 0 in its attributes"),
-    ({"b1": lambda b: setattr(b, "up", torch.nn.Linear(8, 16, bias=False))}, "in its parameters"),
-    ({"b1": lambda b: b.add_module("extra", torch.nn.Identity())}, "in its structure"),
-    ({"b1": lambda b: b.up.weight.requires_grad_(False)}, "in its parameters"),
+def index(name):
+    return {f"b{k}": (lambda k: lambda b: setattr(b, name, k))(k) for k in range(3)}
+
+
+@pytest.mark.parametrize("changes, plan", [
+    ({}, (0, 3, 1)),
+    ({"b1": lambda b: setattr(b, "layer_idx", 1)}, "block 1 differs from block 0 in layer_idx (1 against None)"),
+    (index("layer_idx"), (0, 3, 1)),  # an index may differ: the body's trace proves it unread, or says why
+    ({f"b{k}": (lambda k: lambda b: setattr(b, "name", f"layers.{k}.up"))(k) for k in range(3)}, (0, 3, 1)),
+    ({"b2": lambda b: setattr(b.drop, "p", 0.5)}, (0, 2, 1)),  # the last block on its own
+    ({"b0": lambda b: setattr(b.drop, "p", 0.5)}, (1, 3, 1)),  # the first
+    ({"b1": lambda b: setattr(b, "up", torch.nn.Linear(8, 16, bias=False))}, "parameters or buffers of module 'up'"),
+    ({"b1": lambda b: b.add_module("extra", torch.nn.Identity())}, "block 1 differs from block 0 in its modules"),
+    ({"b1": lambda b: b.up.weight.requires_grad_(False)}, (0, 3, 1)),  # the loop gives frozen blocks no gradient
     ({"b0": lambda b: b.register_buffer("seen", torch.zeros(1)), "b1": lambda b: b.register_buffer(
         "seen", torch.zeros(1)), "b2": lambda b: b.register_buffer("seen", torch.zeros(1))}, "hold buffers"),
     ({"b0": lambda b: setattr(b, "scale", torch.ones(2)), "b1": lambda b: setattr(b, "scale", torch.ones(2)),
       "b2": lambda b: setattr(b, "scale", torch.ones(2) * 3)}, "holds the tensor 'scale', neither parameter nor "),
 ])
-def test_blocks_repeat_one_block_apart_from_an_index(changes, why):
-    said = st._blocks_differ(layers(**changes))
-    assert said is None if why is None else why in said, said
+def test_the_longest_run_of_repeating_blocks_is_planned_as_one_loop(changes, plan):
+    got, why = st._plan([st._block_state(b) for b in layers(**changes)])
+    assert tuple(got) == plan if isinstance(plan, tuple) else got is None and plan in why, (got, why)
+
+
+def test_blocks_that_repeat_with_a_period_loop_a_period_a_turn():
+    """Gemma2's sliding and global layers alternate (period 2), Gemma3's are five to one (period 6); T5's first block
+    differs (a prefix); an attribute that differs in every block (an index) does not stop a plan, one that repeats
+    with the period does not either, and the run must turn twice."""
+    def blocks(kinds):
+        out = [block_loops.Block(8) for _ in kinds]
+        for k, (b, kind) in enumerate(zip(out, kinds)):
+            b.kind, b.layer_idx = kind, k
+        return out
+    plan = lambda kinds: st._plan([st._block_state(b) for b in blocks(kinds)])[0]  # noqa: E731
+    assert plan("sgsgsg") == (0, 6, 2)
+    assert plan("sssssgsssssgss") == (0, 12, 6)  # two blocks after: on their own
+    assert plan("xaaaa") == (1, 5, 1)
+    assert plan("sgsx") is None and "no run of blocks repeats" in st._plan(
+        [st._block_state(b) for b in blocks("sgsx")])[1]
+    assert plan("abcabc") == (0, 6, 3)
 
 
 def test_scan_takes_a_bool(cpu):
@@ -213,7 +234,8 @@ def test_the_hlo_reader_counts_a_loops_collectives_as_often_as_they_run(tmp_path
 def test_a_loop_body_saves_its_parameters_not_their_views_for_the_backward(remat, monkeypatch):
     """A linear reads `W.t()`: AOT's partitioner would save that view, which scan writes into a buffer per block (a
     copy of the stacked parameters); ours saves W itself, which scan passes through. Under checkpointing (budget 0)
-    the body saves only its inputs. `x @ W.t()` becomes one dot over W as stored (XLA's, here torch's stand-in)."""
+    the body saves only its inputs. `x @ W.t()` becomes one dot over W as stored (XLA's, here torch's stand-in). The
+    partition notes which inputs the backward gives a gradient."""
     dots = []
     monkeypatch.setattr(st, "_dot_transposed", lambda a, w: dots.append(w.shape) or a @ w.t())
     from functorch.compile import aot_function, default_partition, make_boxed_func, min_cut_rematerialization_partition
@@ -238,4 +260,8 @@ def test_a_loop_body_saves_its_parameters_not_their_views_for_the_backward(remat
     assert not [n for g in graphs for n in g.graph.nodes if n.target is torch.ops.aten.mm.default
                 and n.args[1].target is torch.ops.aten.t.default]
     assert dots[0] == (8, 8), dots  # the forward's x @ w.t(): w as stored
-    assert st._saving_primals(default_partition, 1, False) is st._saving_primals(default_partition, 1, False)
+    given = []
+    unused = aot_function(lambda x, w, u: torch.tanh(x @ w.t()) @ w, fw_compiler=keep, bw_compiler=keep,
+                          partition_fn=st._saving_primals(default_partition, 1, False, given))
+    unused(x, w, torch.randn(8, requires_grad=True)).sum().backward()
+    assert given == [True, True, False], "a parameter the body does not use gets no gradient (None, as in eager)"
