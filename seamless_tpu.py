@@ -3620,8 +3620,13 @@ class _Stack:
         blocks = self.members()
         if self.blocks is not None and len(blocks) == len(self.blocks) and all(map(operator.is_, blocks, self.blocks)):
             return
+        replanned = self.blocks is not None
         self.blocks, self.calls, self.bodies, self.frozen, self.indices, self.watch = blocks, [], {}, {}, {}, None
-        self.plan, self.reason = _plan([_block_state(b) for b in blocks])
+        self.written = set()  # attributes a body's trace saw written
+        self.plan, self.reason = _plan([_block_state(b) for b in blocks]) if len(blocks) > 1 else (
+            None, "it holds one block")
+        if replanned and self.reason:
+            _say_unrolled(self.where, len(blocks), self.reason)
 
     @property
     def looped(self):
@@ -3818,14 +3823,17 @@ def _plan(states):
     return best, None
 
 
-def _holds(state):
+def _holds(state, written=()):
     """Why a block of this state cannot share a body with others (None if it can): buffers, which a forward may
-    update (running statistics), or a tensor neither parameter nor buffer, which the body would hold as a constant."""
+    update (running statistics), or a tensor neither parameter nor buffer, which the body would hold as a constant
+    (or which its forward writes: `written`, the attributes a trace saw written)."""
     if any(buffers for _, _, _, _, buffers in state):
         return "the blocks hold buffers, which a forward may update (running statistics)"
     held = next((f"{name + '.' if name else ''}{k}" for name, _, attrs, _, _ in state for k, v in attrs
                  if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], type) and issubclass(v[0], torch.Tensor)),
                 None)
+    if held and held in written:
+        return f"a block's forward writes {held}"
     return held and f"a block holds the tensor {held!r}, neither parameter nor buffer"
 
 
@@ -3934,6 +3942,7 @@ def _run_loop(stack, calls):
             body = stack.bodies[key] = _Body(run, stack.watch.key[-1], inputs)
         except _NotALoop as e:
             stack.bodies[key] = str(e)
+            stack.written |= {getattr(e, "written", None)} - {None}
             raise
     run = run._replace(body=body)
     _STATE.work_check.probe(stack.looped[0], functools.partial(_first_two, run))  # once proven free of side effects
@@ -3957,8 +3966,8 @@ def _states_key(stack):
         j = k % period
         if [m[:2] + m[3:] for m in states[k]] != [m[:2] + m[3:] for m in states[j]]:
             raise _NotALoop(_difference(states[j], states[k], start + k, start + j))
-        if k < 2 * period and _holds(states[j]):
-            raise _NotALoop(_holds(states[j]))
+        if k < 2 * period and _holds(states[j], stack.written):
+            raise _NotALoop(_holds(states[j], stack.written))
         for (name, _, attrs, _, _), (_, _, same, _, _) in zip(states[k], states[j]):
             mine, theirs = dict(attrs), dict(same)
             for a in mine.keys() | theirs.keys():
@@ -4165,8 +4174,10 @@ def _proven(trace, reps, marked):
         if rng[1] is not None:
             sys.modules["numpy"].random.set_state(rng[1])
         if wrote or drew:  # raised over the trace's result or error: the cause
-            raise _NotALoop(f"a block's forward writes {wrote}" if wrote else
-                            "a block's forward draws random numbers from Python's random or numpy") from failed
+            failed = _NotALoop(f"a block's forward writes {wrote}" if wrote else
+                               "a block's forward draws random numbers from Python's random or numpy")
+            failed.written = wrote  # a tensor it leaves on the block later says the same (_holds)
+            raise failed
 
 
 def _written(before, after):

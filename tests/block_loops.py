@@ -10,6 +10,7 @@ tests/test_workloads.py runs every name in SCENARIOS. Models are built from conf
 import glob
 import logging
 import os
+import random
 import re
 import shutil
 import sys
@@ -680,12 +681,184 @@ def dropout():
     assert not [line for line in spy.lines if "one by one" in line], spy.lines
 
 
+class Varied(torch.nn.Module):
+    """A residual tanh block whose forward reads what `kind` says: a dilation, a roll, a private gain, its layer_idx,
+    its training flag, Python's RNG; or does what a loop cannot repeat: a data-dependent op, a check that reads a
+    value, an attribute written (an MoE's aux loss), its input written in place. `unused` holds a Linear it never
+    calls."""
+
+    def __init__(self, k, kind, width=16):
+        super().__init__()
+        self.kind, self.lin, self.unused = kind, torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.conv = torch.nn.Conv1d(width, width, 3, dilation=2 ** k, padding="same") if kind == "dilated" else None
+        self.shift, self._gain, self.layer_idx, self.gain = k, 1.0 + k, k, 1.0
+
+    def forward(self, x):
+        kind = self.kind
+        if kind == "inplace":
+            x.mul_(0.9)
+        h = torch.tanh(self.lin(x)) * self.gain
+        if kind == "dilated":
+            h = h + self.conv(x.transpose(1, 2)).transpose(1, 2)
+        elif kind == "rolled":
+            h = torch.roll(h, self.shift, 1)
+        elif kind == "private":
+            h = h * self._gain
+        elif kind == "layer_idx":
+            h = h * (1.0 if self.layer_idx % 2 else -1.0)
+        elif kind == "training":
+            h = h * (1.0 if self.training else 0.5)
+        elif kind == "python_random":
+            h = h * (0.5 + random.random())
+        elif kind == "masked":
+            h = h + h[h > 0].sum() / h.numel()
+        elif kind == "nonzero":
+            h = h * torch.nonzero(h > 0).shape[0] / h.numel()
+        elif kind == "finite_check" and not torch.isfinite(h).all():
+            raise ValueError("not finite")
+        elif kind == "aux":
+            self.aux_loss = h.square().mean()
+        return x + h
+
+
+class Owner(torch.nn.Module):
+    def __init__(self, kind, depth=4, width=16, skip=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out, self.skip = torch.nn.Linear(width, width), torch.nn.Linear(width, 1), skip
+        self.layers = torch.nn.ModuleList(Varied(k, kind, width) for k in range(depth))
+
+    def forward(self, x):
+        x = self.inp(x)
+        h = x
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x + h if self.skip else x)
+
+
+class Renamed(Owner):
+    def forward(this, x):  # noqa: N805 (a first argument not named self: the loop is found all the same)
+        x = this.inp(x)
+        for layer in this.layers:
+            x = layer(x)
+        return this.out(x)
+
+
+def appended(model, optimizer, step):  # the container changed after the trainer: the loop follows it
+    if step == 1:
+        torch.manual_seed(5)
+        block = Varied(4, "plain").to(model.inp.weight.device)
+        model.layers.append(block)
+        optimizer.add_param_group({"params": list(block.parameters())})
+    elif step == 2:
+        model.layers[1] = Varied(5, "plain").to(model.inp.weight.device)
+        optimizer.add_param_group({"params": list(model.layers[1].parameters())})
+    elif step == 3:
+        del model.layers[3:]
+
+
+def attribute_later(model, optimizer, step):  # every block's at step 1 (a body traced anew), one block's at step 2
+    for k, block in enumerate(model.layers):
+        block.gain = {1: 0.5, 2: 2.0 if k == 2 else 0.5}.get(step, block.gain)
+
+
+def unfrozen(model, optimizer, step):
+    if step == 2:
+        model.layers.requires_grad_(True)
+        optimizer.add_param_group({"params": list(model.layers.parameters())})
+
+
+# name -> (the model, a change before step k, the loss's extra term, the reason logged or None: looped every step)
+SOUNDNESS = {
+    "dilated": (lambda: Owner("dilated"), None, None, "in conv.dilation ((2,) against (1,)), which their forward"),
+    "rolled": (lambda: Owner("rolled"), None, None, "block 1 differs from block 0 in shift (1 against 0)"),
+    "private": (lambda: Owner("private"), None, None, "block 1 differs from block 0 in _gain (2.0 against 1.0)"),
+    "layer_idx": (lambda: Owner("layer_idx"), None, None, "in layer_idx (1 against 0), which their forward reads"),
+    "gpt2_scaled_by_layer": (lambda: hf("gpt2", n_layer=4, scale_attn_by_inverse_layer_idx=True), None, None,
+                             "block 1 differs from block 0 in attn.scaling"),
+    "appended": (lambda: Owner("plain"), appended, None, None),
+    "eval_one": (lambda: Owner("training"), lambda m, o, step: step == 1 and m.layers[0].eval(), None,
+                 "block 1 differs from block 0 in training (True against False)"),
+    "attribute_later": (lambda: Owner("plain"), attribute_later, None, "block 2 differs from block 0 in gain (2.0 "),
+    "python_random": (lambda: Owner("python_random"), None, None, "draws random numbers from Python's random"),
+    "unfrozen": (lambda: frozen_layers(), unfrozen, None, None),
+    "masked": (lambda: Owner("masked"), None, None, "tracing a block failed"),
+    "nonzero": (lambda: Owner("nonzero"), None, None, "tracing a block failed"),
+    "finite_check": (lambda: Owner("finite_check"), None, None, "tracing a block failed"),
+    "aux": (lambda: Owner("aux"), None, lambda m: sum(b.aux_loss for b in m.layers), "forward writes aux_loss"),
+    "inplace_skip": (lambda: Owner("inplace", skip=True), None, None, "a block writes its input in place"),
+    "renamed_self": (lambda: Renamed("plain"), None, None, None),
+}
+
+
+def frozen_layers():
+    model = Owner("plain")
+    model.layers.requires_grad_(False)
+    return model
+
+
+def soundness_run(name, trainer_made):
+    """SOUNDNESS[name] trained 4 AdamW steps (weight decay: a parameter given a zero gradient would move): losses,
+    weights, and which parameters have no gradient."""
+    build, change, extra, _ = SOUNDNESS[name]
+    random.seed(0)
+    model = build()
+    trainer = trainer_made(model)
+    lm = not isinstance(model, Owner)
+    data = batch() if lm else torch.randn(BATCH, 6, 16, generator=torch.Generator().manual_seed(1))
+    data = trainer.to_device(data) if trainer else data
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(4):
+        if change:
+            change(model, optimizer, step)
+        optimizer.zero_grad()
+        loss = loss_of(model, "lm", data) if lm else model(data).square().mean()
+        loss = loss + extra(model) if extra else loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    weights = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    return {"losses": workloads.host(losses), "weights": weights.cpu().tolist(),
+            "no_grad": [n for n, p in model.named_parameters() if p.grad is None]}
+
+
+def soundness_eager():
+    return {name: soundness_run(name, lambda m: None) for name in SOUNDNESS}
+
+
+def soundness():
+    """Issue 60: the loop gives eager's answer or runs one by one and says why. Blocks whose forward reads what
+    differs between them (a dilation, a roll, a private gain, layer_idx, GPT-2's scaling by layer index, a training
+    flag) run one by one; a container changed after the trainer (append, replace, delete), attributes set on every
+    block (a body traced anew) and unfrozen blocks keep looping with eager's numbers; Python's RNG, data-dependent
+    ops, a check that reads a value, an attribute written and an input written in place run one by one; a parameter
+    no block uses keeps grad None (AdamW's decay leaves it where eager does); the owner may name `self` anything.
+    Each against eager (losses and every parameter's sum), each reason logged once."""
+    want = workloads.eager_reference("soundness", __file__)
+    spy = Spy()
+    for name, (_, _, _, reason) in SOUNDNESS.items():
+        before = spy.loops
+        got = soundness_run(name, st.SeamlessTPUTrainer)
+        workloads.assert_close(got["losses"], want[name]["losses"], 1e-5, f"{name}: losses")
+        workloads.assert_close(got["weights"], want[name]["weights"], 1e-4, f"{name}: weights")
+        assert got["no_grad"] == want[name]["no_grad"], (name, got["no_grad"], want[name]["no_grad"])
+        said = [line for line in spy.lines if "one by one" in line]
+        if reason is None:
+            assert spy.loops - before == 4 and not said, (name, spy.loops - before, said)
+        else:
+            assert len(said) == 1 and reason in said[0], (name, reason, said)
+        print(f"{name}: {spy.loops - before} loops; {said[0] if said else 'looped'}")
+        spy.lines.clear()
+        st._STATE.warned -= {k for k in st._STATE.warned if k[:1] == ("unrolled",)}  # each case's stack: "layers"
+
+
 SCENARIOS = {f.__name__: f for f in (families, family_peaks, fallbacks, fsdp_peak, derivatives, resumed, dropout,
-                                     frozen)}
+                                     frozen, soundness)}
 REFERENCES = {"family_peaks_at": family_peaks_at,
               "families": families_eager, "fallbacks": fallbacks_eager, "derivatives": derivatives_eager,
               "fsdp_peak_unrolled": fsdp_peak_unrolled, "resumed": resumed_eager, "dropout": dropout_eager,
-              "dropout_losses": dropout_losses, "frozen": frozen_eager}
+              "dropout_losses": dropout_losses, "frozen": frozen_eager, "soundness": soundness_eager}
 
 
 def main(name, *flags):
