@@ -10,6 +10,9 @@ weights, gradients), lists made of second derivatives (Hessian-vector products, 
 
     wgan_gp           a WGAN-GP critic (LayerNorm, as the paper has it) and a generator, Adam, 2 critic steps per
                       generator step; the penalty differentiates autograd.grad(..., create_graph=True)
+    wgan_gp_blocks    the same with a critic made of a stack of residual blocks, one loop on XLA
+    gpt_second_order  a Hessian-vector product through transformers' GPT-2 (its blocks one loop on XLA), and SGD on its
+                      loss plus a gradient-norm penalty
     hvp               torch.autograd.functional.hvp of a LayerNorm MLP's loss wrt its parameters: a damped Newton step
                       along the gradient, its length from the curvature there
     per_sample_grads  DP-SGD: vmap(grad(loss)) over the batch through functional_call, each sample's gradient clipped,
@@ -55,14 +58,58 @@ def ln_mlp(d_in=8, width=16, d_out=1):
     return nn.Sequential(nn.Linear(d_in, width), nn.LayerNorm(width), nn.Tanh(), nn.Linear(width, d_out))
 
 
-def wgan_gp(gen_steps=3, n_critic=2, gp_weight=10.0):
+class Residual(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.norm, self.linear = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + F.leaky_relu(self.linear(self.norm(x)), 0.2)
+
+
+class StackCritic(nn.Module):
+    """A critic made of a stack of residual blocks, which the trainer runs as one loop on XLA."""
+
+    def __init__(self, depth=3, width=32):
+        super().__init__()
+        self.inp, self.out = nn.Linear(2, width), nn.Linear(width, 1)
+        self.blocks = nn.ModuleList(Residual(width) for _ in range(depth))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def looped():
+    """On XLA, that the trainer ran every stack as one loop: each body it traced, none it fell back from."""
+    if st.device_type() == "xla":
+        bodies = [b for s in st._STATE.loops.stacks.values() for b in s.bodies.values()]
+        if not bodies or not all(isinstance(b, st._Body) for b in bodies):
+            raise AssertionError(f"the stacks did not run as loops: {bodies}")
+
+
+def wgan_gp_blocks():
+    """wgan_gp with a critic made of a stack of blocks, one loop on XLA: the penalty's create_graph backward through
+    it recomputes the blocks one by one. SGD: Adam turns the last bits of its near-zero gradients (the residual
+    blocks' LayerNorm biases) into steps of its full learning rate, which took the unrolled XLA run 5e-4 from eager's
+    weights as it took the looped one (the two runs 1.2e-7 apart)."""
+    out = wgan_gp(critic=StackCritic, optimizer=lambda params: torch.optim.SGD(params, lr=1e-2))
+    looped()
+    return out
+
+
+def wgan_gp(gen_steps=3, n_critic=2, gp_weight=10.0, critic=None, optimizer=None):
     """Gulrajani et al.'s Algorithm 1 on 2-D points: the critic's gradient at points between real and fake samples
     is pushed to norm 1; its own gradient wrt the critic's weights is a second derivative."""
     torch.manual_seed(0)
-    critic = nn.Sequential(nn.Linear(2, 32), nn.LayerNorm(32), nn.LeakyReLU(0.2), nn.Linear(32, 32), nn.LayerNorm(32),
-                           nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    critic = critic() if critic else nn.Sequential(
+        nn.Linear(2, 32), nn.LayerNorm(32), nn.LeakyReLU(0.2), nn.Linear(32, 32), nn.LayerNorm(32), nn.LeakyReLU(0.2),
+        nn.Linear(32, 1))
     gen = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
-    opt_c = torch.optim.Adam(critic.parameters(), lr=1e-3, betas=(0.5, 0.9))
+    opt_c = optimizer(critic.parameters()) if optimizer else torch.optim.Adam(critic.parameters(), lr=1e-3,
+                                                                                 betas=(0.5, 0.9))
     opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3, betas=(0.5, 0.9))
     trainer = st.SeamlessTPUTrainer(critic)
     st.SeamlessTPUTrainer(gen)
@@ -125,6 +172,34 @@ def hvp(steps=3, damping=1.0):
         curvatures.append(curvature.detach())
     return {"first": {"losses": flat(losses), "weights": flat(model.parameters())},
             "second": {"hvp": flat(products), "curvature": flat(curvatures)}}
+
+
+def gpt_second_order(steps=2, lr=0.05, penalty=0.1):
+    """A small causal GPT (transformers' GPT-2 from its config, its defaults but eager attention, whose CPU kernel
+    differentiates twice; its blocks one loop on XLA): a Hessian-vector product of its loss wrt its parameters, along
+    ones, and SGD on the loss plus a gradient-norm penalty, whose gradient differentiates the loss's gradient."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="eager"))
+    trainer = st.SeamlessTPUTrainer(model)
+    ids = trainer.to_device(torch.randint(64, (B, 16), generator=torch.Generator().manual_seed(1)))
+    params = list(model.parameters())
+    grads = torch.autograd.grad(model(input_ids=ids, labels=ids).loss, params, create_graph=True)
+    hvp = torch.autograd.grad(sum(g.sum() for g in grads), params)
+    optimizer, losses = torch.optim.SGD(params, lr=lr), []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        total = loss + penalty * sum(g.square().sum() for g in grads)
+        total.backward()
+        optimizer.step()
+        losses.append(total.detach())
+    looped()
+    return {"first": {"losses": flat(losses)}, "second": {"hvp": flat(hvp), "weights": flat(params)}}
 
 
 def per_sample_grads(steps=3, clip=0.5, lr=0.1):
@@ -366,7 +441,7 @@ def fsdp_conv(steps=3, lr=0.1, gp_weight=0.1):
 
 
 IDIOMS = {f.__name__: f for f in (wgan_gp, hvp, per_sample_grads, jvp_conv, global_max_pool, frozen_bn, einsum_twice,
-                                  unbatched_fold, hessians, fsdp_conv)}
+                                  unbatched_fold, hessians, fsdp_conv, wgan_gp_blocks, gpt_second_order)}
 
 
 def main(*args):
