@@ -3782,6 +3782,8 @@ def _plain(v, seen, depth):
         return type(v), tuple((k, _plain(w, seen, depth)) for k, w in v.items())
     if isinstance(v, (torch.Tensor, torch.nn.Module)):
         return type(v), id(v)
+    if isinstance(v, functools.partial):  # transformers' activations: one per layer, equal by what they call
+        return type(v), v.func, _plain(v.args, seen, depth), _plain(v.keywords, seen, depth)
     if hasattr(v, "__dict__") and not callable(v) and depth < 2:
         if id(v) not in seen:
             seen[id(v)] = None  # a cycle back to it reads as its identity
@@ -3946,7 +3948,13 @@ def _run_loop(stack, calls):
             raise
     run = run._replace(body=body)
     _STATE.work_check.probe(stack.looped[0], functools.partial(_first_two, run))  # once proven free of side effects
-    return body.run(run, inputs)
+    if body.whiles:
+        return body.run(run, inputs)
+    try:  # its first run builds the While from the traced graphs: a failure there runs the blocks one by one too
+        return body.run(run, inputs)
+    except Exception as e:
+        stack.bodies[key] = f"building its loop failed ({type(e).__name__}: {_shown(str(e), 120)})"
+        raise _NotALoop(stack.bodies[key]) from e
 
 
 def _states_key(stack):
@@ -4030,8 +4038,7 @@ def _unmarked(state, j, marked):
 def _torch_state():
     """What a body's trace and its While read of torch's and torch_xla's state beyond its inputs."""
     return (torch.is_grad_enabled(), torch.is_autocast_enabled("xla"), torch.get_autocast_dtype("xla"),
-            torch.get_default_dtype(), _import("torch_xla")._XLAC._xla_get_mat_mul_precision(), id(_STATE.mesh),
-            bool(torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks))
+            torch.get_default_dtype(), _import("torch_xla")._XLAC._xla_get_mat_mul_precision(), id(_STATE.mesh))
 
 
 class _Arguments:
@@ -4039,7 +4046,7 @@ class _Arguments:
     them (floating ones ride in the carry; others, such as position ids, are scanned as N copies: N x their bytes), an
     empty transformers cache among them (the loop records its updates), and their part of the body's key. Raises
     _NotALoop where a loop would differ: another input, arguments that differ from those of the turn's blocks, an
-    object a block may change, a hook on a block, torch.func."""
+    object a block may change, torch.func, a global module hook."""
 
     def __init__(self, stack, calls):
         x, period, start = calls[0][0], stack.plan.period, stack.plan.start
@@ -4064,6 +4071,8 @@ class _Arguments:
                     described.append(v)
         if _transformed(x, *self.tensors):
             raise _NotALoop("")  # torch.func or forward-mode AD: the blocks one by one give their numbers
+        if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+            raise _NotALoop("a global module hook is registered")  # it would run once, as the body is traced
         for k, (_, args, kwargs) in enumerate(calls[period:], period):
             leaves = torch.utils._pytree.tree_leaves((args, kwargs))
             same = self.turn[k % period][0]
