@@ -843,13 +843,18 @@ def _to_keeping_parameters(module_to):
     @functools.wraps(module_to)
     def to(self, *args, **kwargs):
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is None or device.type != "xla" or torch.__future__.get_swap_module_params_on_conversion():
-            return module_to(self, *args, **kwargs)  # not to XLA, or the user's own setting: torch's as it is
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        try:
-            return module_to(self, *args, **kwargs)
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(False)
+        if device is None or device.type != "xla":
+            return module_to(self, *args, **kwargs)  # not to XLA: torch's as it is
+        if torch.__future__.get_swap_module_params_on_conversion():
+            moved = module_to(self, *args, **kwargs)  # the user's own setting, as it is
+        else:
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                moved = module_to(self, *args, **kwargs)
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(False)
+        _loops_of_moved(moved)
+        return moved
     to.keeps_parameters = True
     return to
 
@@ -3546,7 +3551,11 @@ def _place(model, layout):
     if layout.meta_built:
         _materialize(model, layout, lay_out=not fsdp2)
     if not (layout.meta_built and fsdp2):
-        model.to(layout.device)
+        _STATE.loops.placing, _STATE.loops.scan = True, layout.scan if xla else _STATE.loops.scan
+        try:
+            model.to(layout.device)
+        finally:
+            _STATE.loops.placing = False
     if xla:
         # Each parameter by its spec (FSDPv2 under fsdp): XLA gives the gradients the same sharding and puts the
         # all-gathers and reduce-scatters in the step graph. Split ones stay as they are.
@@ -3603,6 +3612,8 @@ class _Loops:
 
     stacks: weakref.WeakKeyDictionary = dataclasses.field(default_factory=weakref.WeakKeyDictionary)
     tracing: bool = False
+    scan: bool = True  # the last XLA trainer's: whether a module moved to XLA by .to loops too
+    placing: bool = False  # a trainer moves its model: its own layout decides its loops
 
 
 class _Stack:
@@ -3693,6 +3704,16 @@ def _find_loops(model, layout):
         _STATE.loops.stacks[container] = stack
         container.__class__ = _looped_class(type(container))
         _STATE.torch_patches.append(functools.partial(_unloop, weakref.ref(container), type(container).__base__))
+
+
+def _loops_of_moved(module):
+    """A module moved to XLA by .to or to_device (a teacher, a reference model): its stacks loop as a trainer's, under
+    the last XLA trainer's `scan` and the process's batch split (no tensor-parallel plan). A trainer's model is its
+    trainer's to place."""
+    if _STATE.xla_device is not None and _STATE.loops.scan and not _STATE.loops.placing and (
+            module not in _STATE.cuts.models):
+        batch = _STATE.batch_sharding
+        _find_loops(module, types.SimpleNamespace(planned={}, batch_dim=batch.dim if batch else 0))
 
 
 def _unloop(container, cls):  # _reset_caches: the container's own class back
