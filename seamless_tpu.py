@@ -82,6 +82,7 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
 # - _XLAC._xla_dot_general, torch._C._are_functorch_transforms_active. TODO(remove when XLA einsum is twice diff.)
+# - _XLAC._get_xla_tensors_hlo_proto, HloInstructionProto's field numbers. TODO(remove when dot_general has precision)
 # - _XLAC._xla_sync_multi, _get/_set_xla_handle_special_scalars, _xla_tensors_from_aten; torch._functionalize_sync,
 #   _has_data_mutation, torch._C._len_torch_function_stack, _get_function_stack_at (the first step, a step's graph).
 #   TODO(remove when optimizers have an init and torch_xla's graphs ignore scalar values)
@@ -1047,7 +1048,8 @@ def _computation_dtype(x):
 # torch_xla folds matmul's (T, B, E) into (T*B, E) and (B, H, T, d) into (B*H, T, d), where GSPMD kept one split of
 # two; GSPMD all-gathered a grouped convolution's batch; attention viewed (T, B, H, d) as (T*B, E); embedding bags,
 # cdist's and pdist's backwards ran on the CPU; einsum's C++ backward had no second derivative (silently 0). Ours
-# keep every dimension.
+# keep every dimension, and torch_xla's matmul precision (issue 60: _xla_dot and the protobuf editor that
+# _xla_dot_general's missing precision costs, 74 lines over the budget and 1 in room 1; they go with its TODO).
 
 
 @_lowering("matmul", family="products", why="batch", hands_back=True)
@@ -1321,9 +1323,82 @@ def _dot_general(subs, a, b):
     operands and the output are its batch dims, in both only its contracted dims; one operand's own are summed
     first where the output lacks them."""
     sum_a, sum_b, dims, order = _dot_plan(subs)
-    y = _import("torch_xla")._XLAC._xla_dot_general(a.sum(sum_a) if sum_a else a, b.sum(sum_b) if sum_b else b, dims)
+    y = _xla_dot(a.sum(sum_a) if sum_a else a, b.sum(sum_b) if sum_b else b, dims)
     # Not a view: a Function's output that is one refuses in-place ops (matmul's squeeze_ of a vector's product)
     return y if order is None else y.permute(order).clone()
+
+
+def _xla_dot(a, b, dims):
+    """XLA's dot of a and b over dims ([contracted of a, of b], [batch of a, of b]) at torch_xla's matmul precision
+    (torch_xla.backends.set_mat_mul_precision), which its mm, bmm and convolutions carry and its _xla_dot_general drops
+    (its binding refuses one): at "high" or "highest" a TPU ran such a dot in one bf16 pass. At "default" (read per
+    call: 0.2 us), _xla_dot_general. Else the same dot with the precision in its HLO, called as a user computation (as
+    torch_xla's call_jax calls jax's), which XLA inlines before GSPMD partitions it: every batch dim kept. bmm carries
+    the precision but folds the batch dims into one, of which GSPMD kept one split of two (Qwen3's tp plan on 2 x 2
+    devices: 0.271 of the step's dot FLOPs per device, this dot 0.25; docs/design.md). Traced in ~8 us against 4.5,
+    and ~0.4 ms once per shapes (_precise_dot)."""
+    xlac = _import("torch_xla")._XLAC
+    precision = xlac._xla_get_mat_mul_precision()
+    if precision == "default":
+        return xlac._xla_dot_general(a, b, dims)
+    call, swapped = _precise_dot(a.shape, a.dtype, b.shape, b.dtype, repr(dims), _MATMUL_PRECISIONS[precision])
+    return call([b, a] if swapped else [a, b])[0]
+
+
+_MATMUL_PRECISIONS = {"high": 1, "highest": 2}  # torch_xla's setting -> XLA's PrecisionConfig.Precision
+
+
+@functools.lru_cache(maxsize=1024)
+def _precise_dot(a_shape, a_dtype, b_shape, b_dtype, dims, precision):
+    """(call, swapped): call([a, b]), or call([b, a]) if swapped, is XLA's dot of a and b at `precision`: the HLO
+    module torch_xla traces for _xla_dot_general of two placeholders, its dot given a precision_config in protobuf's
+    wire format (a trace: nothing compiles or runs)."""
+    torch_xla, xb = _import("torch_xla"), _import("torch_xla.core.xla_builder")
+    a, b = xb.create_placeholder_tensor(a_shape, a_dtype), xb.create_placeholder_tensor(b_shape, b_dtype)
+    dot = torch_xla._XLAC._xla_dot_general(a, b, ast.literal_eval(dims))
+    params, lhs = {}, []
+
+    def edit(number, proto):  # HloModuleProto's computations (its field 3), their instructions (a computation's 2)
+        if number == 3:
+            return b"".join(_proto_field(2, edit(2, v)) if n == 2 else raw for n, v, raw in _proto_fields(proto))
+        fields = {n: v for n, v, _ in _proto_fields(proto)}  # 2: opcode, 35: id, 9: parameter_number, 36: operand ids
+        if fields.get(2) == b"parameter":
+            params[fields.get(35, 0)] = fields.get(9, 0)
+        elif fields.get(2) == b"dot":  # 51: its PrecisionConfig, whose 1 is each operand's precision, packed
+            lhs.append(_varint(fields[36], 0)[0])
+            return proto + _proto_field(51, _proto_field(1, bytes([precision] * 2)))
+        return proto
+    module = torch_xla._XLAC._get_xla_tensors_hlo_proto([dot])
+    module = b"".join(_proto_field(3, edit(3, v)) if n == 3 else raw for n, v, raw in _proto_fields(module))
+    call = xb.xla_computation_as_func(xb.computation_from_module_proto("dot_general", module), "xla::dot_general")
+    return call, params[lhs[0]] == 1  # torch_xla numbers the placeholders as it finds them
+
+
+def _proto_fields(buf):
+    """A protobuf message's fields, from its wire format: (number, payload bytes or varint, the field's own bytes)."""
+    i = 0
+    while i < len(buf):
+        key, j = _varint(buf, i)
+        wire = key & 7  # 0: a varint, 1: 64 bits, 2: length-delimited, 5: 32 bits
+        value, end = _varint(buf, j) if wire in (0, 2) else (None, j + (8 if wire == 1 else 4))
+        value, end = (buf[end:end + value], end + value) if wire == 2 else (value, end)
+        yield key >> 3, value, buf[i:end]
+        i = end
+
+
+def _varint(buf, i):  # (the varint at buf[i], the index after it)
+    value = shift = 0
+    while buf[i] & 0x80:
+        value, i, shift = value | (buf[i] & 0x7F) << shift, i + 1, shift + 7
+    return value | buf[i] << shift, i + 1
+
+
+def _proto_field(number, payload):  # a length-delimited field
+    return _varint_bytes(number << 3 | 2) + _varint_bytes(len(payload)) + payload
+
+
+def _varint_bytes(n):
+    return bytes([n & 0x7F | 0x80]) + _varint_bytes(n >> 7) if n > 0x7F else bytes([n])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -4601,8 +4676,8 @@ def _dots_as_stored(module):
     return module
 
 
-def _dot_transposed(a, w):  # a @ w.t() as XLA's dot over both operands' last dims
-    return _import("torch_xla")._XLAC._xla_dot_general(a, w, (([1], [1]), ([], [])))
+def _dot_transposed(a, w):  # a @ w.t() as XLA's dot over both operands' last dims, at torch_xla's matmul precision
+    return _xla_dot(a, w, (([1], [1]), ([], [])))
 
 # --- 10. models built on meta ---------------------------------------------------------------------
 
