@@ -1256,6 +1256,48 @@ def bf16_fsdp_products_match_fp32():
     print(f"bf16 vs fp32 under fsdp, products gathered in order: max relative diff {rel:.3g}")
 
 
+
+PRECISE = "operand_precision={highest,highest}"
+
+
+def every_dot_carries_the_matmul_precision():
+    """After torch_xla.backends.set_mat_mul_precision("highest") every dot of a step's HLO carries it, as torch_xla's
+    own mm, bmm and convolutions do (issue 60): the lowered products unrolled (Products under ddp and fsdp, whose 2-D
+    products then meet the einsum too; a Linear on a 3-D input, attention by SDPA and by matmul), forward and
+    backward, in fp32 and under bf16 autocast; and a stack of blocks run as one loop, whose body's x @ W.t() is
+    _dot_transposed and its backward torch_xla's mm, inside the While. The trainer built them on torch_xla's
+    _xla_dot_general, which has no precision: a TPU ran each in one bf16 pass. XLA:CPU ignores it: only the HLO
+    shows it. Traces only: nothing compiles."""
+    import block_loops
+    import torch_xla.backends
+
+    st.get_device()
+    torch_xla.backends.set_mat_mul_precision("highest")
+    seen = {}
+    for how, autocast in (("ddp", False), ("fsdp", False), ("fsdp", True)):
+        model = Products()
+        trainer = st.SeamlessTPUTrainer(model, strategy=how)
+        x = trainer.to_device(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)))
+        with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast):
+            q = model.fc(model(x).view(8, 1, 16)).view(8, 2, 4, 2)  # a 3-D Linear, then (B, H, T, d)
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True) + (q @ q.transpose(-2, -1)).softmax(-1) @ q
+        out.float().square().mean().backward()
+        seen[how, autocast] = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
+    stack = block_loops.Stack(depth=3)
+    trainer = st.SeamlessTPUTrainer(stack)  # scan=True: its 3 blocks one loop
+    ids = trainer.to_device(block_loops.batch())
+    F.cross_entropy(stack(ids).flatten(0, 1), ids.flatten()).backward()
+    seen["looped"] = looped = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in stack.parameters()])
+    assert looped.count(" while(") == 2, "the forward's loop and the backward's"
+    for what, text in seen.items():
+        dots = [line.strip() for line in text.splitlines() if " dot(" in line]
+        lacking = [line for line in dots if PRECISE not in line]
+        print(f"{what}: {len(dots)} dots ({sum('dot(bf16' in line for line in dots)} of bf16), "
+              f"{len(dots) - len(lacking)} with {PRECISE}")
+        assert dots and not lacking, f"{what}: {len(lacking)} of {len(dots)} dots lack the precision:\n" + \
+            "\n".join(lacking)
+
+
 class Scaled(torch.nn.Linear):
     """A Linear whose output is scaled by one more tensor `scale`, 1, 2, ..., out, computed in __init__:
     a persistent buffer, a non-persistent one or a parameter (`kind`). Built on meta that value is never
