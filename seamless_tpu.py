@@ -11,8 +11,8 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
   for XLA inputs: torch.utils.checkpoint, _LOWERINGS (products, attention, norms, pointwise, masks, losses, reductions,
-  pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
-  torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
+  pooling, windows, resampling, views), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without
+  jax torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
   torch.inference_mode() is no_grad. The first fsdp weight: autocast's products (an fsdp weight's cast marked).
 - first XLA use or first trainer: pre- and post-step optimizer hooks (in an XLA step torch_xla's special scalars off; in
   a first or pinned step a function mode, the lr tagged). Each trainer: forward hooks, first-step FLOP modes; log(): a
@@ -947,7 +947,8 @@ def _scan_backward_without_jax():
 class _Lowering:
     kernel: object  # stands for aten `op` at the dispatch `key`, or for torch.nn.functional's `op` (functional)
     family: str  # products, attention, norms, pointwise, masks, losses, reductions, pooling, windows, resampling
-    why: str  # torch_xla's lost the batch split ("batch"), ran on the CPU ("cpu"), no 2nd derivative ("grad2"), died
+    why: str  # torch_xla's lost the batch split ("batch"), ran on the CPU ("cpu"), had no 2nd derivative ("grad2"),
+    # died ("crash"), refused an input torch takes ("refused")
     hands_back: bool = False  # some inputs go to torch's own path, _torch_path(op)
     functional: object = None  # torch.nn.functional's own function, which a functional lowering replaces
     key: str = "AutogradXLA"  # or "XLA": below autograd, which keeps torch's own derivative
@@ -1562,6 +1563,8 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
 # running variance. glu, channel_shuffle, cross and rrelu ran on the CPU; for XLA tensors autograd differentiates the
 # ops ours are made of (cross: below autograd, torch's derivative). kl_div: torch's decomposition (torch_xla's kernel
 # warned "an autograd kernel was not registered"). x[mask] = v: a where. roll of an empty tensor killed the process.
+# Slices (family views, issue 61): torch's bounds where torch_xla refused them, 50 lines over the budget.
+# TODO(remove when torch_xla's slice clamps its bounds as torch's)
 
 
 def _statistics(x, dims, eps):
@@ -1782,6 +1785,57 @@ def _xla_roll(self, shifts, dims=()):
         _torch_checks("roll", self, shifts, dims)
         return torch.clone(self)
     return own(self, shifts, dims) if own else torch.ops.aten.roll(self, shifts, dims)  # (CPU: the fast tests)
+
+
+def _slice_bounds(size, dim, start, end):
+    """torch's bounds of a slice of a dim of `size` whose start or end torch_xla 2.9 refused (a negative one beyond
+    the size, "Value out of range": x[:, -4095:] of 16 positions): each counted from the end, then both clamped into
+    [0, size], the end no lower than the start. None where torch_xla's error is torch's (no negative bound, a bad
+    dim: a step, a 0-dim tensor)."""
+    if not (start is not None and start < 0 or end is not None and end < 0) or not -len(size) <= dim < len(size):
+        return None
+    n = size[dim]
+    start = 0 if start is None else min(max(start + n if start < 0 else start, 0), n)
+    return start, min(max(n if end is None else end + n if end < 0 else end, start), n)
+
+
+# Below functionalization every slice of an XLA tensor (x[a:b], narrow, split, a view remade after a write) is a
+# slice_copy, a write through one (and torch.slice_scatter) a slice_scatter, its gradient a slice_backward: each is
+# torch_xla's, again with torch's bounds where it refused them. transformers' sliding-window cache keeps the last
+# window - 1 positions of fewer (x[:, :, -4095:]): Mistral, Gemma2 and Gemma3 crashed with their default config. A
+# kernel in Python costs every slice ~7 us of tracing (x[:, 1:]: 7.4 us to ~14); the bounds torch_xla takes, nothing
+# more (a try); one it refused, its error (~20 us).
+@_lowering("slice_copy.Tensor", family="views", why="refused", key="XLA")
+def _xla_slice_copy(self, dim=0, start=None, end=None, step=1):
+    own = _torch_xla_path("slice_copy.Tensor") or torch.ops.aten.slice_copy.Tensor  # (CPU tensors: the fast tests)
+    try:
+        return own(self, dim, start, end, step)
+    except RuntimeError:
+        if (bounds := _slice_bounds(self.shape, dim, start, end)) is None:
+            raise
+    return own(self, dim, *bounds, step)
+
+
+@_lowering("slice_scatter", family="views", why="refused", key="XLA")
+def _xla_slice_scatter(self, src, dim=0, start=None, end=None, step=1):
+    own = _torch_xla_path("slice_scatter") or torch.ops.aten.slice_scatter.default
+    try:
+        return own(self, src, dim, start, end, step)
+    except RuntimeError:
+        if (bounds := _slice_bounds(self.shape, dim, start, end)) is None:
+            raise
+    return own(self, src, dim, *bounds, step)
+
+
+@_lowering("slice_backward", family="views", why="refused", key="XLA")
+def _xla_slice_backward(grad, sizes, dim, start, end, step):  # the bounds the slice was given
+    own = _torch_xla_path("slice_backward") or torch.ops.aten.slice_backward.default
+    try:
+        return own(grad, sizes, dim, start, end, step)
+    except RuntimeError:
+        if (bounds := _slice_bounds(sizes, dim, start, end)) is None:
+            raise
+    return own(grad, sizes, dim, *bounds, step)
 
 # --- 7e. lowerings: losses and reductions ---------------------------------------------------------
 # Losses and reductions torch_xla ran on the CPU (a graph cut and two transfers a call: issue 49), static-shaped, below

@@ -110,6 +110,9 @@ OPINFO_NAMES = {
     "masked_scatter_backward": ["masked_scatter"],
     "ctc_loss.IntList": ["nn.functional.ctc_loss"],
     "ctc_loss.Tensor": ["nn.functional.ctc_loss"],
+    "slice_copy.Tensor": ["slice", "narrow", "__getitem__"],
+    "slice_scatter": ["slice_scatter"],
+    "slice_backward": ["slice", "narrow", "__getitem__"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
