@@ -1298,6 +1298,51 @@ def every_dot_carries_the_matmul_precision():
             "\n".join(lacking)
 
 
+
+def slices_take_torchs_bounds():
+    """torch_xla 2.9's slice refused a negative start or end beyond the size ("Value out of range (expected to be in
+    range of [-6, 5], but got -100)"), where torch clamps: transformers' sliding-window cache slices x[:, :, -4095:]
+    (issue 61). Under the trainer every slice gives torch's CPU values: starts and ends of both signs in and out of
+    range, steps, empty results; the gradient; a write through the slice, and the base's write seen through it; an
+    assignment to it; torch.slice_scatter; narrow and split as before; and torch's own errors. All the XLA results
+    come back in one transfer (one graph)."""
+    device, n = st.get_device(), 6
+    base = torch.arange(3.0 * n).view(3, n)
+    bounds = (None, -100, -7, -6, -1, 0, 4, 100)
+    cases = [slice(a, b, step) for a in bounds for b in bounds for step in (1, 4)]
+
+    def run(where):
+        out = []
+        for cut in cases:
+            x = base.clone().to(where).requires_grad_(True)
+            y = x[:, cut]
+            (y * (y.detach() + 1)).sum().backward()
+            w = base.clone().to(where)
+            view = w[:, cut]
+            view.mul_(-1)
+            w.add_(0.5)
+            u = base.clone().to(where)
+            u[:, cut] = 7.0
+            scattered = torch.slice_scatter(u, torch.full_like(view, 9.0), 1, cut.start, cut.stop, cut.step)
+            out += [y, x.grad, w, view, u, scattered]
+        out += [base.to(where).narrow(1, -2, 2), *base.to(where).split(4, 1)]
+        return torch.cat([t.detach().flatten() for t in out]).cpu(), [t.shape for t in out]
+
+    got, shapes = run(device)
+    want, want_shapes = run("cpu")  # after XLA's backward: a CPU one before it would break XLA's autograd
+    assert shapes == want_shapes and torch.equal(got, want), "a slice differs from torch's"
+    for bad in (lambda t: t.narrow(1, -100, 2), lambda t: t[:, ::0], lambda t: torch.ops.aten.slice(t, 1, 0, 3, -1),
+                lambda t: torch.ops.aten.slice(t, 5, -100), lambda t: torch.ops.aten.slice(t[0, 0], 0, -100)):
+        errors = []
+        for where in ("cpu", device):
+            try:
+                bad(base.to(where))
+            except (RuntimeError, IndexError, ValueError) as e:
+                errors.append((type(e), str(e).splitlines()[0]))
+        assert len(errors) == 2 and errors[0] == errors[1], errors
+    print(f"{len(cases)} slices (x 6 uses) and 3 more equal torch's; 5 refusals torch's")
+
+
 class Scaled(torch.nn.Linear):
     """A Linear whose output is scaled by one more tensor `scale`, 1, 2, ..., out, computed in __init__:
     a persistent buffer, a non-persistent one or a parameter (`kind`). Built on meta that value is never

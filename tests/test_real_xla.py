@@ -49,6 +49,7 @@ REAL_ONLY = [
     "scans_keep_special_values",
     "step_scalars_are_inputs_of_their_own",
     "every_dot_carries_the_matmul_precision",
+    "slices_take_torchs_bounds",
 ]
 
 
