@@ -82,7 +82,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
 # - _XLAC._xla_dot_general, torch._C._are_functorch_transforms_active. TODO(remove when XLA einsum is twice diff.)
-# - _XLAC._get_xla_tensors_hlo_proto, HloInstructionProto's field numbers. TODO(remove when dot_general has precision)
+# - _XLAC._get_xla_tensors_hlo_proto, _xla_user_computation, HloInstructionProto's fields. TODO(remove when
+#   _xla_dot_general takes a precision)
 # - _XLAC._xla_sync_multi, _get/_set_xla_handle_special_scalars, _xla_tensors_from_aten; torch._functionalize_sync,
 #   _has_data_mutation, torch._C._len_torch_function_stack, _get_function_stack_at (the first step, a step's graph).
 #   TODO(remove when optimizers have an init and torch_xla's graphs ignore scalar values)
@@ -789,6 +790,8 @@ def _activate_xla(kind):
             _STATE.env_we_set["PJRT_DEVICE"] = os.environ["PJRT_DEVICE"] = pjrt
             _log("seamless_tpu: set PJRT_DEVICE=%s", pjrt)
         torch_xla = _import("torch_xla")
+        # _xla_dot's user computations call it, as it is now: 9d's _scan records the module's while a loop is built
+        _STATE.xla_kernels["_xla_user_computation"] = getattr(torch_xla._XLAC, "_xla_user_computation", None)
         _init_compile_cache(kind)  # before the runtime starts
         _enable_spmd()
         # The device count must be known before the first backward on XLA, or autograd has no
@@ -946,9 +949,8 @@ def _scan_backward_without_jax():
 @dataclasses.dataclass(frozen=True)
 class _Lowering:
     kernel: object  # stands for aten `op` at the dispatch `key`, or for torch.nn.functional's `op` (functional)
-    family: str  # products, attention, norms, pointwise, masks, losses, reductions, pooling, windows, resampling
-    why: str  # torch_xla's lost the batch split ("batch"), ran on the CPU ("cpu"), had no 2nd derivative ("grad2"),
-    # died ("crash"), refused an input torch takes ("refused")
+    family: str  # products, attention, norms, pointwise, masks, losses, reductions, pooling, windows, resampling, views
+    why: str  # torch_xla's: "batch" (lost its split), "cpu" (ran there), "grad2" (lost it), "crash", "refused"
     hands_back: bool = False  # some inputs go to torch's own path, _torch_path(op)
     functional: object = None  # torch.nn.functional's own function, which a functional lowering replaces
     key: str = "AutogradXLA"  # or "XLA": below autograd, which keeps torch's own derivative
@@ -1050,7 +1052,7 @@ def _computation_dtype(x):
 # two; GSPMD all-gathered a grouped convolution's batch; attention viewed (T, B, H, d) as (T*B, E); embedding bags,
 # cdist's and pdist's backwards ran on the CPU; einsum's C++ backward had no second derivative (silently 0). Ours
 # keep every dimension, and torch_xla's matmul precision (issue 60: _xla_dot and the protobuf editor that
-# _xla_dot_general's missing precision costs, 74 lines over the budget and 1 in room 1; they go with its TODO).
+# _xla_dot_general's missing precision costs, 72 lines over the budget and 2 in room 1; they go with its TODO).
 
 
 @_lowering("matmul", family="products", why="batch", hands_back=True)
@@ -1342,8 +1344,8 @@ def _xla_dot(a, b, dims):
     precision = xlac._xla_get_mat_mul_precision()
     if precision == "default":
         return xlac._xla_dot_general(a, b, dims)
-    call, swapped = _precise_dot(a.shape, a.dtype, b.shape, b.dtype, repr(dims), _MATMUL_PRECISIONS[precision])
-    return call([b, a] if swapped else [a, b])[0]
+    dot, swapped = _precise_dot(a.shape, a.dtype, b.shape, b.dtype, repr(dims), _MATMUL_PRECISIONS[precision])
+    return _STATE.xla_kernels["_xla_user_computation"]("xla::dot_general", [b, a] if swapped else [a, b], dot)[0]
 
 
 _MATMUL_PRECISIONS = {"high": 1, "highest": 2}  # torch_xla's setting -> XLA's PrecisionConfig.Precision
@@ -1351,9 +1353,9 @@ _MATMUL_PRECISIONS = {"high": 1, "highest": 2}  # torch_xla's setting -> XLA's P
 
 @functools.lru_cache(maxsize=1024)
 def _precise_dot(a_shape, a_dtype, b_shape, b_dtype, dims, precision):
-    """(call, swapped): call([a, b]), or call([b, a]) if swapped, is XLA's dot of a and b at `precision`: the HLO
-    module torch_xla traces for _xla_dot_general of two placeholders, its dot given a precision_config in protobuf's
-    wire format (a trace: nothing compiles or runs)."""
+    """(computation, swapped): the computation of XLA's dot of a and b at `precision`, of [a, b] or, if swapped, [b, a]:
+    the HLO module torch_xla traces for _xla_dot_general of two placeholders, its dot given a precision_config in
+    protobuf's wire format (a trace: nothing compiles or runs)."""
     torch_xla, xb = _import("torch_xla"), _import("torch_xla.core.xla_builder")
     a, b = xb.create_placeholder_tensor(a_shape, a_dtype), xb.create_placeholder_tensor(b_shape, b_dtype)
     dot = torch_xla._XLAC._xla_dot_general(a, b, ast.literal_eval(dims))
@@ -1371,8 +1373,8 @@ def _precise_dot(a_shape, a_dtype, b_shape, b_dtype, dims, precision):
         return proto
     module = torch_xla._XLAC._get_xla_tensors_hlo_proto([dot])
     module = b"".join(_proto_field(3, edit(3, v)) if n == 3 else raw for n, v, raw in _proto_fields(module))
-    call = xb.xla_computation_as_func(xb.computation_from_module_proto("dot_general", module), "xla::dot_general")
-    return call, params[lhs[0]] == 1  # torch_xla numbers the placeholders as it finds them
+    computation = xb.computation_from_module_proto("dot_general", module)
+    return computation, params[lhs[0]] == 1  # torch_xla numbers the placeholders as it finds them
 
 
 def _proto_fields(buf):

@@ -1260,14 +1260,27 @@ def bf16_fsdp_products_match_fp32():
 PRECISE = "operand_precision={highest,highest}"
 
 
+class Conv1D(torch.nn.Module):
+    """GPT-2's Linear: x @ W + b by addmm, W stored (in, out)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_in, n_out) / n_in ** 0.5)
+        self.bias = torch.nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.flatten(0, -2), self.weight).view(*x.shape[:-1], -1)
+
+
 def every_dot_carries_the_matmul_precision():
     """After torch_xla.backends.set_mat_mul_precision("highest") every dot of a step's HLO carries it, as torch_xla's
     own mm, bmm and convolutions do (issue 60): the lowered products unrolled (Products under ddp and fsdp, whose 2-D
     products then meet the einsum too; a Linear on a 3-D input, attention by SDPA and by matmul), forward and
-    backward, in fp32 and under bf16 autocast; and a stack of blocks run as one loop, whose body's x @ W.t() is
-    _dot_transposed and its backward torch_xla's mm, inside the While. The trainer built them on torch_xla's
-    _xla_dot_general, which has no precision: a TPU ran each in one bf16 pass. XLA:CPU ignores it: only the HLO
-    shows it. Traces only: nothing compiles."""
+    backward, in fp32 and under bf16 autocast; and stacks of blocks run as one loop, whose bodies' x @ W.t() is
+    _dot_transposed, the rest torch_xla's mm, inside the While: Linear blocks, and GPT-2's Conv1D ones, whose
+    backward calls _dot_transposed while the loop is built (where the loop records the user computations it makes).
+    The trainer built them on torch_xla's _xla_dot_general, which has no precision: a TPU ran each in one bf16 pass.
+    XLA:CPU ignores it: only the HLO shows it. Traces only: nothing compiles."""
     import block_loops
     import torch_xla.backends
 
@@ -1283,12 +1296,16 @@ def every_dot_carries_the_matmul_precision():
             out = F.scaled_dot_product_attention(q, q, q, is_causal=True) + (q @ q.transpose(-2, -1)).softmax(-1) @ q
         out.float().square().mean().backward()
         seen[how, autocast] = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
-    stack = block_loops.Stack(depth=3)
-    trainer = st.SeamlessTPUTrainer(stack)  # scan=True: its 3 blocks one loop
-    ids = trainer.to_device(block_loops.batch())
-    F.cross_entropy(stack(ids).flatten(0, 1), ids.flatten()).backward()
-    seen["looped"] = looped = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in stack.parameters()])
-    assert looped.count(" while(") == 2, "the forward's loop and the backward's"
+    for blocks in ("Linear", "Conv1D"):
+        stack = block_loops.Stack(depth=3)
+        if blocks == "Conv1D":
+            for block in stack.layers:
+                block.up, block.down = Conv1D(32, 64), Conv1D(64, 32)
+        trainer = st.SeamlessTPUTrainer(stack)  # scan=True: its 3 blocks one loop
+        ids = trainer.to_device(block_loops.batch())
+        F.cross_entropy(stack(ids).flatten(0, 1), ids.flatten()).backward()
+        seen[blocks, "looped"] = looped = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in stack.parameters()])
+        assert looped.count(" while(") == 2, "the forward's loop and the backward's"
     for what, text in seen.items():
         dots = [line.strip() for line in text.splitlines() if " dot(" in line]
         lacking = [line for line in dots if PRECISE not in line]
