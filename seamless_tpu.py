@@ -11,8 +11,8 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
   for XLA inputs: torch.utils.checkpoint, _LOWERINGS (products, attention, norms, pointwise, masks, losses, reductions,
-  pooling, windows, resampling), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
-  torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
+  pooling, windows, resampling, views), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without
+  jax torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
   torch.inference_mode() is no_grad. The first fsdp weight: autocast's products (an fsdp weight's cast marked).
 - first XLA use or first trainer: pre- and post-step optimizer hooks (in an XLA step torch_xla's special scalars off; in
   a first or pinned step a function mode, the lr tagged). Each trainer: forward hooks, first-step FLOP modes; log(): a
@@ -82,6 +82,8 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   _global_tensor_from_cpu_shards, _xla_get_runtime_devices, _get_xla_tensor_debug_info,
 #   _xla_get_spmd_config_is_locked. TODO(remove when torch_xla exposes specs, shards and the SPMD lock)
 # - _XLAC._xla_dot_general, torch._C._are_functorch_transforms_active. TODO(remove when XLA einsum is twice diff.)
+# - _XLAC._get_xla_tensors_hlo_proto, _xla_user_computation, HloInstructionProto's fields. TODO(remove when
+#   _xla_dot_general takes a precision)
 # - _XLAC._xla_sync_multi, _get/_set_xla_handle_special_scalars, _xla_tensors_from_aten; torch._functionalize_sync,
 #   _has_data_mutation, torch._C._len_torch_function_stack, _get_function_stack_at (the first step, a step's graph).
 #   TODO(remove when optimizers have an init and torch_xla's graphs ignore scalar values)
@@ -788,6 +790,8 @@ def _activate_xla(kind):
             _STATE.env_we_set["PJRT_DEVICE"] = os.environ["PJRT_DEVICE"] = pjrt
             _log("seamless_tpu: set PJRT_DEVICE=%s", pjrt)
         torch_xla = _import("torch_xla")
+        # _xla_dot's user computations call it, as it is now: 9d's _scan records the module's while a loop is built
+        _STATE.xla_kernels["_xla_user_computation"] = getattr(torch_xla._XLAC, "_xla_user_computation", None)
         _init_compile_cache(kind)  # before the runtime starts
         _enable_spmd()
         # The device count must be known before the first backward on XLA, or autograd has no
@@ -950,8 +954,8 @@ def _scan_backward_without_jax():
 @dataclasses.dataclass(frozen=True)
 class _Lowering:
     kernel: object  # stands for aten `op` at the dispatch `key`, or for torch.nn.functional's `op` (functional)
-    family: str  # products, attention, norms, pointwise, masks, losses, reductions, pooling, windows, resampling
-    why: str  # torch_xla's lost the batch split ("batch"), ran on the CPU ("cpu"), no 2nd derivative ("grad2"), died
+    family: str  # products, attention, norms, pointwise, masks, losses, reductions, pooling, windows, resampling, views
+    why: str  # torch_xla's: "batch" (lost its split), "cpu" (ran there), "grad2" (lost it), "crash", "refused"
     hands_back: bool = False  # some inputs go to torch's own path, _torch_path(op)
     functional: object = None  # torch.nn.functional's own function, which a functional lowering replaces
     key: str = "AutogradXLA"  # or "XLA": below autograd, which keeps torch's own derivative
@@ -1052,7 +1056,8 @@ def _computation_dtype(x):
 # torch_xla folds matmul's (T, B, E) into (T*B, E) and (B, H, T, d) into (B*H, T, d), where GSPMD kept one split of
 # two; GSPMD all-gathered a grouped convolution's batch; attention viewed (T, B, H, d) as (T*B, E); embedding bags,
 # cdist's and pdist's backwards ran on the CPU; einsum's C++ backward had no second derivative (silently 0). Ours
-# keep every dimension.
+# keep every dimension, and torch_xla's matmul precision (issue 60: _xla_dot and the protobuf editor that
+# _xla_dot_general's missing precision costs, 72 lines over the budget and 2 in room 1; they go with its TODO).
 
 
 @_lowering("matmul", family="products", why="batch", hands_back=True)
@@ -1326,9 +1331,82 @@ def _dot_general(subs, a, b):
     operands and the output are its batch dims, in both only its contracted dims; one operand's own are summed
     first where the output lacks them."""
     sum_a, sum_b, dims, order = _dot_plan(subs)
-    y = _import("torch_xla")._XLAC._xla_dot_general(a.sum(sum_a) if sum_a else a, b.sum(sum_b) if sum_b else b, dims)
+    y = _xla_dot(a.sum(sum_a) if sum_a else a, b.sum(sum_b) if sum_b else b, dims)
     # Not a view: a Function's output that is one refuses in-place ops (matmul's squeeze_ of a vector's product)
     return y if order is None else y.permute(order).clone()
+
+
+def _xla_dot(a, b, dims):
+    """XLA's dot of a and b over dims ([contracted of a, of b], [batch of a, of b]) at torch_xla's matmul precision
+    (torch_xla.backends.set_mat_mul_precision), which its mm, bmm and convolutions carry and its _xla_dot_general drops
+    (its binding refuses one): at "high" or "highest" a TPU ran such a dot in one bf16 pass. At "default" (read per
+    call: 0.2 us), _xla_dot_general. Else the same dot with the precision in its HLO, called as a user computation (as
+    torch_xla's call_jax calls jax's), which XLA inlines before GSPMD partitions it: every batch dim kept. bmm carries
+    the precision but folds the batch dims into one, of which GSPMD kept one split of two (Qwen3's tp plan on 2 x 2
+    devices: 0.271 of the step's dot FLOPs per device, this dot 0.25; docs/design.md). Traced in ~8 us against 4.5,
+    and ~0.4 ms once per shapes (_precise_dot)."""
+    xlac = _import("torch_xla")._XLAC
+    precision = xlac._xla_get_mat_mul_precision()
+    if precision == "default":
+        return xlac._xla_dot_general(a, b, dims)
+    dot, swapped = _precise_dot(a.shape, a.dtype, b.shape, b.dtype, repr(dims), _MATMUL_PRECISIONS[precision])
+    return _STATE.xla_kernels["_xla_user_computation"]("xla::dot_general", [b, a] if swapped else [a, b], dot)[0]
+
+
+_MATMUL_PRECISIONS = {"high": 1, "highest": 2}  # torch_xla's setting -> XLA's PrecisionConfig.Precision
+
+
+@functools.lru_cache(maxsize=1024)
+def _precise_dot(a_shape, a_dtype, b_shape, b_dtype, dims, precision):
+    """(computation, swapped): the computation of XLA's dot of a and b at `precision`, of [a, b] or, if swapped, [b, a]:
+    the HLO module torch_xla traces for _xla_dot_general of two placeholders, its dot given a precision_config in
+    protobuf's wire format (a trace: nothing compiles or runs)."""
+    torch_xla, xb = _import("torch_xla"), _import("torch_xla.core.xla_builder")
+    a, b = xb.create_placeholder_tensor(a_shape, a_dtype), xb.create_placeholder_tensor(b_shape, b_dtype)
+    dot = torch_xla._XLAC._xla_dot_general(a, b, ast.literal_eval(dims))
+    params, lhs = {}, []
+
+    def edit(number, proto):  # HloModuleProto's computations (its field 3), their instructions (a computation's 2)
+        if number == 3:
+            return b"".join(_proto_field(2, edit(2, v)) if n == 2 else raw for n, v, raw in _proto_fields(proto))
+        fields = {n: v for n, v, _ in _proto_fields(proto)}  # 2: opcode, 35: id, 9: parameter_number, 36: operand ids
+        if fields.get(2) == b"parameter":
+            params[fields.get(35, 0)] = fields.get(9, 0)
+        elif fields.get(2) == b"dot":  # 51: its PrecisionConfig, whose 1 is each operand's precision, packed
+            lhs.append(_varint(fields[36], 0)[0])
+            return proto + _proto_field(51, _proto_field(1, bytes([precision] * 2)))
+        return proto
+    module = torch_xla._XLAC._get_xla_tensors_hlo_proto([dot])
+    module = b"".join(_proto_field(3, edit(3, v)) if n == 3 else raw for n, v, raw in _proto_fields(module))
+    computation = xb.computation_from_module_proto("dot_general", module)
+    return computation, params[lhs[0]] == 1  # torch_xla numbers the placeholders as it finds them
+
+
+def _proto_fields(buf):
+    """A protobuf message's fields, from its wire format: (number, payload bytes or varint, the field's own bytes)."""
+    i = 0
+    while i < len(buf):
+        key, j = _varint(buf, i)
+        wire = key & 7  # 0: a varint, 1: 64 bits, 2: length-delimited, 5: 32 bits
+        value, end = _varint(buf, j) if wire in (0, 2) else (None, j + (8 if wire == 1 else 4))
+        value, end = (buf[end:end + value], end + value) if wire == 2 else (value, end)
+        yield key >> 3, value, buf[i:end]
+        i = end
+
+
+def _varint(buf, i):  # (the varint at buf[i], the index after it)
+    value = shift = 0
+    while buf[i] & 0x80:
+        value, i, shift = value | (buf[i] & 0x7F) << shift, i + 1, shift + 7
+    return value | buf[i] << shift, i + 1
+
+
+def _proto_field(number, payload):  # a length-delimited field
+    return _varint_bytes(number << 3 | 2) + _varint_bytes(len(payload)) + payload
+
+
+def _varint_bytes(n):
+    return bytes([n & 0x7F | 0x80]) + _varint_bytes(n >> 7) if n > 0x7F else bytes([n])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1492,6 +1570,8 @@ def _xla_embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, 
 # running variance. glu, channel_shuffle, cross and rrelu ran on the CPU; for XLA tensors autograd differentiates the
 # ops ours are made of (cross: below autograd, torch's derivative). kl_div: torch's decomposition (torch_xla's kernel
 # warned "an autograd kernel was not registered"). x[mask] = v: a where. roll of an empty tensor killed the process.
+# Slices (family views, issue 61): torch's bounds where torch_xla refused them, 50 lines over the budget.
+# TODO(remove when torch_xla's slice clamps its bounds as torch's)
 
 
 def _statistics(x, dims, eps):
@@ -1712,6 +1792,57 @@ def _xla_roll(self, shifts, dims=()):
         _torch_checks("roll", self, shifts, dims)
         return torch.clone(self)
     return own(self, shifts, dims) if own else torch.ops.aten.roll(self, shifts, dims)  # (CPU: the fast tests)
+
+
+def _slice_bounds(size, dim, start, end):
+    """torch's bounds of a slice of a dim of `size` whose start or end torch_xla 2.9 refused (a negative one beyond
+    the size, "Value out of range": x[:, -4095:] of 16 positions): each counted from the end, then both clamped into
+    [0, size], the end no lower than the start. None where torch_xla's error is torch's (no negative bound, a bad
+    dim: a step, a 0-dim tensor)."""
+    if not (start is not None and start < 0 or end is not None and end < 0) or not -len(size) <= dim < len(size):
+        return None
+    n = size[dim]
+    start = 0 if start is None else min(max(start + n if start < 0 else start, 0), n)
+    return start, min(max(n if end is None else end + n if end < 0 else end, start), n)
+
+
+# Below functionalization every slice of an XLA tensor (x[a:b], narrow, split, a view remade after a write) is a
+# slice_copy, a write through one (and torch.slice_scatter) a slice_scatter, its gradient a slice_backward: each is
+# torch_xla's, again with torch's bounds where it refused them. transformers' sliding-window cache keeps the last
+# window - 1 positions of fewer (x[:, :, -4095:]): Mistral, Gemma2 and Gemma3 crashed with their default config. A
+# kernel in Python costs every slice ~7 us of tracing (x[:, 1:]: 7.4 us to ~14); the bounds torch_xla takes, nothing
+# more (a try); one it refused, its error (~20 us).
+@_lowering("slice_copy.Tensor", family="views", why="refused", key="XLA")
+def _xla_slice_copy(self, dim=0, start=None, end=None, step=1):
+    own = _torch_xla_path("slice_copy.Tensor") or torch.ops.aten.slice_copy.Tensor  # (CPU tensors: the fast tests)
+    try:
+        return own(self, dim, start, end, step)
+    except RuntimeError:
+        if (bounds := _slice_bounds(self.shape, dim, start, end)) is None:
+            raise
+    return own(self, dim, *bounds, step)
+
+
+@_lowering("slice_scatter", family="views", why="refused", key="XLA")
+def _xla_slice_scatter(self, src, dim=0, start=None, end=None, step=1):
+    own = _torch_xla_path("slice_scatter") or torch.ops.aten.slice_scatter.default
+    try:
+        return own(self, src, dim, start, end, step)
+    except RuntimeError:
+        if (bounds := _slice_bounds(self.shape, dim, start, end)) is None:
+            raise
+    return own(self, src, dim, *bounds, step)
+
+
+@_lowering("slice_backward", family="views", why="refused", key="XLA")
+def _xla_slice_backward(grad, sizes, dim, start, end, step):  # the bounds the slice was given
+    own = _torch_xla_path("slice_backward") or torch.ops.aten.slice_backward.default
+    try:
+        return own(grad, sizes, dim, start, end, step)
+    except RuntimeError:
+        if (bounds := _slice_bounds(sizes, dim, start, end)) is None:
+            raise
+    return own(grad, sizes, dim, *bounds, step)
 
 # --- 7e. lowerings: losses and reductions ---------------------------------------------------------
 # Losses and reductions torch_xla ran on the CPU (a graph cut and two transfers a call: issue 49), static-shaped, below
@@ -4631,8 +4762,8 @@ def _dots_as_stored(module):
     return module
 
 
-def _dot_transposed(a, w):  # a @ w.t() as XLA's dot over both operands' last dims
-    return _import("torch_xla")._XLAC._xla_dot_general(a, w, (([1], [1]), ([], [])))
+def _dot_transposed(a, w):  # a @ w.t() as XLA's dot over both operands' last dims, at torch_xla's matmul precision
+    return _xla_dot(a, w, (([1], [1]), ([], [])))
 
 # --- 10. models built on meta ---------------------------------------------------------------------
 

@@ -110,11 +110,15 @@ OPINFO_NAMES = {
     "masked_scatter_backward": ["masked_scatter"],
     "ctc_loss.IntList": ["nn.functional.ctc_loss"],
     "ctc_loss.Tensor": ["nn.functional.ctc_loss"],
+    "slice_copy.Tensor": ["slice", "narrow", "__getitem__"],
+    "slice_scatter": ["slice_scatter"],
+    "slice_backward": ["slice", "narrow", "__getitem__"],
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
 GROUPS = {f"g{i}": NAMES[i::N_GROUPS] for i in range(N_GROUPS)}
 
+PRECISION_VAR = "SEAMLESS_TPU_TEST_MATMUL_PRECISION"  # set: torch_xla.backends.set_mat_mul_precision(its value)
 SAMPLES = 10  # per entry, spread evenly over its samples (unfold's first 81 are all one empty batch)
 TOL = {"forward": 1e-5, "grad": 1e-5, "gradgrad": 1e-4, "vmap": 1e-5}  # rtol and atol, fp32
 
@@ -324,6 +328,10 @@ def xla_device(mode):
         assert mode == "plain", mode
         xr.use_spmd()
         device = torch_xla.device()
+    if os.environ.get(PRECISION_VAR):  # issue 60: the products' dots at torch_xla's matmul precision
+        import torch_xla.backends
+
+        torch_xla.backends.set_mat_mul_precision(os.environ[PRECISION_VAR])
     # before any CPU backward: one run first on the CPU broke every later XLA backward in the process
     torch.zeros(1, device=device).add_(1)
     torch_xla.sync()

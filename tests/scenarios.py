@@ -1256,6 +1256,110 @@ def bf16_fsdp_products_match_fp32():
     print(f"bf16 vs fp32 under fsdp, products gathered in order: max relative diff {rel:.3g}")
 
 
+
+PRECISE = "operand_precision={highest,highest}"
+
+
+class Conv1D(torch.nn.Module):
+    """GPT-2's Linear: x @ W + b by addmm, W stored (in, out)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_in, n_out) / n_in ** 0.5)
+        self.bias = torch.nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.flatten(0, -2), self.weight).view(*x.shape[:-1], -1)
+
+
+def every_dot_carries_the_matmul_precision():
+    """After torch_xla.backends.set_mat_mul_precision("highest") every dot of a step's HLO carries it, as torch_xla's
+    own mm, bmm and convolutions do (issue 60): the lowered products unrolled (Products under ddp and fsdp, whose 2-D
+    products then meet the einsum too; a Linear on a 3-D input, attention by SDPA and by matmul), forward and
+    backward, in fp32 and under bf16 autocast; and stacks of blocks run as one loop, whose bodies' x @ W.t() is
+    _dot_transposed, the rest torch_xla's mm, inside the While: Linear blocks, and GPT-2's Conv1D ones, whose
+    backward calls _dot_transposed while the loop is built (where the loop records the user computations it makes).
+    The trainer built them on torch_xla's _xla_dot_general, which has no precision: a TPU ran each in one bf16 pass.
+    XLA:CPU ignores it: only the HLO shows it. Traces only: nothing compiles."""
+    import block_loops
+    import torch_xla.backends
+
+    st.get_device()
+    torch_xla.backends.set_mat_mul_precision("highest")
+    seen = {}
+    for how, autocast in (("ddp", False), ("fsdp", False), ("fsdp", True)):
+        model = Products()
+        trainer = st.SeamlessTPUTrainer(model, strategy=how)
+        x = trainer.to_device(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)))
+        with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast):
+            q = model.fc(model(x).view(8, 1, 16)).view(8, 2, 4, 2)  # a 3-D Linear, then (B, H, T, d)
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True) + (q @ q.transpose(-2, -1)).softmax(-1) @ q
+        out.float().square().mean().backward()
+        seen[how, autocast] = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
+    for blocks in ("Linear", "Conv1D"):
+        stack = block_loops.Stack(depth=3)
+        if blocks == "Conv1D":
+            for block in stack.layers:
+                block.up, block.down = Conv1D(32, 64), Conv1D(64, 32)
+        trainer = st.SeamlessTPUTrainer(stack)  # scan=True: its 3 blocks one loop
+        ids = trainer.to_device(block_loops.batch())
+        F.cross_entropy(stack(ids).flatten(0, 1), ids.flatten()).backward()
+        seen[blocks, "looped"] = looped = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in stack.parameters()])
+        assert looped.count(" while(") == 2, "the forward's loop and the backward's"
+    for what, text in seen.items():
+        dots = [line.strip() for line in text.splitlines() if " dot(" in line]
+        lacking = [line for line in dots if PRECISE not in line]
+        print(f"{what}: {len(dots)} dots ({sum('dot(bf16' in line for line in dots)} of bf16), "
+              f"{len(dots) - len(lacking)} with {PRECISE}")
+        assert dots and not lacking, f"{what}: {len(lacking)} of {len(dots)} dots lack the precision:\n" + \
+            "\n".join(lacking)
+
+
+
+def slices_take_torchs_bounds():
+    """torch_xla 2.9's slice refused a negative start or end beyond the size ("Value out of range (expected to be in
+    range of [-6, 5], but got -100)"), where torch clamps: transformers' sliding-window cache slices x[:, :, -4095:]
+    (issue 61). Under the trainer every slice gives torch's CPU values: starts and ends of both signs in and out of
+    range, steps, empty results; the gradient; a write through the slice, and the base's write seen through it; an
+    assignment to it; torch.slice_scatter; narrow and split as before; and torch's own errors. All the XLA results
+    come back in one transfer (one graph)."""
+    device, n = st.get_device(), 6
+    base = torch.arange(3.0 * n).view(3, n)
+    bounds = (None, -100, -7, -6, -1, 0, 4, 100)
+    cases = [slice(a, b, step) for a in bounds for b in bounds for step in (1, 4)]
+
+    def run(where):
+        out = []
+        for cut in cases:
+            x = base.clone().to(where).requires_grad_(True)
+            y = x[:, cut]
+            (y * (y.detach() + 1)).sum().backward()
+            w = base.clone().to(where)
+            view = w[:, cut]
+            view.mul_(-1)
+            w.add_(0.5)
+            u = base.clone().to(where)
+            u[:, cut] = 7.0
+            scattered = torch.slice_scatter(u, torch.full_like(view, 9.0), 1, cut.start, cut.stop, cut.step)
+            out += [y, x.grad, w, view, u, scattered]
+        out += [base.to(where).narrow(1, -2, 2), *base.to(where).split(4, 1)]
+        return torch.cat([t.detach().flatten() for t in out]).cpu(), [t.shape for t in out]
+
+    got, shapes = run(device)
+    want, want_shapes = run("cpu")  # after XLA's backward: a CPU one before it would break XLA's autograd
+    assert shapes == want_shapes and torch.equal(got, want), "a slice differs from torch's"
+    for bad in (lambda t: t.narrow(1, -100, 2), lambda t: t[:, ::0], lambda t: torch.ops.aten.slice(t, 1, 0, 3, -1),
+                lambda t: torch.ops.aten.slice(t, 5, -100), lambda t: torch.ops.aten.slice(t[0, 0], 0, -100)):
+        errors = []
+        for where in ("cpu", device):
+            try:
+                bad(base.to(where))
+            except (RuntimeError, IndexError, ValueError) as e:
+                errors.append((type(e), str(e).splitlines()[0]))
+        assert len(errors) == 2 and errors[0] == errors[1], errors
+    print(f"{len(cases)} slices (x 6 uses) and 3 more equal torch's; 5 refusals torch's")
+
+
 class Scaled(torch.nn.Linear):
     """A Linear whose output is scaled by one more tensor `scale`, 1, 2, ..., out, computed in __init__:
     a persistent buffer, a non-persistent one or a parameter (`kind`). Built on meta that value is never

@@ -38,6 +38,7 @@ def test_autograd_idiom_matches_eager(name):
       raised in its backward, the trainer's kernel computes it from the running statistics.
     - einsum_twice: torch.einsum, and the 3-D matmul the trainer lowers to it, under create_graph (gradient
       penalties and MAML through attention and bilinear layers): torch_xla's einsum backward is not differentiable.
+      einsum_twice_highest: the same at torch_xla's matmul precision "highest", where each dot carries it (issue 60).
     - unbatched_fold: F.unfold on (C, H, W) and F.fold on (C*K, L), as torch documents them, have torch's shapes,
       values and gradients.
     - hessians (issue 49, ask 6): torch.func.hessian over a slice of the batch-split input, all of it, per sample

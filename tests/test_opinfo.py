@@ -30,12 +30,30 @@ def test_every_sample_plain_torch_xla_gets_right_stays_right_under_the_trainer(g
     graph the CPU's has: "no second derivative"), vmap over a batch of two within 1e-5; a value beyond those only as
     close to the float64 answer as twice the CPU's own float32 one (opinfo.as_rounded). The two runs start together
     (a core each on CI)."""
-    names = opinfo.GROUPS[group]
+    plain_stays_right(opinfo.GROUPS[group])
+
+
+# The entries whose samples reach the trainer's dot (_xla_dot) through every product lowering: einsum itself, matmul's
+# batched and > 2-D products, linear on > 2-D inputs, SDPA's two products, grouped convolutions' einsum
+PRODUCTS = ["einsum", "matmul", "nn.functional.linear", "nn.functional.scaled_dot_product_attention",
+            "nn.functional.conv2d"]
+
+
+def test_the_products_keep_their_contract_at_the_highest_matmul_precision():
+    """Issue 60: at set_mat_mul_precision("highest") (both runs) each dot of the trainer's products is a call of its
+    own HLO, with the precision, rather than torch_xla's _xla_dot_general: the same contract, forward, both
+    derivatives and vmap, as the test above checks at the default precision (~30 s: 47 samples)."""
+    plain_stays_right(PRODUCTS, {opinfo.PRECISION_VAR: "highest"})
+
+
+def plain_stays_right(names, extra=None):
+    """Runs the OpInfo `names` on plain torch_xla and under the trainer (with `extra` env), side by side, and fails on
+    a sample plain torch_xla gets right and the trainer does not; prints the rest."""
     # LLVM's optimisations off (child.XLA_ON_CPU): the tier compiles one graph per sample and process (~560), each
     # ~3x faster (19 graphs: 27-35 s to 11 s); all 279 samples' statuses on plain torch_xla are the same either way
-    env = dict(child.XLA_ON_CPU, PYTHONUNBUFFERED="1")
-    outs = child.run_together([(["tests/opinfo.py", mode, *names], child.env(drop=child.DEVICE_VARS, **env, **extra))
-                               for mode, extra in (("plain", {}), ("trainer", {"SEAMLESS_TPU_DEVICE": "xla"}))],
+    env = dict(child.XLA_ON_CPU, PYTHONUNBUFFERED="1", **(extra or {}))
+    outs = child.run_together([(["tests/opinfo.py", mode, *names], child.env(drop=child.DEVICE_VARS, **env, **own))
+                               for mode, own in (("plain", {}), ("trainer", {"SEAMLESS_TPU_DEVICE": "xla"}))],
                               timeout=580)
     plain, trainer = map(child.result, outs)
     assert plain.keys() == trainer.keys() == set(names)

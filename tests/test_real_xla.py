@@ -48,6 +48,8 @@ REAL_ONLY = [
     "rnn_modules_load_their_state_after_a_trainer",
     "scans_keep_special_values",
     "step_scalars_are_inputs_of_their_own",
+    "every_dot_carries_the_matmul_precision",
+    "slices_take_torchs_bounds",
 ]
 
 

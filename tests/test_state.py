@@ -198,11 +198,11 @@ def test_the_lowering_table_is_the_header_s_and_the_docs_list(fresh):
     design = (pathlib.Path(__file__).parents[1] / "docs" / "design.md").read_text()
     families = {lowering.family for lowering in st._LOWERINGS.values()}
     assert families == {"products", "attention", "norms", "pointwise", "masks", "losses", "reductions", "pooling",
-                        "windows", "resampling"}
+                        "windows", "resampling", "views"}
     for family in families:
         assert family in st.__doc__ and f"**{family}**" in design, family
     for op, lowering in st._LOWERINGS.items():
-        assert lowering.why in ("batch", "cpu", "grad2", "crash"), op
+        assert lowering.why in ("batch", "cpu", "grad2", "crash", "refused"), op
         assert not lowering.functional or f"F.{op}" in st.__doc__ and f"F.{op}" in design, op
 
 

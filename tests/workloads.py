@@ -659,6 +659,46 @@ def hf_attention_transfers_pin():
     assert min(counts["eager/no_mask"]) > 0, counts  # packed-sequence detection (transformers 5.x)
 
 
+MISTRAL_WINDOWS = (4, 4096)  # below the 16 positions, and Mistral's default above them: its cache slices [-4095:]
+
+
+def mistral_loop(xla, window, steps=2):
+    """A tiny MistralForCausalLM from its config with `sliding_window` = window and use_cache at its default (True:
+    in training too each layer's DynamicSlidingWindowLayer keeps keys[:, :, -window + 1:]), `steps` AdamW steps, the
+    layers unrolled (scan=False)."""
+    import transformers
+
+    quiet()
+    config = transformers.MistralConfig(
+        vocab_size=LM_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=window,
+        attn_implementation="eager")
+    assert config.use_cache
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = trainer_for(model, xla, scan=False)
+    loader = loader_on(trainer, torch.utils.data.DataLoader(TokenBatches(steps * LM_BATCH), batch_size=LM_BATCH))
+    return plain_steps(trainer, model, optimizer, loader, lambda m, b: m(**b).loss)
+
+
+def mistral_sliding_window_eager():
+    return {str(window): mistral_loop(False, window)["losses"] for window in MISTRAL_WINDOWS}
+
+
+def mistral_sliding_window():
+    """transformers' sliding-window cache slices its keys [-window + 1:], before the start of fewer positions, which
+    torch_xla 2.9 refused ("Value out of range (expected to be in range of [-16, 15], but got -4095)"): Mistral,
+    Gemma2 and Gemma3 crashed in training with their default config (issue 61). Through the trainer, a window below
+    and above the sequence: eager's losses."""
+    want = eager_reference("mistral_sliding_window")
+    assert want["4"][0] != want["4096"][0], "the window is in the mask: 4 of 16 positions change the loss"
+    for window in MISTRAL_WINDOWS:
+        got = mistral_loop(True, window)
+        assert_close(got["losses"], want[str(window)], 1e-5, f"Mistral, sliding_window={window}, vs eager")
+        print(f"Mistral, sliding_window={window}: losses {got['losses']}, eager's {want[str(window)]}")
+
+
 # --- entry point ---------------------------------------------------------------------------------
 
 def tiny_tokenizer():
@@ -728,7 +768,8 @@ SCENARIOS = {f.__name__: (f, eager) for f, eager in (  # name -> (XLA scenario, 
     (lm_lora, lm_lora_eager), (lm_lora_bf16, lm_lora_eager), (lm_fsdp, lm_full_eager), (resnet18_bn, resnet_eager),
     (gan_two_optimizers, gan_eager), (checkpoint_torch_utils, checkpoint_torch_utils_eager),
     (checkpoint_hf, checkpoint_hf_eager), (hf_save_pretrained_pin, None), (hf_attention_transfers_pin, None),
-    (hf_batches_are_sharded, None), (lm_tensor_parallel, lm_tp_eager), (lm_lora_tensor_parallel, lm_lora_eager))}
+    (hf_batches_are_sharded, None), (lm_tensor_parallel, lm_tp_eager), (lm_lora_tensor_parallel, lm_lora_eager),
+    (mistral_sliding_window, mistral_sliding_window_eager))}
 
 
 def main(argv):
