@@ -4188,9 +4188,12 @@ def _unmarked(state, j, marked):
 
 
 def _torch_state():
-    """What a body's trace and its While read of torch's and torch_xla's state beyond its inputs."""
+    """What a body's trace and its While read of torch's and torch_xla's state beyond its inputs: the process mesh
+    by its value (each trainer makes its own, mostly an equal one)."""
+    mesh = _STATE.mesh
     return (torch.is_grad_enabled(), torch.is_autocast_enabled("xla"), torch.get_autocast_dtype("xla"),
-            torch.get_default_dtype(), _import("torch_xla")._XLAC._xla_get_mat_mul_precision(), id(_STATE.mesh))
+            torch.get_default_dtype(), _import("torch_xla")._XLAC._xla_get_mat_mul_precision(),
+            mesh and (tuple(mesh.mesh_shape), tuple(mesh.device_ids.flat), tuple(mesh.axis_names)))
 
 
 class _Arguments:
@@ -4406,7 +4409,7 @@ class _Body:
                 carry, ys = scan._scan_impl_pytree(fn, init, xs, reverse)
             finally:
                 xlac._xla_user_computation = user
-            (_, tensors, computation), = recorded
+            _, tensors, computation = [r for r in recorded if r[0] == "xla::scan"][-1]  # the While, made last
             flat_ys, unflatten_y = scan.tree_flatten_none(ys)
             y = len(flat_ys)
             shapes = [(t.shape, t.dtype) for t in tensors[1 + c + x:1 + c + x + y]]

@@ -1278,15 +1278,28 @@ def every_dot_carries_the_matmul_precision():
     products then meet the einsum too; a Linear on a 3-D input, attention by SDPA and by matmul), forward and
     backward, in fp32 and under bf16 autocast; and stacks of blocks run as one loop, whose bodies' x @ W.t() is
     _dot_transposed, the rest torch_xla's mm, inside the While: Linear blocks, and GPT-2's Conv1D ones, whose
-    backward calls _dot_transposed while the loop is built (where the loop records the user computations it makes).
+    backward calls _dot_transposed while the loop is built (where the loop records the user computations it makes);
+    the Linear stack's loop was first traced and built at the default precision, which its key holds.
     The trainer built them on torch_xla's _xla_dot_general, which has no precision: a TPU ran each in one bf16 pass.
     XLA:CPU ignores it: only the HLO shows it. Traces only: nothing compiles."""
     import block_loops
     import torch_xla.backends
 
     st.get_device()
-    torch_xla.backends.set_mat_mul_precision("highest")
+    stacks = {blocks: block_loops.Stack(depth=3) for blocks in ("Linear", "Conv1D")}
+    for block in stacks["Conv1D"].layers:
+        block.up, block.down = Conv1D(32, 64), Conv1D(64, 32)
+    trainers = {blocks: st.SeamlessTPUTrainer(stack) for blocks, stack in stacks.items()}  # scan=True: one loop each
+    ids = trainers["Linear"].to_device(block_loops.batch())
+    F.cross_entropy(stacks["Linear"](ids).flatten(0, 1), ids.flatten()).backward()  # a loop built at the default
+    _xla().sync()
+    torch_xla.backends.set_mat_mul_precision("highest")  # which each loop's key holds: traced and built anew
     seen = {}
+    for blocks, stack in stacks.items():
+        stack.zero_grad()
+        F.cross_entropy(stack(ids).flatten(0, 1), ids.flatten()).backward()
+        seen[blocks, "looped"] = looped = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in stack.parameters()])
+        assert looped.count(" while(") == 2, "the forward's loop and the backward's"
     for how, autocast in (("ddp", False), ("fsdp", False), ("fsdp", True)):
         model = Products()
         trainer = st.SeamlessTPUTrainer(model, strategy=how)
@@ -1296,16 +1309,6 @@ def every_dot_carries_the_matmul_precision():
             out = F.scaled_dot_product_attention(q, q, q, is_causal=True) + (q @ q.transpose(-2, -1)).softmax(-1) @ q
         out.float().square().mean().backward()
         seen[how, autocast] = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
-    for blocks in ("Linear", "Conv1D"):
-        stack = block_loops.Stack(depth=3)
-        if blocks == "Conv1D":
-            for block in stack.layers:
-                block.up, block.down = Conv1D(32, 64), Conv1D(64, 32)
-        trainer = st.SeamlessTPUTrainer(stack)  # scan=True: its 3 blocks one loop
-        ids = trainer.to_device(block_loops.batch())
-        F.cross_entropy(stack(ids).flatten(0, 1), ids.flatten()).backward()
-        seen[blocks, "looped"] = looped = _xla()._XLAC._get_xla_tensors_hlo([p.grad for p in stack.parameters()])
-        assert looped.count(" while(") == 2, "the forward's loop and the backward's"
     for what, text in seen.items():
         dots = [line.strip() for line in text.splitlines() if " dot(" in line]
         lacking = [line for line in dots if PRECISE not in line]
