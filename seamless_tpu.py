@@ -3748,12 +3748,12 @@ class _Loops:
 
 
 class _Stack:
-    """A registered stack: its blocks as `members()` gives them, the owner's forward that iterates them (`code`), how
+    """A registered stack: its blocks as `members()` gives them, how the owner's forward calls them (`form`), how
     they repeat (`plan`: blocks[start:stop] loop, `period` a turn; None and `reason` where none do), and one cache of
     the bodies traced for it (9d), each under a key holding all its trace assumed."""
 
-    def __init__(self, members, code, where):
-        self.members, self.code, self.where, self.blocks = members, code, where, None
+    def __init__(self, members, form, where):
+        self.members, self.form, self.where, self.blocks = members, form, where, None
         self.slices = {}  # (start, stop) -> the _Stack of a slice the owner iterates (self.layers[:n])
         self.refresh()
 
@@ -3786,8 +3786,8 @@ class _Stack:
         if k - plan.start != len(self.calls) or (self.calls and x is not self.calls[0][0]):
             raise RuntimeError(f"seamless_tpu bug: the loop over {self.where} called block {k} out of order")
         self.calls.append((x, args, kwargs))
-        if k < plan.stop - 1:
-            return x  # the next block's input: the source check proved nothing else reads it
+        if k < plan.stop - 1:  # the next block's input (the source check proved nothing else reads it), and the
+            return self.form.result(x, args, kwargs)  # values passed on as they came
         calls, self.calls = self.calls, []
         return _run_blocks(self, calls)
 
@@ -3824,10 +3824,10 @@ def _find_loops(model, layout):
             continue  # not a stack of blocks (a Sequential of layers, a list of parameterless modules)
         owner_path, _, attr = path.rpartition(".")
         owner = named.get(owner_path) if path else None
-        code, reason = _loop_code(owner, attr) if owner is not None else (None, "it has no owner module")
-        if code is None and isinstance(container, torch.nn.Sequential):
-            code, reason = _loop_code(container, None)  # its own forward: called, not iterated, by its owner
-        stack = code and _Stack(lambda c=container: list(c._modules.values()), code, where)
+        form, reason = _loop_code(owner, attr) if owner is not None else (None, "it has no owner module")
+        if form is None and isinstance(container, torch.nn.Sequential):
+            form, reason = _loop_code(container, None)  # its own forward: called, not iterated, by its owner
+        stack = form and _Stack(lambda c=container: list(c._modules.values()), form, where)
         reason = reason or stack.reason or _splits_lost(stack.looped, layout)
         if reason:
             _say_unrolled(where, len(blocks), reason)
@@ -3860,17 +3860,17 @@ def _looped_class(cls):
     as `cls` (an EMA copy of the model holds plain containers)."""
     def __iter__(self):
         stack = _STATE.loops.stacks.get(self)
-        if stack is None or sys._getframe(1).f_code is not stack.code:
+        if stack is None or sys._getframe(1).f_code is not stack.form.code:
             return cls.__iter__(self)
         return iter(stack.block_calls())
 
     def __getitem__(self, idx):
         part, stack = cls.__getitem__(self, idx), _STATE.loops.stacks.get(self)
-        if stack is not None and isinstance(idx, slice) and sys._getframe(1).f_code is stack.code:
+        if stack is not None and isinstance(idx, slice) and sys._getframe(1).f_code is stack.form.code:
             key = idx.indices(len(self))
             if key not in stack.slices:
                 blocks = lambda: stack.members()[slice(*key)]  # noqa: E731
-                stack.slices[key] = _Stack(blocks, stack.code, f"{stack.where}[{key[0]}:{key[1]}]")
+                stack.slices[key] = _Stack(blocks, stack.form, f"{stack.where}[{key[0]}:{key[1]}]")
             if stack.slices[key].plan is not None:
                 _STATE.loops.stacks[part] = stack.slices[key]
         return part
@@ -4014,10 +4014,39 @@ def _raw(v):  # _plain's value, shown: a container's contents, an object's type
     return v[1] if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], type) else v
 
 
+class _Form(collections.namedtuple("_Form", "code outputs feeds")):
+    """How the owner's forward calls its blocks: `code`, its code object; `outputs`, how many values a block returns
+    (0: one tensor); `feeds`, {output: where the next call takes it, ("arg", i) or ("kw", name)}, for what a block
+    returns to be passed on (T5's position bias: `x, bias, _ = block(x, mask, bias)`; `bias` = the output)."""
+
+    def fed(self, args, kwargs):
+        """What the owner gets from a block that hands on its input: that input, and the values it passed in for the
+        outputs it feeds on (the loop's body proves each one handed on as it came), None for the rest."""
+        return {i: args[at] if kind == "arg" else kwargs.get(at) for i, (kind, at) in self.feeds.items()}
+
+    def result(self, x, args, kwargs):
+        fed = self.fed(args, kwargs)
+        return x if not self.outputs else (x, *(fed.get(i) for i in range(1, self.outputs)))
+
+    def carried(self, out):
+        return out[0] if self.outputs else out
+
+    def passed_on(self, out, args, kwargs):
+        """The next call's (args, kwargs) with each output fed on in its place, as the owner's loop passes them."""
+        args, kwargs = list(args), dict(kwargs)
+        for i, (kind, at) in self.feeds.items():
+            if kind == "arg":
+                args[at] = out[i]
+            else:
+                kwargs[at] = out[i]
+        return tuple(args), kwargs
+
+
 def _loop_code(owner, attr):
-    """(the code of owner's forward, None) if its one loop over self.<attr> (self, for attr None) is `x = block(x,
-    ...)` and reads the block only for attributes; else (None, why). `self` is the forward's first argument, by any
-    name."""
+    """(_Form of owner's forward, None) if its one loop over self.<attr> (self, for attr None) is `x = block(x, ...)`
+    and reads the block only for attributes, or `x, *outs = block(x, ...)` followed by `name = out` (under an `if`
+    at most) for names passed on to the next call, the outs read nowhere else; else (None, why). `self` is the
+    forward's first argument, by any name."""
     forward = inspect.unwrap(type(owner).forward)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
@@ -4039,20 +4068,46 @@ def _loop_code(owner, attr):
         return None, f"{name} iterates it {len(loops)} times, not once" if loops else f"{name} does not iterate it"
     loop = loops[0]
     target = loop.target.elts[-1] if isinstance(loop.target, ast.Tuple) else loop.target
-    body = loop.body[0] if len(loop.body) == 1 else None
-    call = getattr(body, "value", None)
-    ok = (isinstance(body, ast.Assign) and len(body.targets) == 1 and isinstance(body.targets[0], ast.Name)
-          and isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == target.id
-          and call.args and isinstance(call.args[0], ast.Name) and call.args[0].id == body.targets[0].id
-          and not loop.orelse)
-    if ok:  # the carried value and the block appear nowhere else (the block's attributes may)
-        rest = [*call.args[1:], *call.keywords]
+    first, call = loop.body[0], getattr(loop.body[0], "value", None)
+    assigned = first.targets[0] if isinstance(first, ast.Assign) and len(first.targets) == 1 else None
+    outs = assigned.elts if isinstance(assigned, ast.Tuple) else [assigned]
+    ok = (all(isinstance(n, ast.Name) for n in outs) and isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+          and call.func.id == target.id and call.args and isinstance(call.args[0], ast.Name)
+          and call.args[0].id == outs[0].id and not loop.orelse)
+    feeds = _feeds(loop.body[1:], call, outs) if ok else None
+    ok = feeds is not None
+    if ok:  # the carried value and the block appear nowhere else in the call (the block's attributes may), the outs
+        rest = [*call.args[1:], *call.keywords]  # nowhere but where they are passed on
         names = [n for r in rest for n in ast.walk(r) if isinstance(n, ast.Name)]
         attrs = {id(n.value) for r in rest for n in ast.walk(r) if isinstance(n, ast.Attribute)}
-        ok = not any(n.id == body.targets[0].id or (n.id == target.id and id(n) not in attrs) for n in names)
+        reads = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+        ok = not any(n.id == outs[0].id or (n.id == target.id and id(n) not in attrs) for n in names) and sum(
+            n.id in {o.id for o in outs[1:]} for n in reads) == len(feeds)
     if not ok:
         return None, f"the loop in {name} (line {loop.lineno}) does more than `x = block(x, ...)`"
-    return forward.__code__, None
+    return _Form(forward.__code__, len(outs) if isinstance(assigned, ast.Tuple) else 0, feeds), None
+
+
+def _feeds(rest, call, outs):
+    """{output index: where `call` takes it}, for each statement of `rest` (the loop's body after the call) that is
+    `name = out` (under an `if` that reads no output, at most) with `name` a whole argument of the call; None if one
+    is anything else."""
+    feeds, outs = {}, [o.id for o in outs]
+    for stmt in rest:
+        guarded = isinstance(stmt, ast.If) and not stmt.orelse
+        if guarded and any(isinstance(n, ast.Name) and n.id in outs for n in ast.walk(stmt.test)):
+            return None
+        for s in stmt.body if guarded else [stmt]:
+            if not (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+                    and isinstance(s.value, ast.Name) and s.value.id in outs[1:]):
+                return None
+            name = s.targets[0].id
+            where = [("arg", i - 1) for i, a in enumerate(call.args) if i and getattr(a, "id", None) == name] + [
+                ("kw", k.arg) for k in call.keywords if k.arg and getattr(k.value, "id", None) == name]
+            if len(where) != 1:
+                return None
+            feeds[outs.index(s.value.id)] = where[0]
+    return feeds
 
 # --- 9d. repeated blocks: running the loop ---------------------------------------------------------
 # The last looped block's call runs the looped blocks as one XLA While over their stacked parameters, or one by one
@@ -4070,10 +4125,13 @@ def _run_blocks(stack, calls):
     except _NotALoop as e:
         if str(e):  # "": torch.func or forward-mode AD, which runs the blocks one by one silently
             _say_unrolled(stack.where, len(calls), str(e))
-    x = calls[0][0]
+    x, form, out = calls[0][0], stack.form, None
     for block, (_, args, kwargs) in zip(stack.looped, calls):
-        x = block(x, *args, **kwargs)
-    return x
+        if out is not None and form.feeds:  # what the last block passed on, not what the owner took from us
+            args, kwargs = form.passed_on(out, args, kwargs)
+        out = block(x, *args, **kwargs)
+        x = form.carried(out)
+    return out
 
 
 class _Run(collections.namedtuple("_Run", "stack calls args body")):
@@ -4099,11 +4157,13 @@ def _run_loop(stack, calls):
             stack.written |= {getattr(e, "written", None)} - {None}
             raise
     run = run._replace(body=body)
+    if args.cache is not None and _holding(run):
+        raise _NotALoop(_holding(run))
     _STATE.work_check.probe(stack.looped[0], functools.partial(_first_two, run))  # once proven free of side effects
     if body.whiles:
-        return body.run(run, inputs)
+        return stack.form.result(body.run(run, inputs), *calls[-1][1:])
     try:  # its first run builds the While from the traced graphs: a failure there runs the blocks one by one too
-        return body.run(run, inputs)
+        return stack.form.result(body.run(run, inputs), *calls[-1][1:])
     except Exception as e:
         stack.bodies[key] = f"building its loop failed ({type(e).__name__}: {_shown(str(e), 120)})"
         raise _NotALoop(stack.bodies[key]) from e
@@ -4178,8 +4238,8 @@ def _first_two(run):
     """The looped blocks' first two run on their own (the work check's probe), a stand-in for the empty cache."""
     x, args = run.calls[0][0], run.args
     for k in (0, 1):
-        a, kw = args.of(k % run.stack.plan.period, args.tensors, _CacheRecorder())
-        x = run.stack.looped[k](x, *a, **kw)
+        a, kw = args.of(k % run.stack.plan.period, args.tensors, _recorder_for(args.cache))
+        x = run.stack.form.carried(run.stack.looped[k](x, *a, **kw))
 
 
 def _unmarked(state, j, marked):
@@ -4250,12 +4310,35 @@ class _Arguments:
 
 
 def _empty_cache(v):
-    """Whether `v` is a transformers cache of the kinds a decoder makes in training (DynamicCache, its layers plain or
-    sliding-window) holding no tokens: each layer's update then returns that layer's own keys and values."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    return (cache_utils is not None and type(v) is cache_utils.DynamicCache and not v.offloading
-            and all(type(layer) in (cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer)
-                    and not layer.is_initialized for layer in v.layers))
+    """Whether `v` is a transformers cache of the kinds a model makes in training (a DynamicCache, its layers plain or
+    sliding-window; an EncoderDecoderCache of two) whose update of an empty layer returns that layer's own keys and
+    values. Which layers the loop's blocks update must hold no tokens: _holding(run) reads them before each run."""
+    utils = sys.modules.get("transformers.cache_utils")
+    if utils is not None and type(v) is utils.EncoderDecoderCache:
+        return all(map(_empty_cache, (v.self_attention_cache, v.cross_attention_cache)))
+    return (utils is not None and type(v) is utils.DynamicCache and not v.offloading
+            and all(type(layer) in (utils.DynamicLayer, utils.DynamicSlidingWindowLayer) for layer in v.layers))
+
+
+def _cache_places(run):
+    """(turn, block, the cache (or its self- or cross-attention part), layer index) of each update the body records,
+    in the blocks' order."""
+    looped, period, cache = run.stack.looped, run.stack.plan.period, run.args.cache
+    for turn in range(len(looped) // period):
+        for j, index, kind in run.body.recorded:
+            if isinstance(index, tuple):  # (module name, attribute) of the block
+                index = getattr(looped[turn * period + j].get_submodule(index[0]), index[1])
+            yield turn, (getattr(cache, kind) if kind else cache), index, kind
+
+
+def _holding(run):
+    """Why the cache cannot take the loop's updates (None if it can): a layer a looped block updates holds tokens
+    (generation), so its update would not return the block's own keys and values."""
+    for _, target, index, kind in _cache_places(run):
+        if index < len(target.layers) and target.layers[index].is_initialized or (
+                kind == "cross_attention_cache" and run.args.cache.is_updated.get(index)):
+            return f"the cache holds tokens for layer {index} (generation): its update reads them"
+    return None
 
 
 class _CacheRecorder:
@@ -4263,15 +4346,47 @@ class _CacheRecorder:
     the empty cache does, and records them, which the loop outputs per block; after the loop the cache gets each
     block's, under that block's own layer index. Anything else asked of it keeps the blocks unrolled."""
 
-    def __init__(self):
-        self.updates = []
+    def __init__(self, updates=None, kind=None):
+        self.updates, self.kind = [] if updates is None else updates, kind
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.updates.append((key_states, value_states, layer_idx))
+        self.updates.append((key_states, value_states, layer_idx, self.kind))
         return key_states, value_states
+
+    def get_seq_length(self, layer_idx=0):  # T5 asks the empty cache for what it holds
+        return 0
 
     def __getattr__(self, name):
         raise _NotALoop(f"a block reads the cache's {name!r}, where a loop records its updates only")
+
+
+def _recorder_for(cache):
+    """A _CacheRecorder for `cache`; for an EncoderDecoderCache (T5, Whisper), one of its class (blocks test it) whose
+    self- and cross-attention caches record into one list, and whose `is_updated` takes any layer index."""
+    utils = sys.modules.get("transformers.cache_utils")
+    if cache is None or utils is None or type(cache) is not utils.EncoderDecoderCache:
+        return _CacheRecorder()
+    recorder = object.__new__(_encoder_decoder_recorder(utils.EncoderDecoderCache))
+    recorder.updates = []
+    recorder.self_attention_cache = _CacheRecorder(recorder.updates, "self_attention_cache")
+    recorder.cross_attention_cache = _CacheRecorder(recorder.updates, "cross_attention_cache")
+    recorder.is_updated = _Updated()
+    return recorder
+
+
+@functools.cache
+def _encoder_decoder_recorder(cls):
+    return type("EncoderDecoderRecorder", (cls,), {"__getattr__": _CacheRecorder.__getattr__})
+
+
+class _Updated:
+    """EncoderDecoderCache.is_updated in a loop's body: nothing updated yet, whatever the (unreadable) layer index."""
+
+    def get(self, layer_idx, default=None):
+        return default
+
+    def __setitem__(self, layer_idx, value):
+        pass
 
 
 class _Unread:
@@ -4371,7 +4486,7 @@ class _Body:
 
     def __init__(self, run, marked, inputs):
         stack, args = run.stack, run.args
-        self.reps = stack.looped[:stack.plan.period]  # a turn's blocks as traced: the first turn's
+        self.reps, self.form = stack.looped[:stack.plan.period], stack.form  # the turn's blocks as traced: the first
         self.checkpointed = any(getattr(m, "gradient_checkpointing", False) and m.training
                                 for b in self.reps for m in b.modules())
         self.recorded, self.whiles, given = [], {}, []
@@ -4441,7 +4556,7 @@ def _turn(body, args):
         tensors = [None] * len(args.tensors)
         for i, t in zip(args.carried + args.scanned, (*carried, *scanned)):
             tensors[i] = t
-        cache, body.recorded = _CacheRecorder(), []
+        cache, body.recorded = _recorder_for(args.cache), []
         _STATE.loops.tracing = True
         try:
             with _RandomOps(*seed), _checkpointing_off(body.reps, body.checkpointed):
@@ -4451,28 +4566,43 @@ def _turn(body, args):
                     out = torch.func.functional_call(block, params[j], (x, *a), kw, strict=False)
                     if [t._version for t in (x, *tensors)] != versions:
                         raise _NotALoop("a block writes its input in place, which its caller may still hold")
+                    out = _handed_on(body.form, out, a, kw)
                     if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
                         raise _NotALoop("a block returns " + (
                             f"shape {tuple(out.shape)} {out.dtype} for {tuple(x.shape)} {x.dtype}" if isinstance(
                                 out, torch.Tensor) else f"a {type(out).__name__}, not a tensor like its input"))
                     x = out
-                    body.recorded += [(j, object.__getattribute__(i, "where") if type(i) is _Unread else i)
-                                      for _, _, i in cache.updates[updates:]]
+                    body.recorded += [(j, object.__getattribute__(i, "where") if type(i) is _Unread else i, kind)
+                                      for _, _, i, kind in cache.updates[updates:]]
         finally:
             _STATE.loops.tracing = False
-        return (x, *carried), tuple(t for k, v, _ in cache.updates for t in (k, v)) or None
+        return (x, *carried), tuple(t for k, v, _, _ in cache.updates for t in (k, v)) or None
     return turn
+
+
+def _handed_on(form, out, args, kwargs):
+    """The carried output of a traced block, where each output the owner passes on to the next block is, as the
+    owner's loop was told, the value it was given (T5's position bias, made by its first block and handed on)."""
+    if not form.outputs:
+        return out
+    if not isinstance(out, tuple) or len(out) != form.outputs:
+        raise _NotALoop(f"a block returns a {type(out).__name__}, where its owner's loop takes {form.outputs} values")
+    for i, given in form.fed(args, kwargs).items():
+        if out[i] is not given:
+            raise _NotALoop(f"a block returns in its output {i} another value than it was given, which the next takes")
+    return out[0]
 
 
 def _fill(run, ys):
     """The empty cache given what eager's blocks would have put in it: each looped block's keys and values, under its
-    own layer index (read from the block where the trace saw an attribute that differs, HF's layer_idx)."""
-    looped, period = run.stack.looped, run.stack.plan.period
-    for turn in range(len(looped) // period):
-        for u, (j, index) in enumerate(run.body.recorded):
-            if isinstance(index, tuple):  # (module name, attribute) of the block
-                index = getattr(looped[turn * period + j].get_submodule(index[0]), index[1])
-            run.args.cache.update(ys[2 * u][turn], ys[2 * u + 1][turn], index)
+    own layer index (read from the block where the trace saw an attribute that differs, HF's layer_idx), in the
+    encoder-decoder cache's self- or cross-attention part."""
+    per_turn = len(run.body.recorded)
+    for n, (turn, target, index, kind) in enumerate(_cache_places(run)):
+        u = n % per_turn
+        target.update(ys[2 * u][turn], ys[2 * u + 1][turn], index)
+        if kind == "cross_attention_cache":
+            run.args.cache.is_updated[index] = True
 
 
 class _Loop(torch.autograd.Function):
@@ -4553,13 +4683,13 @@ def _recomputed(run, init, xs, grads):
     tensors, seeds = list(args.tensors), xs[2] if len(xs) > 2 else None
     for i, t in zip(args.carried, init[1:]):
         tensors[i] = t
-    cache, x = _CacheRecorder(), init[0]
+    cache, x = _recorder_for(args.cache), init[0]
     with torch.enable_grad():
         for turn in range(len(looped) // period):
             with _RandomOps(seeds[turn]) if seeds is not None else contextlib.nullcontext():
                 for j in range(period):
                     a, kw = args.of(j, tensors, cache)
-                    x = looped[turn * period + j](x, *a, **kw)
+                    x = run.stack.form.carried(looped[turn * period + j](x, *a, **kw))
     per_turn = len(cache.updates) // max(1, len(looped) // period)
     ys = [torch.stack([u[i] for u in cache.updates[n::per_turn]]) for n in range(per_turn) for i in (0, 1)]
     outs = [(o, g) for o, g in zip((x, *ys), (grads[0], *grads[len(init):])) if g is not None and o.requires_grad]

@@ -81,8 +81,8 @@ def never(self, x):
 
 @pytest.mark.parametrize("forward", [ok_enumerate, ok_plain])
 def test_a_loop_that_only_carries_its_value_through_the_blocks_may_run_as_one(forward):
-    code, why = st._loop_code(owner(forward), "layers")
-    assert code is forward.__code__ and why is None
+    form, why = st._loop_code(owner(forward), "layers")
+    assert form.code is forward.__code__ and why is None
 
 
 @pytest.mark.parametrize("forward, why", [
@@ -107,8 +107,8 @@ def test_the_loops_of_transformers_and_torch_are_checked_from_their_source(no_xl
         assert code is not None and why is None, (arch, why)
     assert isinstance(block_loops.hf("gpt2"), transformers.PreTrainedModel)
     encoder = block_loops.encoder()[1]
-    assert st._loop_code(encoder, "layers")[0] is torch.nn.TransformerEncoder.forward.__code__
-    assert st._loop_code(torch.nn.Sequential(), None)[0] is torch.nn.Sequential.forward.__code__
+    assert st._loop_code(encoder, "layers")[0].code is torch.nn.TransformerEncoder.forward.__code__
+    assert st._loop_code(torch.nn.Sequential(), None)[0].code is torch.nn.Sequential.forward.__code__
 
 
 def test_a_forward_without_source_stays_unrolled_and_says_why():
