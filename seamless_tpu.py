@@ -4148,7 +4148,10 @@ def _run_loop(stack, calls):
     body = stack.bodies.get(key)
     if isinstance(body, str):
         raise _NotALoop(body)
-    run, inputs = _Run(stack, calls, args, body), _loop_inputs(stack, args, calls[0][0])
+    run = _Run(stack, calls, args, body)
+    if args.cache is not None and _holding(run):  # generation: the blocks one by one, on what the cache holds
+        raise _NotALoop(_holding(run))
+    inputs = _loop_inputs(stack, args, calls[0][0])
     if body is None:
         try:
             body = stack.bodies[key] = _Body(run, stack.watch.key[-1], inputs)
@@ -4157,7 +4160,7 @@ def _run_loop(stack, calls):
             stack.written |= {getattr(e, "written", None)} - {None}
             raise
     run = run._replace(body=body)
-    if args.cache is not None and _holding(run):
+    if args.cache is not None and _holding(run):  # the layers the body updates, now that its trace says which
         raise _NotALoop(_holding(run))
     _STATE.work_check.probe(stack.looped[0], functools.partial(_first_two, run))  # once proven free of side effects
     if body.whiles:
@@ -4333,11 +4336,15 @@ def _cache_places(run):
 
 def _holding(run):
     """Why the cache cannot take the loop's updates (None if it can): a layer a looped block updates holds tokens
-    (generation), so its update would not return the block's own keys and values."""
-    for _, target, index, kind in _cache_places(run):
+    (generation), so its update would not return the block's own keys and values. Before a body is traced (and
+    records which layers it updates), the layers at the looped blocks' places."""
+    cache, plan = run.args.cache, run.stack.plan
+    places = _cache_places(run) if run.body else ((0, getattr(cache, "self_attention_cache", cache), i, None)
+                                                  for i in range(plan.start, plan.stop))
+    for _, target, index, kind in places:
         if index < len(target.layers) and target.layers[index].is_initialized or (
-                kind == "cross_attention_cache" and run.args.cache.is_updated.get(index)):
-            return f"the cache holds tokens for layer {index} (generation): its update reads them"
+                kind == "cross_attention_cache" and cache.is_updated.get(index)):
+            return f"the cache holds tokens for layer {index} (generation): its update would read them"
     return None
 
 

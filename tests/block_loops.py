@@ -917,12 +917,54 @@ def soundness():
         st._STATE.warned -= {k for k in st._STATE.warned if k[:1] == ("unrolled",)}  # each case's stack: "layers"
 
 
+def cached_run(trainer_made):
+    """A Qwen3 with transformers' defaults in evaluation: a no-grad forward (logits and its cache's keys and values),
+    then greedy generation of 3 tokens, whose first forward fills an empty cache and whose later ones find it holding
+    tokens; and a frozen copy moved with to_device(), as a reference model is, its forward's logits."""
+    model, reference = hf("qwen3"), hf("qwen3", seed=1).requires_grad_(False)
+    trainer = trainer_made(model)
+    ids = trainer.to_device(batch()) if trainer else batch()
+    reference = st.to_device(reference) if trainer else reference
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids)
+        logits = reference(input_ids=ids).logits
+    kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+    generated = model.generate(ids[:4, :8], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    return {"logits": flat(out.logits), "kv": flat(kv), "reference": flat(logits), "generated": flat(generated)}
+
+
+def flat(tensors):
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    return torch.cat([t.detach().float().flatten() for t in tensors]).cpu().tolist()
+
+
+def cached_eager():
+    return cached_run(lambda m: None)
+
+
+def cached():
+    """Issue 61's ask 1 in evaluation: a no-grad forward with transformers' defaults runs as one loop, with eager's
+    logits and its cache's keys and values; greedy generation's first forward fills the cache from the loop, its later
+    ones, finding tokens in the layers they would update, run one by one and say why once, with eager's tokens; a
+    reference model moved with to_device() runs as one loop too."""
+    want = workloads.eager_reference("cached", __file__)
+    spy = Spy()
+    got = cached_run(st.SeamlessTPUTrainer)
+    for key, tol in (("logits", 1e-5), ("kv", 1e-5), ("reference", 1e-5), ("generated", 0)):
+        workloads.assert_close(got[key], want[key], tol, f"evaluation: {key}")
+    said = [line for line in spy.lines if "one by one" in line]
+    assert spy.loops == 3 and len(said) == 1 and "the cache holds tokens for layer 0 (generation)" in said[0], (
+        spy.loops, said)
+
+
 SCENARIOS = {f.__name__: f for f in (families, family_peaks, fallbacks, fsdp_peak, derivatives, resumed, dropout,
-                                     frozen, soundness)}
+                                     frozen, soundness, cached)}
 REFERENCES = {"family_peaks_at": family_peaks_at,
               "families": families_eager, "fallbacks": fallbacks_eager, "derivatives": derivatives_eager,
               "fsdp_peak_unrolled": fsdp_peak_unrolled, "resumed": resumed_eager, "dropout": dropout_eager,
-              "dropout_losses": dropout_losses, "frozen": frozen_eager, "soundness": soundness_eager}
+              "dropout_losses": dropout_losses, "frozen": frozen_eager, "soundness": soundness_eager,
+              "cached": cached_eager}
 
 
 def main(name, *flags):
