@@ -79,16 +79,58 @@ def never(self, x):
     return self.layers[0](x)
 
 
-@pytest.mark.parametrize("forward", [ok_enumerate, ok_plain])
-def test_a_loop_that_only_carries_its_value_through_the_blocks_may_run_as_one(forward):
+def ok_renamed(this, x):  # `self` by another name
+    for layer in this.layers:
+        x = layer(x)
+    return x
+
+
+def ok_passes_on(self, x, mask=None):  # T5's: the block returns its position bias, which the next one takes
+    bias = None
+    for layer in self.layers:
+        x, own, _ = layer(x, mask, bias)
+        bias = own
+    return x
+
+
+def ok_passes_on_if(self, x, enc=None):
+    cross = None
+    for layer in self.layers:
+        x, _, out = layer(x, cross_bias=cross)
+        if enc is not None:
+            cross = out
+    return x
+
+
+def reads_an_output_after(self, x):
+    for layer in self.layers:
+        x, extra = layer(x)
+    return x + extra
+
+
+def passes_on_what_it_never_gives(self, x):
+    for layer in self.layers:
+        x, own = layer(x)
+        bias = own  # noqa: F841 (read by nothing: not passed to the next call)
+    return x
+
+
+@pytest.mark.parametrize("forward, outputs, feeds", [
+    (ok_enumerate, 0, {}), (ok_plain, 0, {}), (ok_renamed, 0, {}), (ok_passes_on, 3, {1: ("arg", 1)}),
+    (ok_passes_on_if, 3, {2: ("kw", "cross_bias")})])
+def test_a_loop_that_only_carries_its_value_through_the_blocks_may_run_as_one(forward, outputs, feeds):
+    """Issue 61's forms: enumerate of a slice with keyword arguments (Qwen3's), `self` by any name, and T5's, where a
+    block returns values the owner passes on to the next block (always, or under an `if`)."""
     form, why = st._loop_code(owner(forward), "layers")
     assert form.code is forward.__code__ and why is None
+    assert (form.outputs, form.feeds) == (outputs, feeds)
 
 
 @pytest.mark.parametrize("forward, why", [
     (reads_carry_twice, "does more than `x = block(x, ...)`"), (passes_the_block, "does more than"),
     (two_statements, "does more than"), (other_target, "does more than"), (breaks, "does more than"),
     (twice, "iterates it 2 times, not once"), (never, "does not iterate it"),
+    (reads_an_output_after, "does more than"), (passes_on_what_it_never_gives, "does more than"),
 ])
 def test_a_loop_that_does_more_stays_unrolled_and_says_why(forward, why):
     code, said = st._loop_code(owner(forward), "layers")
@@ -99,7 +141,7 @@ def test_the_loops_of_transformers_and_torch_are_checked_from_their_source(no_xl
     """Qwen3 and Llama iterate a slice with enumerate and keyword arguments; GPT-2 and BERT positional ones;
     nn.TransformerEncoder its layers; nn.Sequential itself (its own forward)."""
     transformers = pytest.importorskip("transformers")
-    for arch in ("qwen3", "llama", "gpt2", "bert"):
+    for arch in ("qwen3", "llama", "gpt2", "bert", "gemma2", "modernbert", "vit", "t5"):
         model = block_loops.hf(arch)
         stack = next((path, m) for path, m in model.named_modules() if isinstance(m, torch.nn.ModuleList))
         parent = model.get_submodule(stack[0].rpartition(".")[0])
