@@ -7,9 +7,12 @@ WORKLOAD: gpt  an SDPA GPT (d=64, batch 8 x 32) of DEPTH blocks, AdamW (the defa
                teacher of the same shape, F.kl_div on log targets at T=2 (8 x 64 tokens), AdamW on the adapters;
                both built from configs with random weights (transformers, peft), no downloads
 MODE: hand       the hand-written torch_xla SPMD loop: the model moved, its batch marked, torch_xla.sync() a step
-      shim       the same loop through SeamlessTPUTrainer (repeated blocks as one loop; kd: the teacher by a trainer
-                 of its own, so its layers loop too)
-      shim_unrolled  shim with scan=False: every block traced and compiled (kd: the teacher moved by .to)
+      shim       the same loop through SeamlessTPUTrainer (repeated blocks as one loop; kd: as the seeds' user
+                 writes it, transformers' defaults (its cache in training), the teacher moved by .to: its layers
+                 loop too)
+      shim_unrolled  shim with scan=False: every block traced and compiled
+      shim_no_cache  kd only: shim with use_cache=False and the teacher by a trainer of its own (the bench before
+                 issue 61, kept as a comparison)
       seed       kd only: the seeds' own loop, hand-written with a sync after the teacher's forward, the backward and
                  the optimizer's step (their xla_mark_step(), torch_xla.sync() today)
       hand_cut   hand, with a sync between the backward and the optimizer's step (the seed's second cut alone)
@@ -50,21 +53,21 @@ def gpt(depth, scan=False):
     return model, None, (x, y), lambda model, teacher, x, y: F.cross_entropy(model(x), y)
 
 
-def qwen3(depth, seed):
+def qwen3(depth, seed, cache=True):
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.Qwen3Config(
         vocab_size=KD_V, hidden_size=128, intermediate_size=256, num_hidden_layers=depth, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=KD_T, attn_implementation="sdpa", use_cache=False)
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=KD_T, **({} if cache else {"use_cache": False}))
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def kd(depth):
+def kd(depth, cache=True):
     import peft
 
-    teacher = qwen3(depth, seed=1).eval().requires_grad_(False)
-    student = peft.get_peft_model(qwen3(depth, seed=0), peft.LoraConfig(
+    teacher = qwen3(depth, seed=1, cache=cache).eval().requires_grad_(False)
+    student = peft.get_peft_model(qwen3(depth, seed=0, cache=cache), peft.LoraConfig(
         r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(KD_V, (KD_B, KD_T), generator=g)
@@ -85,7 +88,7 @@ def main(mode, depth, steps=10, workload="gpt"):
     import numpy as np
 
     if workload == "kd":
-        model, teacher, batch, loss_of = kd(int(depth))
+        model, teacher, batch, loss_of = kd(int(depth), cache=mode != "shim_no_cache")
     else:
         model, teacher, batch, loss_of = gpt(int(depth), scan=mode.endswith("scan"))
     import torch_xla
@@ -100,10 +103,10 @@ def main(mode, depth, steps=10, workload="gpt"):
         import seamless_tpu as st
 
         trainer = st.SeamlessTPUTrainer(model, scan=mode != "shim_unrolled")
-        if teacher is not None and mode == "shim_unrolled":
-            teacher.to(trainer.device)
-        elif teacher is not None:  # the documented way: a trainer of its own runs its layers as one loop too
+        if teacher is not None and mode == "shim_no_cache":
             st.SeamlessTPUTrainer(teacher)
+        elif teacher is not None:  # as the seeds' script moves it: its layers loop too
+            teacher.to(trainer.device)
         x, y = trainer.to_device(*batch)
         end_step = lambda: None  # noqa: E731  the trainer cuts the graph at the step
     else:

@@ -12,7 +12,8 @@ from harness import XLA_ENV, by_depth, run_script
 # bench/compile_depth.py's loops per workload: shim runs repeated blocks as one loop (issue 48), shim_unrolled does not
 # (scan=False), shim_scan is torch_xla's scan_layers by hand. Not hand_scan: torch_xla 2.9's scan backward under SPMD
 # imports jax (shard_as), which torch_xla[pallas] brings and this environment has not; the trainer runs it
-COMPILE_MODES = {"gpt": ("hand", "shim", "shim_unrolled", "shim_scan"), "kd": ("seed", "hand", "shim_unrolled", "shim")}
+COMPILE_MODES = {"gpt": ("hand", "shim", "shim_unrolled", "shim_scan"),
+                 "kd": ("seed", "hand", "shim_unrolled", "shim", "shim_no_cache")}
 COMPILE_DEPTHS = {"gpt": (2, 8, 24), "kd": (4, 28, 56)}
 
 
@@ -62,5 +63,10 @@ def render_compile(runs, s):
                 if workload == "kd":
                     seed = [r["compile_s"] / e["compile_s"] for r, e in zip(rs, runs[f"{key}/seed"])]
                     line += f", shim / seed {statistics.median(seed):.2f} [{min(seed):.2f}, {max(seed):.2f}]"
+                    shallow = runs.get(f"kd/{min(COMPILE_DEPTHS['kd'])}/shim")  # issue 61: its growth with depth
+                    if shallow and shallow is not rs:
+                        grew = statistics.median(r["compile_s"] for r in rs) / statistics.median(
+                            r["compile_s"] for r in shallow)
+                        line += f", {grew:.2f}x its {min(COMPILE_DEPTHS['kd'])}-layer compile"
                 headline.append(line)
     return md + [""] + [f"- {line}" for line in headline], headline
