@@ -3764,6 +3764,7 @@ class _Stack:
             return
         replanned = self.blocks is not None
         self.blocks, self.calls, self.bodies, self.frozen, self.indices, self.watch = blocks, [], {}, {}, {}, None
+        self.tokens = {}  # the blocks' states key (_states_key) -> a number for the bodies' keys
         self.written = set()  # attributes a body's trace saw written
         self.plan, self.reason = _plan([_block_state(b) for b in blocks]) if len(blocks) > 1 else (
             None, "it holds one block")
@@ -4143,8 +4144,8 @@ def _run_loop(stack, calls):
     args = _Arguments(stack, calls)
     if stack.watch is None or not stack.watch.same():
         stack.watch = None
-        stack.watch = _Watch(stack.looped, _states_key(stack))
-    key = (args.key, stack.watch.key, _torch_state())
+        stack.watch = _Watch(stack.looped, _states_key(stack), stack.tokens)
+    key = (args.key, stack.watch.token, _torch_state())
     body = stack.bodies.get(key)
     if isinstance(body, str):
         raise _NotALoop(body)
@@ -4208,8 +4209,9 @@ class _Watch:
     since: each module's attributes, submodules, parameters, buffers and hooks, and the dicts, lists and objects (a
     config) it holds, one level down; each parameter's requires_grad. Anything else: the states are read again."""
 
-    def __init__(self, blocks, key):
+    def __init__(self, blocks, key, tokens):
         self.key, self.dicts, modules = key, [], [m for b in blocks for m in b.modules()]
+        self.token = tokens.setdefault(key, len(tokens))  # the body's key holds it: hashing the states took ~20 ms
         for m in modules:
             self.dicts += [m.__dict__, m._modules, m._parameters, m._buffers, m._forward_hooks, m._forward_pre_hooks,
                            m._backward_hooks, m._backward_pre_hooks]
