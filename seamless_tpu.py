@@ -16,7 +16,7 @@ unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" 
   torch.inference_mode() is no_grad. The first fsdp weight: autocast's products (an fsdp weight's cast marked).
 - first XLA use or first trainer: pre- and post-step optimizer hooks (in an XLA step torch_xla's special scalars off; in
   a first or pinned step a function mode, the lr tagged). Each trainer: forward hooks, first-step FLOP modes; log(): a
-  thread, step closures. Repeated blocks on XLA: ModuleList's, Sequential's __iter__, __getitem__ (checked).
+  thread, step closures. A looped stack (a trainer's, or a module's moved to XLA): its container's class swapped.
 - first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
   kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread). Processes:
   a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
