@@ -5,8 +5,9 @@
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA: the forward+backward a graph, the step another
 Backends "tpu" (PJRT_DEVICE=TPU), "xla" (other PJRT devices), "gpu", "cpu"; torch_xla, ray load when used. README.md
 is the manual; `python -m seamless_tpu` reports the environment. Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a
-device), _SIGTERM_GRACE, _COMPILE_CACHE; PJRT_DEVICE (the user's, not torch_xla's import guess); TPU_ACCELERATOR_TYPE;
-RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice without torch.distributed MASTER_ADDR, SEAMLESS_TPU_PORT. Written where
+device), _SIGTERM_GRACE, _COMPILE_CACHE, _UNTESTED (1: loops, step scalars on untested torch/torch_xla); PJRT_DEVICE
+(the user's, not torch_xla's import guess); TPU_ACCELERATOR_TYPE; RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice
+without torch.distributed MASTER_ADDR, SEAMLESS_TPU_PORT. Written where
 unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE,
 *_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
 - first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
@@ -104,6 +105,7 @@ _TESTED_WITH = {"torch": "2.9.0", "torch_xla": "2.9.0", "ray": "2.60.0", "transf
 #   FlopCounterMode decomposes ops it has no formula for). TODO(remove when torch makes them public)
 # - ray.train.torch.config._TorchBackend; ray._private.worker, the module of Ray's SIGTERM handler.
 #   TODO(remove when Ray Train has a public backend hook and a preemption callback)
+UNTESTED_ENV = "SEAMLESS_TPU_UNTESTED"  # "1": on other torch/torch_xla versions, run what rests on their private APIs
 ENV_DEVICE = "SEAMLESS_TPU_DEVICE"
 COMPILE_CACHE_ENV = "SEAMLESS_TPU_COMPILE_CACHE"  # off, or the root of the per-host TPU compile caches
 DEVICE_KINDS = ("auto", "tpu", "xla", "gpu", "cpu")
@@ -274,6 +276,36 @@ def _peak_flops(kind):
     return next((peak for pattern, peak in PEAK_FLOPS if re.search(pattern, name.lower())), None) if name else None
 
 
+@functools.lru_cache(maxsize=None)
+def _untested():
+    """The installed torch and torch_xla that are not the versions _TESTED_WITH names, as "name version"."""
+    found = []
+    for name in ("torch", "torch_xla"):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # torch_xla absent: nothing of it runs
+            continue
+        if version.partition("+")[0] != _TESTED_WITH[name]:
+            found.append(f"{name} {version}")
+    return tuple(found)
+
+
+def _private_apis():
+    """Whether the mechanisms that rest on torch's and torch_xla's private APIs (repeated blocks as one loop, the
+    optimizer step's scalars) run: on the tested versions, or where the user opts in (UNTESTED_ENV=1). A patch
+    release can move what they call unchecked; otherwise the trainer runs without them and says so once."""
+    untested = _untested()
+    if untested and _once("untested"):
+        on = os.environ.get(UNTESTED_ENV) == "1"
+        warnings.warn(f"seamless_tpu was tested with torch {_TESTED_WITH['torch']} and torch_xla "
+                      f"{_TESTED_WITH['torch_xla']}, found {' and '.join(untested)}: "
+                      + (f"running what rests on their private APIs anyway ({UNTESTED_ENV}=1)" if on else
+                         "repeated blocks run one by one and the optimizer step's scalars are torch_xla's, as both "
+                         f"rest on private APIs of the tested versions; {UNTESTED_ENV}=1 runs them anyway"),
+                      stacklevel=3)
+    return not untested or os.environ.get(UNTESTED_ENV) == "1"
+
+
 def _tpu_chip_count():
     return _tpu_chips()[1]
 
@@ -325,7 +357,7 @@ def _is_main_process():
     return os.environ.get("RANK", "0") in ("0", "")
 
 
-_CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ, _peak_flops)
+_CACHED_PROBES = (_import, _xla_installed, _tpu_chips, _initial_environ, _peak_flops, _untested)
 
 # --- 4. device detection --------------------------------------------------------------------------
 
@@ -3072,6 +3104,8 @@ def _step_scalars_on(record, first, groups):
     step, or at the forward after one that raised). Costs a constant folded less per such scalar. _OwnScalars runs in
     an optimizer's first step (tagging `groups`' lr), and in every step of one it pinned a call of."""
     cuts, xla = _STATE.cuts, sys.modules.get("torch_xla")
+    if not _private_apis():
+        return
     cuts.scalars = xla._XLAC._get_xla_handle_special_scalars() if cuts.scalars is None else cuts.scalars
     xla._XLAC._set_xla_handle_special_scalars(False)
     if first or record.pinned:
@@ -3705,7 +3739,7 @@ def _place(model, layout):
             if not _import("torch_xla")._XLAC._get_xla_sharding_spec(t):
                 _mark_sharding(t, layout.mesh, (None,) * t.dim())
         if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
-            if layout.scan:
+            if layout.scan and _private_apis():
                 _find_loops(model, layout)
             _watch_inputs(model, layout.batch)
             _shard_activations(model, layout.batch, fsdp and not layout.planned)
@@ -3843,7 +3877,7 @@ def _loops_of_moved(module):
     the last XLA trainer's `scan` and the process's batch split (no tensor-parallel plan). A trainer's model is its
     trainer's to place."""
     if _STATE.xla_device is not None and _STATE.loops.scan and not _STATE.loops.placing and (
-            module not in _STATE.cuts.models):
+            module not in _STATE.cuts.models) and _private_apis():
         batch = _STATE.batch_sharding
         _find_loops(module, types.SimpleNamespace(planned={}, batch_dim=batch.dim if batch else 0))
 

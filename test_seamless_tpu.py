@@ -5,6 +5,7 @@ tests/test_inputs.py; every test that starts a process (gloo ranks, the example,
 Faults (a slow or failing checkpoint commit) come from tests/faults.py."""
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import re
@@ -723,6 +724,38 @@ def test_special_scalars_are_off_only_while_a_step_runs(fake):
     fake.special_scalars, st._STATE.cuts.scalars = False, True  # as inside a step
     st._reset_caches()
     assert fake.special_scalars is True
+
+
+@pytest.mark.parametrize("untested, opted_in, runs", [((), False, True), (("torch 2.10.0",), False, False),
+                                                      (("torch_xla 2.10.0+git", "torch 2.10.0"), True, True)])
+def test_on_untested_versions_what_rests_on_private_apis_runs_only_when_asked(fake, monkeypatch, untested, opted_in,
+                                                                             runs):
+    """Issue 62's version gate: on torch and torch_xla as tested (_TESTED_WITH), the trainer runs repeated blocks as
+    one loop and turns torch_xla's special scalars off in a step, and says nothing. On other versions it warns once,
+    naming them, and runs neither, where a patch release can move the private APIs they call, unless
+    SEAMLESS_TPU_UNTESTED=1 (then it warns it runs them anyway). Its real twin: the tested versions, every xla tier."""
+    import block_loops
+
+    monkeypatch.setattr(st, "_untested", lambda: untested)
+    if opted_in:
+        monkeypatch.setenv("SEAMLESS_TPU_UNTESTED", "1")
+    seen = []
+
+    class Seen(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(fake.special_scalars)
+
+    with pytest.warns() if untested else contextlib.nullcontext() as caught:
+        models = [block_loops.Stack(), block_loops.Stack()]
+        for model in models:  # a second trainer says nothing more
+            st.SeamlessTPUTrainer(model)
+        Seen(models[0].parameters(), lr=0.1).step()
+    said = [str(w.message) for w in caught or () if "seamless_tpu was tested with" in str(w.message)]
+    assert len(said) == bool(untested) and all(v in said[0] for v in untested), said
+    assert not untested or ("running what rests on their private APIs anyway" if opted_in else
+                            "repeated blocks run one by one") in said[0], said
+    assert all((m.layers in st._STATE.loops.stacks) == runs for m in models)
+    assert seen == [not runs], "special scalars are off in a step only where the step's scalars run"
 
 
 # --- strategy="fsdp": errors and resharding -------------------------------------------------------
