@@ -7,12 +7,15 @@ what the fake claims, the real library must show.
 
 import collections
 import contextlib
+import functools
+import importlib
 import logging
 import math
 import os
 import re
 import sys
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -1317,6 +1320,89 @@ def every_dot_carries_the_matmul_precision():
         assert dots and not lacking, f"{what}: {len(lacking)} of {len(dots)} dots lack the precision:\n" + \
             "\n".join(lacking)
 
+
+
+# What a full run changes in torch's and torch_xla's namespaces, each with how the module's header names it (issue 62)
+PROCESS_WIDE = {
+    "torch.xla": "torch.xla", "torch.nn.modules.module.Module.to": "Module.to",
+    "torch.autograd.grad_mode.inference_mode.__enter__": "torch.inference_mode() is no_grad",
+    "torch.nn.functional.embedding_bag": "F.embedding_bag", "torch.nn.functional.gaussian_nll_loss":
+    "F.gaussian_nll_loss", "torch.nn.functional.multi_head_attention_forward": "F.multi_head_attention_forward",
+    "torch.utils.checkpoint.CheckpointFunction": "torch.utils.checkpoint",
+    "torch.utils.checkpoint._CheckpointFrame.__init__": "torch.utils.checkpoint",
+    "torch_xla.experimental.gru.GRU.forward": "GRU", "torch_xla.experimental.scan._backward_shard_alike":
+    "torch_xla's scan backward"}
+
+
+def namespaces():
+    """{name: value} of every attribute of torch's, functorch's and torch_xla's loaded modules, and of their classes."""
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.partition(".")[0] in ("torch", "torch_xla", "functorch"):
+            for key, value in list(vars(module).items()):
+                out[f"{name}.{key}"] = value
+                if isinstance(value, type) and getattr(value, "__module__", None) == name:
+                    out.update({f"{name}.{key}.{k}": v for k, v in list(vars(value).items())})
+    return out
+
+
+def changed(before, after):
+    """The names whose function or class another replaced, and submodules added that no file holds (torch.xla)."""
+    module = types.ModuleType
+    return {k for k, v in after.items() if (k in before and v is not before[k] and not any(
+        isinstance(x, module) for x in (v, before[k])) and (callable(v) or callable(before[k]))) or (
+        k not in before and isinstance(v, module) and v.__name__ == k and getattr(v, "__file__", None) is None)}
+
+
+def process_wide_changes_are_the_headers():
+    """Issue 62: what a full run (a trainer under fsdp and bf16 over a stack that loops, a teacher moved with .to, steps
+    with checkpointed blocks, log(), inference_mode, an asynchronous save) changes in torch's and torch_xla's
+    namespaces is what the module's header lists (PROCESS_WIDE: each name, and how the header says it), one pre- and
+    one post-step optimizer hook are the module's, ModuleList and Sequential keep their own __iter__ and __getitem__,
+    and _reset_caches() puts every name back."""
+    import tempfile
+
+    import block_loops
+
+    for name in ("torch_xla.core.xla_model", "torch_xla.runtime", "torch_xla.distributed.spmd",
+                 "torch.utils.checkpoint", "torch_xla.experimental.scan", "torch_xla.experimental.gru",
+                 "torch_xla.utils.checkpoint",
+                 "torch_xla.experimental.distributed_checkpoint", "torch_xla.debug.metrics", "functorch.compile",
+                 "torch_xla.distributed.parallel_loader"):  # loaded first: only what the run changes differs
+        importlib.import_module(name)
+    hooks = sys.modules["torch.optim.optimizer"]
+    optimizer_hooks = hooks._global_optimizer_pre_hooks, hooks._global_optimizer_post_hooks
+    lists = {cls: dict(vars(cls)) for cls in (torch.nn.ModuleList, torch.nn.Sequential)}
+    before = namespaces()
+    model, teacher = block_loops.Stack(), block_loops.Stack()
+    for block in model.layers:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, type(block).forward.__get__(block),
+                                          use_reentrant=False)
+    trainer = st.SeamlessTPUTrainer(model, strategy="fsdp", precision="bf16")
+    teacher.to(trainer.device)
+    ids = trainer.to_device(block_loops.batch())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        optimizer.zero_grad()
+        with trainer.autocast():
+            loss = F.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten()) + teacher(ids).float().mean() * 0
+        loss.backward()
+        optimizer.step()
+        trainer.log(step, loss=loss)
+    with torch.inference_mode():
+        model(ids)
+    trainer.save_checkpoint(tempfile.mkdtemp(), blocking=False, model=model).result()
+    found = changed(before, namespaces())
+    assert found == set(PROCESS_WIDE), (f"changed but not listed: {found - set(PROCESS_WIDE)}; listed but not "
+                                        f"changed: {set(PROCESS_WIDE) - found}")
+    unsaid = [said for said in PROCESS_WIDE.values() if said not in st.__doc__]
+    assert not unsaid, f"the header does not say {unsaid}"
+    assert [len(hooks) for hooks in optimizer_hooks] == [1, 1], "one pre- and one post-step optimizer hook"
+    assert all(vars(cls) == was for cls, was in lists.items()), "ModuleList and Sequential keep their own methods"
+    assert type(model.layers) is not torch.nn.ModuleList and isinstance(model.layers, torch.nn.ModuleList)
+    st._reset_caches()
+    assert not changed(before, namespaces()), f"left changed by _reset_caches(): {changed(before, namespaces())}"
+    assert type(model.layers) is torch.nn.ModuleList, "the looped container's own class, back"
 
 
 def slices_take_torchs_bounds():

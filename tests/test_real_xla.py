@@ -50,6 +50,7 @@ REAL_ONLY = [
     "step_scalars_are_inputs_of_their_own",
     "every_dot_carries_the_matmul_precision",
     "slices_take_torchs_bounds",
+    "process_wide_changes_are_the_headers",
 ]
 
 
