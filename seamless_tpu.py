@@ -3,28 +3,26 @@
     trainer = SeamlessTPUTrainer(model)          # TPU, then GPU, then CPU; the optimizer may predate it
     x, y = trainer.to_device(x, y)               # on XLA: the batch dim split over the mesh's batch axes
     loss_fn(model(x), y).backward(); optimizer.step()   # on XLA: the forward+backward a graph, the step another
-Backends "tpu" (PJRT_DEVICE=TPU), "xla" (other PJRT devices), "gpu", "cpu"; torch_xla, ray load when used. README.md
-is the manual; `python -m seamless_tpu` reports the environment. Env read: SEAMLESS_TPU_DEVICE (auto|tpu|xla|gpu|cpu|a
-device), _SIGTERM_GRACE, _COMPILE_CACHE, _UNTESTED (1: loops, step scalars on untested torch/torch_xla); PJRT_DEVICE
-(the user's, not torch_xla's import guess); TPU_ACCELERATOR_TYPE; RANK; LOCAL_RANK; TPU_VISIBLE_CHIPS; on a slice
-without torch.distributed MASTER_ADDR, SEAMLESS_TPU_PORT. Written where
-unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers MASTER_*, RANK, *WORLD_SIZE,
-*_RANK, TPU_WORKER_*. Process-wide changes (none at import; _reset_caches undoes them):
-- first XLA use (get_device, create_xla_mesh, a trainer, to_device): SPMD on (one-way); xs.set_global_mesh; torch.xla;
-  for XLA inputs: torch.utils.checkpoint, _LOWERINGS (products, attention, norms, pointwise, masks, losses, reductions,
-  pooling, windows, resampling, views), F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without
-  jax torch_xla's scan backward, GRU; Module.to(xla) keeps Parameters (swap_module_params_on_conversion in it);
-  torch.inference_mode() is no_grad. The first fsdp weight: autocast's products (an fsdp weight's cast marked).
-- first XLA use or first trainer: pre- and post-step optimizer hooks (in an XLA step torch_xla's special scalars off; in
-  a first or pinned step a function mode, the lr tagged). Each trainer: forward hooks, first-step FLOP modes; log(): a
-  thread, step closures. A looped stack (a trainer's, or a module's moved to XLA): its container's class swapped.
-- first trainer (main thread) or Ray backend start (each worker's): a SIGTERM handler chaining the user's (SIG_IGN
-  kept); a default or Ray exit held for trainer.preempted's save, the grace at most (a daemon thread). Processes:
-  a gloo group (no torch.distributed on a slice: over process 0's TCPStore), an atexit.
-- first save_checkpoint(blocking=False): a non-daemon thread per save (exit waits), an atexit report of an unasked
-  failure, a gloo group under torch.distributed; on CUDA a side stream and one pinned host copy, kept for the next.
-- Ray: xla_tpu workers get a gloo default group (ended at shutdown); fit(use_tpu=True) may ray.init() the driver.
-"""
+Backends "tpu" (PJRT_DEVICE=TPU), "xla" (other PJRT devices), "gpu", "cpu"; torch_xla and ray load when used. README.md
+is the manual; `python -m seamless_tpu` reports the environment. Env read: SEAMLESS_TPU_DEVICE, _SIGTERM_GRACE,
+_COMPILE_CACHE, _UNTESTED, _PORT; PJRT_DEVICE (the user's), TPU_ACCELERATOR_TYPE, RANK, LOCAL_RANK, TPU_VISIBLE_CHIPS,
+MASTER_ADDR. Written where unset, and logged: PJRT_DEVICE; on TPU XLA_PERSISTENT_CACHE_*; on Ray "xla_tpu" workers
+MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes, none at import, each undone by _reset_caches
+(docs/design.md says why none is narrower):
+- first XLA use: SPMD on (one-way); xs.set_global_mesh; torch.xla; for XLA inputs _LOWERINGS' kernels (products,
+  attention, norms, pointwise, masks, losses, reductions, pooling, windows, resampling, views), torch.utils.checkpoint's
+  CheckpointFunction and frame, F.multi_head_attention_forward, F.embedding_bag, F.gaussian_nll_loss; without jax
+  torch_xla's scan backward, GRU; Module.to to XLA keeps Parameters, loops a moved module's stacks;
+  torch.inference_mode() is no_grad. The first fsdp weight: autocast's products, one gate ordering every model's.
+- first XLA use or trainer: one pre- and one post-step optimizer hook (in an XLA step torch_xla's special scalars off;
+  in a first or pinned step a function mode, the lr tagged). Each trainer: forward and post-accumulate-grad hooks on
+  its model, first-step FLOP modes; log(): a thread, step closures. A looped stack: its container's class; in its
+  body's trace its blocks' differing attributes unreadable, gradient_checkpointing off; while its While is built
+  torch_xla's _xla_user_computation recorded.
+- first trainer (main thread) or Ray backend start: a SIGTERM handler chaining the user's, an exit held for
+  trainer.preempted's save (a daemon thread); processes: a gloo group (over process 0's TCPStore without
+  torch.distributed), an atexit. save_checkpoint(blocking=False): a thread a save, an atexit report, a gloo group,
+  a CUDA stream and pinned copy. Ray: xla_tpu workers' gloo group; fit(use_tpu) may ray.init()."""
 __all__ = [
     "get_device", "device_type", "is_xla_backend", "to_device", "SeamlessTPUTrainer", "parse_topology",
     "mesh_shape_for", "create_xla_mesh", "get_xla_mesh", "consolidate_checkpoint", "TorchConfig", "TorchTrainer",
