@@ -1877,7 +1877,8 @@ def _xla_slice_backward(grad, sizes, dim, start, end, step):  # the bounds the s
 # --- 7e. lowerings: losses and reductions ---------------------------------------------------------
 # Losses and reductions torch_xla ran on the CPU (a graph cut and two transfers a call: issue 49), static-shaped, below
 # autograd (key XLA) where torch's derivative is made of ops XLA has; an unbatched nll_loss, which killed its process.
-# Checks that would read values to the host are skipped, each named in its kernel.
+# Checks that would read values to the host are skipped, each named in its kernel. Budget 510 -> 585 (issue 60):
+# torch.mode's index among ties is where libstdc++'s std::sort leaves it, replayed level by level (_std_sorted).
 
 
 def _loss_reduced(loss, reduction, dtype):
@@ -2194,15 +2195,83 @@ def _wrapped_dim(self, dim):
     return dim % max(self.dim(), 1)
 
 
-def _sorted_along(self, dim, op, kernel):
+def _sorted_along(self, dim, op, kernel, rows_sorted=None):
     """(x, dim, its values sorted stably, their indices) with x = self (a 0-dim one as 1-D), and torch's errors: a dim
-    out of range or of size 0, a dtype its CPU `kernel` has no code for."""
+    out of range or of size 0, a dtype its CPU `kernel` has no code for. rows_sorted((R, n) rows): another order."""
     dim = _wrapped_dim(self, dim)
     x = self.reshape(self.shape or (1,))
     torch._check_index(x.shape[dim] > 0, lambda: f"{op}(): Expected reduction dim {dim} to have non-zero size.")
     if (self.is_complex() or self.dtype == torch.bool and op != "mode") and self.dim() and self.numel():
         raise NotImplementedError(f'"{kernel}" not implemented for \'{_dtype_name(self.dtype)}\'')
-    return (x, dim, *x.sort(dim=dim, stable=True))  # NaN last, ties in their order
+    if rows_sorted is None:
+        return (x, dim, *x.sort(dim=dim, stable=True))  # NaN last, ties in their order
+    rows = x.movedim(dim, -1)
+    values, indices = rows_sorted(rows.reshape(-1, rows.shape[-1]))
+    return (x, dim, *(t.view(rows.shape).movedim(-1, dim) for t in (values, indices)))
+
+
+def _std_sorted(x, scanned):
+    """x's rows (R, n) as libstdc++'s std::sort leaves them, comparing values alone: torch's CPU mode kernel, whose
+    ties past 16 values land where its introsort puts them. Its partitions, every segment of a level at once
+    (_introsort_level), on the values' ranks, then its final insertion sort: a stable sort of what they left.
+    (values, indices). `scanned`: the levels as one XLA While (torch_xla's scan, which carries floats only: ranks
+    and positions exact below 2**24), compiled once (22 unrolled levels of 3000 values took 55-70 s to compile on
+    XLA:CPU, against 2-4). A row that reaches the depth limit (2 log2 n levels of lopsided pivots) is heapsorted by
+    libstdc++, stably here; NaN, not ordered, leaves std::sort's order undefined."""
+    rows, n = x.shape
+    values, perm = x.sort(dim=1, stable=True)
+    scanned = scanned and 16 < n < 2 ** 24
+    dtype = torch.float32 if scanned else torch.long
+    groups = torch.cat([values.new_zeros((rows, 1), dtype=torch.bool), values[:, 1:] != values[:, :-1]], 1)
+    rank = torch.empty_like(perm, dtype=dtype).scatter(1, perm, groups.to(dtype).cumsum(1))  # equal values, one rank
+    pos = torch.arange(n, device=x.device).expand(rows, n)
+    carry, levels = (rank, pos.to(dtype), (pos == 0).to(dtype)), 2 * int(math.log2(n)) if n > 16 else 0
+    if scanned:
+        carry = _import("torch_xla.experimental.scan").scan(_introsort_level, carry, torch.zeros(
+            levels, device=x.device), is_fn_pure=True)[0]
+    for _ in range(0 if scanned else levels):
+        carry = _introsort_level(carry, None)[0]
+    rank, order, _ = carry
+    indices = order.gather(1, rank.sort(dim=1, stable=True).indices).long()
+    return x.gather(1, indices), indices
+
+
+def _introsort_level(carry, _):
+    """One level of libstdc++'s introsort loop on every segment longer than 16: the median of its second, middle and
+    last values swapped to its front as the pivot, then Hoare's scans, whose k-th stops from the left and from the
+    right swap while in that order; it splits where the left scan stopped last. carry: (ranks, original positions,
+    1 where a segment starts), in one dtype."""
+    rank, order, start = carry
+    rows, n = rank.shape
+    pos = torch.arange(n, device=rank.device).expand(rows, n)
+    seg = start.cumsum(1).long() - 1  # each position's segment, and its bounds (XLA's cummax crashed on 3000)
+    starts = torch.full((rows, n + 1), n, device=rank.device).scatter(1, torch.where(start > 0, seg, n), pos)
+    first, last = starts.gather(1, seg), starts.gather(1, seg + 1)
+    live = last - first > 16  # shorter segments wait for the final insertion sort
+    a, b, c = first + 1, first + (last - first) // 2, last - 1
+    va, vb, vc = (rank.gather(1, p.clamp(max=n - 1)) for p in (a, b, c))
+    median = torch.where(va < vb, torch.where(vb < vc, b, torch.where(va < vc, c, a)),
+                         torch.where(va < vc, a, torch.where(vb < vc, c, b)))
+    swap = torch.where(live & (pos == first), median, torch.where(live & (pos == median), first, pos))
+    rank = rank.gather(1, swap)
+    pivot, inner = rank.gather(1, first), live & (pos > first)
+    left, right = inner & ~(rank < pivot), inner & ~(pivot < rank)  # where the two scans stop
+    lsum, rsum = left.long().cumsum(1), right.long().cumsum(1)
+    lrank, ltotal = lsum - lsum.gather(1, first), lsum.gather(1, c) - lsum.gather(1, first)
+    rtotal = rsum.gather(1, c) - rsum.gather(1, first)
+    lslot = torch.where(left, first + lrank - 1, n)  # a scan's k-th stop at slot first + k - 1
+    rslot = torch.where(right, first + rtotal - rsum + rsum.gather(1, first), n)
+    lpos = torch.full((rows, n + 1), n, device=rank.device).scatter(1, lslot, pos)
+    rpos = torch.full((rows, n + 1), -1, device=rank.device).scatter(1, rslot, pos)
+    lpartner, rpartner = rpos.gather(1, lslot), lpos.gather(1, rslot)  # -1 or n: none
+    lswap, rswap = left & (lpartner > pos), right & (rpartner < pos)
+    src = torch.where(lswap, lpartner, torch.where(rswap, rpartner, pos))
+    k = torch.zeros((rows, n + 1), dtype=torch.long, device=rank.device).scatter_add(
+        1, torch.where(lswap, first, n), torch.ones_like(pos)).gather(1, first)  # the segment's swaps
+    cut = torch.minimum(torch.where(k < ltotal, lpos.gather(1, first + k), n),
+                        torch.where(k > 0, rpos.gather(1, (first + k - 1).clamp(min=0)), last))
+    return (rank.gather(1, src), order.gather(1, swap.gather(1, src)),
+            torch.maximum(start, (live & (pos == cut)).to(start.dtype))), None
 
 
 def _reduced(self, dim, keepdim, *outputs):
@@ -2250,19 +2319,23 @@ def _no_median(self):
     return torch.full((), nan, dtype=self.dtype, device=self.device)
 
 
-@_lowering("mode", family="reductions", why="cpu", key="XLA")
+@_lowering("mode", family="reductions", why="cpu")
 def _xla_mode(self, dim=-1, keepdim=False):
-    """The value of the longest run of a stable sort, the smallest such, and the index of its run's last element (the
-    last occurrence: torch's CPU kernel's for n <= 16; beyond, its std::sort leaves ties in no set order). The runs
-    are counted by a scatter_add: XLA's cummax (of their starts) crashed the process on 3000 int64s."""
-    x, dim, values, indices = _sorted_along(self, dim, "mode", "mode_cpu")
-    new = torch.narrow_copy(values, dim, 1, x.shape[dim] - 1) != torch.narrow_copy(values, dim, 0, x.shape[dim] - 1)
-    first = torch.zeros_like(values.narrow(dim, 0, 1), dtype=torch.bool)
-    run = torch.cat([first, new], dim).long().cumsum(dim)  # each element's run
-    length = torch.zeros_like(run).scatter_add(dim, run, torch.ones_like(run))  # of each run
-    best = length.argmax(dim, keepdim=True)  # the first longest: the smallest value
-    last = length.cumsum(dim).gather(dim, best) - 1  # its last element
-    return _reduced(self, dim, keepdim, values.gather(dim, last), indices.gather(dim, last))
+    """The value of the longest run of the values sorted as torch's CPU kernel sorts them (_std_sorted), the smallest
+    such, and the index its run ends with, as that kernel picks them (a stable sort's last occurrence was its answer
+    up to 16 values only); the value is the input gathered there, whose derivative is torch's (the gradient to the
+    index). The runs are counted by a scatter_add: XLA's cummax (of their starts) crashed the process on 3000 int64s."""
+    with torch.no_grad():
+        x, dim, values, indices = _sorted_along(self.detach(), dim, "mode", "mode_cpu", functools.partial(
+            _std_sorted, scanned=_is_xla(self.device) and not _transformed(self)))
+        new = torch.narrow_copy(values, dim, 1, x.shape[dim] - 1) != torch.narrow_copy(values, dim, 0,
+                                                                                        x.shape[dim] - 1)
+        first = torch.zeros_like(values.narrow(dim, 0, 1), dtype=torch.bool)
+        run = torch.cat([first, new], dim).long().cumsum(dim)  # each element's run
+        length = torch.zeros_like(run).scatter_add(dim, run, torch.ones_like(run))  # of each run
+        best = length.argmax(dim, keepdim=True)  # the first longest: the smallest value
+        index = indices.gather(dim, length.cumsum(dim).gather(dim, best) - 1)  # its last element's
+    return _reduced(self, dim, keepdim, self.reshape(x.shape).gather(dim, index), index)
 
 
 @_lowering("scatter_reduce.two", family="reductions", why="cpu", key="XLA")

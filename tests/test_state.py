@@ -794,10 +794,11 @@ def test_searchsorted_and_bucketize_are_torch_s(boundaries, values):
                                         ((2, 3, 4), 1)])
 @pytest.mark.parametrize("keepdim", [False, True])
 def test_median_nanmedian_and_mode_are_torch_s(shape, dim, keepdim):
-    """Issue 49: medians and mode by a stable sort: torch's values and indices with repeats (the tie torch's CPU
-    kernel picks: the middle of equal medians, a mode's last occurrence), NaN (median: the first NaN; nanmedian: the
-    rest's median), integers, 0-dim and empty inputs, and torch's errors. Not compared: the index of an all-NaN row's
-    nanmedian and a mode among NaNs, which are where libstdc++'s nth_element and sort happen to leave NaNs."""
+    """Issue 49: medians and mode by a sort: torch's values and indices with repeats (the tie torch's CPU kernel
+    picks: the middle of equal medians, a mode's last occurrence up to 16 values), NaN (median: the first NaN;
+    nanmedian: the rest's median), integers, 0-dim and empty inputs, and torch's errors. Not compared: the index of an
+    all-NaN row's nanmedian and a mode among NaNs, which are where libstdc++'s nth_element and sort happen to leave
+    NaNs."""
     g = torch.Generator().manual_seed(5)
     x = torch.randint(-3, 4, shape, generator=g).float()
     if x.dim() == 2 and x.numel() > 8:
@@ -817,6 +818,22 @@ def test_median_nanmedian_and_mode_are_torch_s(shape, dim, keepdim):
             name = op.partition(".")[0]
             raises_as(lambda: getattr(torch, name)(*bad), lambda: kernel(op)(*bad))
 
+
+
+def test_mode_s_index_is_where_torch_s_cpu_kernel_sorts_it():
+    """Issue 60: past 16 values, the index torch's CPU kernel gives a mode with ties is where libstdc++'s std::sort
+    (an introsort: median-of-3 pivots, Hoare's partition, a final insertion sort) leaves the last of its equal values,
+    not the last occurrence (torch_xla's own test_ops.py failed on 3000 values). Rows of 17 to 3000 values with 2 to
+    50 distinct, in random, sorted, reversed and periodic orders, integers, floats and bools, along either dim."""
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randint(0, k, (r, n), generator=g) for n, k, r in
+            [(17, 2, 3), (18, 3, 2), (33, 5, 4), (100, 7, 3), (257, 50, 2), (1000, 3, 1), (3000, 5, 1)]]
+    rows += [t.sort(1).values for t in rows[2:5]] + [t.sort(1, descending=True).values for t in rows[2:5]]
+    rows += [(torch.arange(n) % p)[None] for n, p in [(64, 3), (500, 11), (999, 2)]] + [rows[3].float(), rows[0] > 0]
+    for x in rows:
+        for dim, t in ((1, x), (0, x.T.contiguous())):
+            want, got = torch.mode(t, dim), kernel("mode")(t, dim)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t.shape, got[1], want[1])
 
 
 @pytest.mark.parametrize("bins, low, high", [(10, 0, 0), (7, -1.0, 1.5), (3, 1, 1), (1, 0, 0), (50, -0.3, 0.2)])
