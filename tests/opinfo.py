@@ -159,10 +159,10 @@ def select(name, op):
             seen.add(summary(sample))
             distinct.append((i, sample))
     picked = [distinct[k * len(distinct) // SAMPLES] for k in range(SAMPLES)] if len(distinct) > SAMPLES else distinct
-    return picked + [(f"extra{k}", sample) for k, sample in enumerate(EXTRA.get(name, lambda: [])())]
+    return picked + [(f"extra{k}", sample) for k, sample in enumerate(EXTRA.get(name, lambda op: [])(op))]
 
 
-def _mode_ties():
+def _mode_ties(op):
     """op_db's mode #6 with ties, as torch_xla's own test_ops.py draws it on the XLA device (issue 60): 3000 values,
     5 distinct; torch's CPU kernel names the index its std::sort leaves last among the mode's (the CPU draw of #6 has
     no ties, so any index of a unique minimum passes)."""
@@ -172,8 +172,15 @@ def _mode_ties():
     return [SampleInput(ties.requires_grad_())]
 
 
-# Samples beyond op_db's, where a kernel once gave other answers than torch's CPU: {OpInfo full name: () -> samples}
-EXTRA = {"mode": _mode_ties}
+def _bag_max_last_offset(op):
+    """op_db's embedding_bag samples with mode="max" and include_last_offset=True, the sample torch_xla's test_ops.py
+    names under the trainer (issue 60: its fallback check, the values were the CPU's), which SAMPLES skips."""
+    return [sample for sample in op.sample_inputs("cpu", torch.float32, requires_grad=True)
+            if sample.kwargs.get("mode") == "max" and sample.kwargs.get("include_last_offset")]
+
+
+# Samples beyond SAMPLES of op_db's: torch_xla's own suite named them (issue 60). {OpInfo full name: op -> samples}
+EXTRA = {"mode": _mode_ties, "nn.functional.embedding_bag": _bag_max_last_offset}
 
 
 def fixed_like(t, seed):
