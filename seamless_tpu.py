@@ -4079,7 +4079,7 @@ def _plan(states):
                 best = _Plan(start, stop, period)
     if best is None:
         k = next(k for k in range(1, n) if sigs[k] != sigs[0])
-        return None, f"no run of blocks repeats ({_difference(states[0], states[k], k, 0)})"
+        return None, f"no run of blocks repeats ({_difference(sigs[0], sigs[k], k, 0)})"  # an index left out
     return best, None
 
 
