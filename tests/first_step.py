@@ -31,6 +31,9 @@ OPTIMIZERS = {  # name -> (the optimizer, the trainer's strategy)
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),  # 1 - lr x wd = beta2 (till lr moves)
     "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
     "adamw_fsdp": lambda p: torch.optim.AdamW(p, lr=0.01),
+    # torch's own device-side scalars (issue 62): the step count and a tensor lr on the device; eager: the same sums
+    "adamw_capturable": lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.01), capturable=st.is_xla_backend(),
+                                                    weight_decay=0.1),  # torch refuses it on the CPU
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, eps=1e-4),
     "rmsprop_centered": lambda p: torch.optim.RMSprop(p, lr=0.001, eps=1e-3, momentum=0.9, centered=True),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
@@ -58,7 +61,7 @@ VARIANTS = ("plain", "scheduler", "clip")
 GROUPS = {"sgd": ("sgd", "sgd_momentum", "sgd_nesterov", "sgd_dampening"),
           "adam": ("adam", "adamw", "adamw_amsgrad", "adamw_fsdp"),
           "others": ("rmsprop", "rmsprop_centered", "adagrad", "adafactor"),
-          "more": ("nadam", "radam", "adamax", "asgd"), "rest": ("adadelta", "rprop", "muon")}
+          "more": ("nadam", "radam", "adamax", "asgd"), "rest": ("adadelta", "rprop", "muon", "adamw_capturable")}
 CASES = [f"{name}/{variant}" for group in GROUPS.values() for name in group for variant in VARIANTS] + ["adamw/warmup"]
 
 

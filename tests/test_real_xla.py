@@ -291,14 +291,17 @@ def _loops(*runs):
 # (torch's own _init_group, run before the step) and the forward up to the first block's end, which the work check
 # reads; the second is the forward and backward, the third the step, each compiled once.
 ONE_STEP_GRAPH = [3] * first_step.STEPS
-# Measured exceptions, each counted as it is so that a change is seen; none compiles a step twice but RAdam. SGD with
-# dampening: its buffer is made from the gradients after the cut (_momentum_first), a graph of its own. Adafactor
-# reads values to the host inside its step, each read a graph of its own. ASGD plain reads eta and mu to the host (a
-# graph of its own, cached). RAdam: from step 6 (rho_t > 5) it takes its other branch. (Before _OwnScalars, RAdam's
-# step 2 compiled too: its bias correction 1 - beta1^1 was its lerp weight 1 - beta1, one input; so did AdamW's with a
-# warmup from lr 0, and with lr x weight_decay = 1 - beta2 under a scheduler.)
+# Measured exceptions, each counted as it is so that a change is seen; none compiles a step twice but RAdam and AdamW
+# with capturable=True under a scheduler. SGD with dampening: its buffer is made from the gradients after the cut
+# (_momentum_first), a graph of its own. Adafactor reads values to the host inside its step, each read a graph of its
+# own. ASGD plain reads eta and mu to the host (a graph of its own, cached). RAdam: from step 6 (rho_t > 5) it takes its
+# other branch. AdamW capturable with a tensor lr: under a scheduler step 2's graph is new, plain or clipped it compiles
+# once (docs/design.md: why the trainer's step scalars are not torch's). (Before _OwnScalars, RAdam's step 2 compiled
+# too: its bias correction 1 - beta1^1 was its lerp weight 1 - beta1, one input; so did AdamW's with a warmup from lr 0,
+# and with lr x weight_decay = 1 - beta2 under a scheduler.)
 COMPILES = {"sgd_dampening": [4] * 8, "adafactor/plain": [11] * 8, "adafactor/scheduler": [9] * 8,
-            "adafactor/clip": [9] * 8, "radam": [3] * 5 + [4] * 3, "asgd/plain": [4] * 8}
+            "adafactor/clip": [9] * 8, "radam": [3] * 5 + [4] * 3, "asgd/plain": [4] * 8,
+            "adamw_capturable/scheduler": [3] + [4] * 7}
 # The steps that pin calls (_OwnScalars: a float from the lr or a step count equal to another at step 1), and so run
 # its mode at every step. AdamW here: 1 - lr x weight_decay is beta2 (0.01 x 0.1), and with a warmup from lr 0 it is
 # 1; RAdam: its bias correction 1 - beta1^1 is 1 - beta1, and lr is weight_decay; NAdam: 1 - beta2^1 is 1 - beta2;
@@ -309,17 +312,17 @@ BFLOAT16 = {"muon": 1e-2}  # Muon orthogonalises in bfloat16: XLA's and the CPU'
 
 
 def test_every_optimizer_compiles_its_step_once_and_trains_like_eager():
-    """Issues 40 and 49: every torch.optim optimizer but LBFGS (tests/loops.py) and SparseAdam (sparse gradients,
-    which XLA has not): SGD (plain, momentum, Nesterov, dampening), Adam, AdamW (weight decay, amsgrad, fsdp), RMSprop
-    (plain, centered with momentum), Adagrad, Adafactor, NAdam, RAdam, Adamax, ASGD, Adadelta, Rprop (its x[mask] = v
-    a where) and Muon, each plain, with an LR scheduler and with gradient clipping, made before the model moves:
-    losses, weights (1e-5) and the state after 8 steps (1e-5 of its largest value) are eager's; the step graph
-    compiles once, the state's graph before it (ONE_STEP_GRAPH), but for the exceptions measured (COMPILES); every
-    state tensor is laid out like its parameter (fsdp: split like it, so the same bytes per device). The
-    hyperparameters avoid two traps of XLA against eager that are not the state's: the normalisers of RMSprop and
-    NAdam at their default eps divide by the root of a tiny g^2, so a gradient element near 0 turns XLA's last-bit
-    differences into 1e-5 of weight (RMSprop: measured the same with the state made in the step). AdamW's lr x
-    weight_decay is 1 - beta2 (0.01 x 0.1), and its warmup starts at lr 0: numbers equal at step 1 only
+    """Issues 40 and 49: every torch.optim optimizer but LBFGS (tests/loops.py) and SparseAdam (sparse gradients, which
+    XLA has not): SGD (plain, momentum, Nesterov, dampening), Adam, AdamW (weight decay, amsgrad, fsdp, capturable
+    with a tensor lr), RMSprop (plain, centered with momentum), Adagrad, Adafactor, NAdam, RAdam, Adamax, ASGD,
+    Adadelta, Rprop (its x[mask] = v a where) and Muon, each plain, with an LR scheduler and with gradient clipping,
+    made before the model moves: losses, weights (1e-5) and the state after 8 steps (1e-5 of its largest value) are
+    eager's; the step graph compiles once, the state's graph before it (ONE_STEP_GRAPH), but for the exceptions
+    measured (COMPILES); every state tensor is laid out like its parameter (fsdp: split like it, so the same bytes
+    per device). The hyperparameters avoid two traps of XLA against eager that are not the state's: the normalisers
+    of RMSprop and NAdam at their default eps divide by the root of a tiny g^2, so a gradient element near 0 turns
+    XLA's last-bit differences into 1e-5 of weight (RMSprop: measured the same with the state made in the step).
+    AdamW's lr x weight_decay is 1 - beta2 (0.01 x 0.1), and its warmup starts at lr 0: numbers equal at step 1 only
     (_OwnScalars)."""
     runs = [("cpu", "all"), ("xla", "sgd"), ("xla", "adam"), ("xla", "others"), ("xla", "more"), ("xla", "rest")]
     results = []
