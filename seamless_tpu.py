@@ -292,16 +292,15 @@ def _private_apis():
     """Whether the mechanisms that rest on torch's and torch_xla's private APIs (repeated blocks as one loop, the
     optimizer step's scalars) run: on the tested versions, or where the user opts in (UNTESTED_ENV=1). A patch
     release can move what they call unchecked; otherwise the trainer runs without them and says so once."""
-    untested = _untested()
+    untested, on = _untested(), os.environ.get(UNTESTED_ENV) == "1"
     if untested and _once("untested"):
-        on = os.environ.get(UNTESTED_ENV) == "1"
         warnings.warn(f"seamless_tpu was tested with torch {_TESTED_WITH['torch']} and torch_xla "
                       f"{_TESTED_WITH['torch_xla']}, found {' and '.join(untested)}: "
                       + (f"running what rests on their private APIs anyway ({UNTESTED_ENV}=1)" if on else
                          "repeated blocks run one by one and the optimizer step's scalars are torch_xla's, as both "
                          f"rest on private APIs of the tested versions; {UNTESTED_ENV}=1 runs them anyway"),
                       stacklevel=3)
-    return not untested or os.environ.get(UNTESTED_ENV) == "1"
+    return not untested or on
 
 
 def _tpu_chip_count():
@@ -4265,9 +4264,9 @@ def _run_loop(stack, calls):
             stack.bodies[key] = str(e)
             stack.written |= {getattr(e, "written", None)} - {None}
             raise
-    run = run._replace(body=body)
-    if args.cache is not None and _holding(run):  # the layers the body updates, now that its trace says which
-        raise _NotALoop(_holding(run))
+        run = run._replace(body=body)  # a cached body's run has it, and its cache was checked above
+        if args.cache is not None and _holding(run):  # the layers the body updates, now that its trace says which
+            raise _NotALoop(_holding(run))
     _STATE.work_check.probe(stack.looped[0], functools.partial(_first_two, run))  # once proven free of side effects
     if body.whiles:
         return stack.form.result(body.run(run, inputs), *calls[-1][1:])
