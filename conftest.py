@@ -47,20 +47,17 @@ st._reset_caches()  # the first test starts where the hygiene fixture leaves eve
 
 def pytest_collection_modifyitems(config, items):
     """Every test belongs to exactly one tier, so the tiers together are the whole suite."""
-    wrong = {}
-    for item in items:
-        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
-        if len(tiers) != 1:
-            wrong[item.nodeid] = tiers
+    tiers = {item: sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS}) for item in items}
+    wrong = {item.nodeid: found for item, found in tiers.items() if len(found) != 1}
     if wrong:
         raise pytest.UsageError(f"each test needs exactly one tier marker of {TIERS} (pytestmark in its file): {wrong}")
     for item in items:  # ./dev.sh test's workers (pytest-xdist, --dist loadgroup): one runs every Ray cluster, in turn
-        if item.get_closest_marker("ray"):
+        if tiers[item] == ["ray"]:
             item.add_marker(pytest.mark.xdist_group("ray"))
     # The longest first, so that the workers end together: the Ray tier (~14 min on one worker), then the workloads
     # (their largest ~4 min each); in collection order, the workloads came last and one worker ran them alone (CI
     # lost ~1.5 min so). The order within a tier is kept.
-    items.sort(key=lambda item: LONGEST_FIRST.index(next(m.name for m in item.iter_markers() if m.name in TIERS)))
+    items.sort(key=lambda item: LONGEST_FIRST.index(tiers[item][0]))
 
 
 def _state_left():

@@ -191,6 +191,12 @@ def outputs(model, how, ids):
     return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()), []
 
 
+def flat(tensors):
+    """A tensor or tensors as one flat list of floats, on the host."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    return torch.cat([t.detach().float().flatten() for t in tensors]).cpu().tolist()
+
+
 def loss_of(model, how, ids):
     return outputs(model, how, ids)[0]
 
@@ -215,8 +221,7 @@ def train(model, how, trainer=None, steps=STEPS, teacher=None, optimizer=torch.o
         optimizer.step()
         losses.append(loss.detach())
         compiles.append(trainer.compile_stats()["compiles"] if trainer else 0)
-    kv = torch.cat([t.detach().float().flatten() for t in kv]).cpu().tolist() if kv else []
-    return workloads.host(losses), compiles, kv
+    return workloads.host(losses), compiles, flat(kv) if kv else []
 
 
 class Spy:
@@ -935,11 +940,6 @@ def cached_run(trainer_made):
     kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
     generated = model.generate(ids[:4, :8], max_new_tokens=3, do_sample=False, pad_token_id=0)
     return {"logits": flat(out.logits), "kv": flat(kv), "reference": flat(logits), "generated": flat(generated)}
-
-
-def flat(tensors):
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-    return torch.cat([t.detach().float().flatten() for t in tensors]).cpu().tolist()
 
 
 def cached_eager():

@@ -1366,8 +1366,8 @@ def process_wide_changes_are_the_headers():
 
     for name in ("torch_xla.core.xla_model", "torch_xla.runtime", "torch_xla.distributed.spmd",
                  "torch.utils.checkpoint", "torch_xla.experimental.scan", "torch_xla.experimental.gru",
-                 "torch_xla.utils.checkpoint",
-                 "torch_xla.experimental.distributed_checkpoint", "torch_xla.debug.metrics", "functorch.compile",
+                 "torch_xla.utils.checkpoint", "torch_xla.experimental.distributed_checkpoint",
+                 "torch_xla.debug.metrics", "functorch.compile",
                  "torch_xla.distributed.parallel_loader"):  # loaded first: only what the run changes differs
         importlib.import_module(name)
     hooks = sys.modules["torch.optim.optimizer"]
