@@ -1844,34 +1844,29 @@ def _slice_bounds(size, dim, start, end):
 @_lowering("slice_copy.Tensor", family="views", why="refused", key="XLA")
 def _xla_slice_copy(self, dim=0, start=None, end=None, step=1):
     own = _torch_xla_path("slice_copy.Tensor") or torch.ops.aten.slice_copy.Tensor  # (CPU tensors: the fast tests)
-    try:
-        return own(self, dim, start, end, step)
-    except RuntimeError:
-        if (bounds := _slice_bounds(self.shape, dim, start, end)) is None:
-            raise
-    return own(self, dim, *bounds, step)
+    return _torch_bounds(own, self.shape, (self,), dim, start, end, step)
 
 
 @_lowering("slice_scatter", family="views", why="refused", key="XLA")
 def _xla_slice_scatter(self, src, dim=0, start=None, end=None, step=1):
     own = _torch_xla_path("slice_scatter") or torch.ops.aten.slice_scatter.default
-    try:
-        return own(self, src, dim, start, end, step)
-    except RuntimeError:
-        if (bounds := _slice_bounds(self.shape, dim, start, end)) is None:
-            raise
-    return own(self, src, dim, *bounds, step)
+    return _torch_bounds(own, self.shape, (self, src), dim, start, end, step)
 
 
 @_lowering("slice_backward", family="views", why="refused", key="XLA")
 def _xla_slice_backward(grad, sizes, dim, start, end, step):  # the bounds the slice was given
     own = _torch_xla_path("slice_backward") or torch.ops.aten.slice_backward.default
+    return _torch_bounds(own, sizes, (grad, sizes), dim, start, end, step)
+
+
+def _torch_bounds(own, size, head, dim, start, end, step):
+    """own(*head, dim, start, end, step), torch_xla's kernel; where it refused the bounds, with torch's."""
     try:
-        return own(grad, sizes, dim, start, end, step)
+        return own(*head, dim, start, end, step)
     except RuntimeError:
-        if (bounds := _slice_bounds(sizes, dim, start, end)) is None:
+        if (bounds := _slice_bounds(size, dim, start, end)) is None:
             raise
-    return own(grad, sizes, dim, *bounds, step)
+    return own(*head, dim, *bounds, step)
 
 # --- 7e. lowerings: losses and reductions ---------------------------------------------------------
 # Losses and reductions torch_xla ran on the CPU (a graph cut and two transfers a call: issue 49), static-shaped, below
@@ -3255,18 +3250,10 @@ class _OwnScalars(torch.overrides.TorchFunctionMode):
         if frame.f_globals.get("__name__") == "torch._tensor":  # v - x, 2 / x: torch's operator wrappers
             frame = frame.f_back
         call = (frame.f_code, frame.f_lasti)
-        if not self.detect and call not in self.pinned:
+        places = _scalar_places(func, args, kwargs) if self.detect or call in self.pinned else ()
+        if not places:
             return func(*args, **kwargs)
-        name, target = getattr(func, "__name__", ""), args[0]
-        op = name if name.startswith("__") else name.rstrip("_")  # mul_ is mul
-        numbers = [where for where in range(1, len(args)) if type(args[where]) in (int, *_FLOATS)]
-        places = [*(numbers if op in _TENSOR_OVERLOADS and all(type(args[i]) in _FLOATS for i in numbers) else ()), *(
-            key for key, ops in _SCALED_BY.items() if type(kwargs.get(key)) in _FLOATS and op in ops
-            and all(isinstance(t, torch.Tensor) for t in args[1:3]))]  # an int beside: the Scalar overload, .item()
-        if not places or not (isinstance(target, torch.Tensor) and target.is_floating_point() and _is_xla(
-                target.device)) or torch.is_grad_enabled() or "out" in kwargs:  # grad: a closure's forward
-            return func(*args, **kwargs)
-        values = [kwargs[where] if isinstance(where, str) else args[where] for where in places]
+        target, values = args[0], [kwargs[where] if isinstance(where, str) else args[where] for where in places]
         if self.detect and any([self._collides(call, v, target.dtype) for v in values]):
             self.pinned.setdefault(call, {})
         own = self.pinned.get(call)
@@ -3283,16 +3270,32 @@ class _OwnScalars(torch.overrides.TorchFunctionMode):
                 del kwargs[where]
                 args[1] = args[1] * scalar
             elif where == "value":  # addcmul/addcdiv(x, t1, t2, value=v): x + (t1 op t2) x v, as torch_xla lowers them
-                other = (args[1] * args[2] if name.startswith("addcmul") else args[1] / args[2]) * scalar
-                return target.add_(other) if name.endswith("_") else torch.add(target, other)
+                other = (args[1] * args[2] if func.__name__.startswith("addcmul") else args[1] / args[2]) * scalar
+                return target.add_(other) if func.__name__.endswith("_") else torch.add(target, other)
             else:
                 args[where] = scalar
         return func(*args, **kwargs)
 
     def _collides(self, call, value, dtype):
+        """Whether `value` at `call` pins it: a varying 1, or a float another call passed first, either varying."""
         key, varying = float(torch.tensor(value).to(dtype)), type(value) is _Varying  # torch_xla's key: op's type
         first, first_varying = self.seen.setdefault(key, (call, varying))
         return varying and key == 1.0 or first != call and (varying or first_varying)
+
+
+def _scalar_places(func, args, kwargs):
+    """Where a call on a floating XLA tensor, outside autograd, passes floats a device scalar may replace: the
+    positions of an op with a Tensor overload (all floats: an int beside means the Scalar overload) and `alpha` or
+    `value` where they scale tensors; () for any other call."""
+    target, name = args[0], getattr(func, "__name__", "")
+    if not (isinstance(target, torch.Tensor) and target.is_floating_point() and _is_xla(target.device)) or (
+            torch.is_grad_enabled() or "out" in kwargs):  # grad: a closure's forward
+        return ()
+    op = name if name.startswith("__") else name.rstrip("_")  # mul_ is mul
+    numbers = [where for where in range(1, len(args)) if type(args[where]) in (int, *_FLOATS)]
+    return [*(numbers if op in _TENSOR_OVERLOADS and all(type(args[i]) in _FLOATS for i in numbers) else ()), *(
+        key for key, ops in _SCALED_BY.items() if type(kwargs.get(key)) in _FLOATS and op in ops
+        and all(isinstance(t, torch.Tensor) for t in args[1:3]))]
 
 
 # --- 9a. layouts: the _Layout value, meshes, XLA placement, batch and activation sharding ---------
@@ -4013,15 +4016,35 @@ def _say_unrolled(where, count, reason):
 _MODULE_BOOKS = frozenset(vars(torch.nn.Module())) - {"training"}
 
 
+_MISSING = object()
+
+
+class _ModuleState(collections.namedtuple("_ModuleState", "name cls attrs params buffers")):
+    """One module of a block as its forward may read it: its path in the block, its class, its attributes ((name,
+    _plain value), ...) and its parameters' and buffers' (name, shape, dtype)."""
+
+    def where(self, attr):
+        return f"{self.name + '.' if self.name else ''}{attr}"
+
+    def without(self, attrs):
+        """This state with the attributes in `attrs` (names) read as None: values the body's trace proves unread."""
+        return self._replace(attrs=tuple((k, None if k in attrs else v) for k, v in self.attrs))
+
+    def apart(self, other):
+        """The attributes whose values this state and `other` hold apart, in order."""
+        mine, theirs = dict(self.attrs), dict(other.attrs)
+        return [k for k in dict.fromkeys((*mine, *theirs)) if mine.get(k, _MISSING) != theirs.get(k, _MISSING)]
+
+
 def _block_state(block, seen=None):
-    """What a block's forward may read, as comparable values: for each module (name, class, its attributes: private
-    ones, `training`, an object's such as a config's one level down; its parameters' and buffers' names, shapes and
-    dtypes). `seen` shares one object's value between blocks (a config they all hold) within one call."""
+    """What a block's forward may read, as comparable values: a _ModuleState per module (its attributes: private ones,
+    `training`, an object's such as a config's one level down). `seen` shares one object's value between blocks (a
+    config they all hold) within one call."""
     seen = {} if seen is None else seen
-    return tuple((name, type(m), tuple((k, _plain(v, seen, 0)) for k, v in m.__dict__.items()
-                                       if k not in _MODULE_BOOKS),
-                  tuple((k, p.shape, p.dtype) for k, p in m._parameters.items() if p is not None),
-                  tuple((k, b.shape, b.dtype) for k, b in m._buffers.items() if b is not None))
+    return tuple(_ModuleState(name, type(m), tuple((k, _plain(v, seen, 0)) for k, v in m.__dict__.items()
+                                                   if k not in _MODULE_BOOKS),
+                              tuple((k, p.shape, p.dtype) for k, p in m._parameters.items() if p is not None),
+                              tuple((k, b.shape, b.dtype) for k, b in m._buffers.items() if b is not None))
                  for name, m in block.named_modules())
 
 
@@ -4059,12 +4082,11 @@ def _plan(states):
     every block (an index, a module path holding one) counts as equal here: the body's trace proves it unread (9d)."""
     values = collections.defaultdict(list)
     for state in states:
-        for name, _, attrs, _, _ in state:
-            for k, v in attrs:
-                values[name, k].append(v)
+        for m in state:
+            for k, v in m.attrs:
+                values[m.name, k].append(v)
     index = {key for key, vs in values.items() if len(vs) == len(states) and len(set(vs)) == len(vs)}
-    sigs = [tuple((name, cls, tuple((k, None if (name, k) in index else v) for k, v in attrs), params, buffers)
-                  for name, cls, attrs, params, buffers in state) for state in states]
+    sigs = [tuple(m.without({k for name, k in index if name == m.name}) for m in state) for state in states]
     held = _holds(states[0])
     if held:
         return None, held
@@ -4086,9 +4108,9 @@ def _holds(state, written=()):
     """Why a block of this state cannot share a body with others (None if it can): buffers, which a forward may
     update (running statistics), or a tensor neither parameter nor buffer, which the body would hold as a constant
     (or which its forward writes: `written`, the attributes a trace saw written)."""
-    if any(buffers for _, _, _, _, buffers in state):
+    if any(m.buffers for m in state):
         return "the blocks hold buffers, which a forward may update (running statistics)"
-    held = next((f"{name + '.' if name else ''}{k}" for name, _, attrs, _, _ in state for k, v in attrs
+    held = next((m.where(k) for m in state for k, v in m.attrs
                  if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], type) and issubclass(v[0], torch.Tensor)),
                 None)
     if held and held in written:
@@ -4096,23 +4118,19 @@ def _holds(state, written=()):
     return held and f"a block holds the tensor {held!r}, neither parameter nor buffer"
 
 
-def _difference(a, b, k, j):
-    """What block k's state `b` holds apart from block j's `a`, in words."""
-    if [(m[0], m[1]) for m in a] != [(m[0], m[1]) for m in b]:
+def _difference(a, b, k, j, attr=None):
+    """What block k's state `b` holds apart from block j's `a`, in words; of module states, that attribute's values."""
+    if attr is not None:
+        return (f"block {k} differs from block {j} in {a.where(attr)} ({_shown(_raw(dict(b.attrs).get(attr)), 30)} "
+                f"against {_shown(_raw(dict(a.attrs).get(attr)), 30)})")
+    if [(m.name, m.cls) for m in a] != [(m.name, m.cls) for m in b]:
         return f"block {k} differs from block {j} in its modules"
-    for (name, _, attrs_a, params_a, buffers_a), (_, _, attrs_b, params_b, buffers_b) in zip(a, b):
-        where = f"{name + '.' if name else ''}"
-        if params_a != params_b or buffers_a != buffers_b:
-            return f"block {k} differs from block {j} in the parameters or buffers of module {name!r}"
-        if attrs_a != attrs_b:
-            ka, kb = dict(attrs_a), dict(attrs_b)
-            attr = next(x for x in (*ka, *kb) if ka.get(x, _MISSING) != kb.get(x, _MISSING))
-            return (f"block {k} differs from block {j} in {where}{attr} ({_shown(_raw(kb.get(attr)), 30)} against "
-                    f"{_shown(_raw(ka.get(attr)), 30)})")
+    for ma, mb in zip(a, b):
+        if (ma.params, ma.buffers) != (mb.params, mb.buffers):
+            return f"block {k} differs from block {j} in the parameters or buffers of module {ma.name!r}"
+        for attr in ma.apart(mb)[:1]:
+            return _difference(ma, mb, k, j, attr)
     return None
-
-
-_MISSING = object()
 
 
 def _raw(v):  # _plain's value, shown: a container's contents, an object's type
@@ -4292,18 +4310,14 @@ def _states_key(stack):
     states, marked = [_block_state(b, seen) for b in looped], {}
     for k in range(period, len(looped)):
         j = k % period
-        if [m[:2] + m[3:] for m in states[k]] != [m[:2] + m[3:] for m in states[j]]:
+        if [m._replace(attrs=()) for m in states[k]] != [m._replace(attrs=()) for m in states[j]]:
             raise _NotALoop(_difference(states[j], states[k], start + k, start + j))
         if k < 2 * period and _holds(states[j], stack.written):
             raise _NotALoop(_holds(states[j], stack.written))
-        for (name, _, attrs, _, _), (_, _, same, _, _) in zip(states[k], states[j]):
-            mine, theirs = dict(attrs), dict(same)
-            for a in mine.keys() | theirs.keys():
-                if mine.get(a, _MISSING) != theirs.get(a, _MISSING) and (j, name, a) not in marked:
-                    marked[j, name, a] = (
-                        f"block {start + k} differs from block {start + j} in {name + '.' if name else ''}{a} "
-                        f"({_shown(_raw(mine.get(a)), 30)} against {_shown(_raw(theirs.get(a)), 30)}), which their "
-                        "forward reads")
+        for mine, theirs in zip(states[k], states[j]):
+            for a in theirs.apart(mine):
+                marked.setdefault((j, mine.name, a),
+                                  _difference(theirs, mine, start + k, start + j, a) + ", which their forward reads")
     trainable = tuple(p.requires_grad for b in looped for p in b.parameters())
     return tuple(_unmarked(states[j], j, marked) for j in range(period)), trainable, frozenset(marked.items())
 
@@ -4352,8 +4366,7 @@ def _first_two(run):
 
 
 def _unmarked(state, j, marked):
-    return tuple((name, cls, tuple((a, None if (j, name, a) in marked else v) for a, v in attrs), params, buffers)
-                 for name, cls, attrs, params, buffers in state)
+    return tuple(m.without({a for (i, name, a) in marked if (i, name) == (j, m.name)}) for m in state)
 
 
 def _torch_state():
@@ -4574,12 +4587,7 @@ def _proven(trace, reps, marked):
 
 def _written(before, after):
     """The first attribute a block's state `after` holds apart from `before`, by its path; None if none."""
-    for (name, _, x, _, _), (_, _, y, _, _) in zip(before, after):
-        x, y = dict(x), dict(y)
-        attr = next((a for a in (*x, *y) if x.get(a, _MISSING) != y.get(a, _MISSING)), None)
-        if attr:
-            return f"{name + '.' if name else ''}{attr}"
-    return None
+    return next((m.where(a) for m, n in zip(before, after) for a in m.apart(n)), None)
 
 
 def _rng_states():
@@ -4629,7 +4637,7 @@ class _Body:
         tree = torch.utils._pytree.tree_structure
         key = (kind, reverse, tree(init), tree(xs),
                tuple((t.shape, t.dtype, t.requires_grad) for t in flat_init + flat_xs))
-        c, x = len(flat_init), len(flat_xs)
+        ys_at = 1 + len(flat_init) + len(flat_xs)  # the While's operands: [turn, *carry, *xs, *ys, *hoisted]
         if key not in self.whiles:
             user, recorded = xlac._xla_user_computation, []
             xlac._xla_user_computation = lambda *args: recorded.append(args) or user(*args)
@@ -4637,18 +4645,22 @@ class _Body:
                 carry, ys = scan._scan_impl_pytree(fn, init, xs, reverse)
             finally:
                 xlac._xla_user_computation = user
-            _, tensors, computation = [r for r in recorded if r[0] == "xla::scan"][-1]  # the While, made last
+            _, operands, computation = [r for r in recorded if r[0] == "xla::scan"][-1]  # the While, made last
             flat_ys, unflatten_y = scan.tree_flatten_none(ys)
-            y = len(flat_ys)
-            shapes = [(t.shape, t.dtype) for t in tensors[1 + c + x:1 + c + x + y]]
-            self.whiles[key] = computation, shapes, tensors[1 + c + x + y:], unflatten_y
+            ys_end = ys_at + len(flat_ys)
+            self.whiles[key] = _While(computation, [(t.shape, t.dtype) for t in operands[ys_at:ys_end]],
+                                      operands[ys_end:], unflatten_y)
             return carry, ys
-        computation, shapes, hoisted, unflatten_y = self.whiles[key]
-        device = flat_init[0].device
-        ys = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+        w, device = self.whiles[key], flat_init[0].device
+        ys = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in w.ys]  # what the While fills in
         out = xlac._xla_user_computation("xla::scan", [torch.tensor(0, device=device), *flat_init, *flat_xs, *ys,
-                                                       *hoisted], computation)
-        return unflatten_carry(list(out[1:1 + c])), unflatten_y(list(out[1 + c + x:1 + c + x + len(shapes)]))
+                                                       *w.hoisted], w.computation)
+        return unflatten_carry(list(out[1:1 + len(flat_init)])), w.unflatten_y(list(out[ys_at:ys_at + len(ys)]))
+
+
+class _While(collections.namedtuple("_While", "computation ys hoisted unflatten_y")):
+    """One While torch_xla's scan built: its computation, its outputs per turn ((shape, dtype) of each, stacked), the
+    tensors the body reads that torch_xla hoisted out as operands (its constants), and how its outputs regroup."""
 
 
 def _loop_inputs(stack, args, x):
@@ -4748,8 +4760,7 @@ class _Loop(torch.autograd.Function):
         device, turns = init[0].device, len(flat[n_init])
         grad_carry = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, init)]
         given = tuple(g is not None for g in grads[n_init:])
-        step = functools.partial(_backward_in_place, run.body.backward, run.body.trainable, ctx.at, given,
-                                 ctx.outputs[n_init:])
+        step = _TurnBackward(run.body.backward, run.body.trainable, ctx.at, given, ctx.outputs[n_init:])
         turn = torch.arange(turns, device=device)  # an iota in the graph, not a transfer
         stacks = [xs[0][j][name] for j, name in run.body.trainable]
         (grad_init, grad_stacks), _ = run.body.scan(("backward", given), step, (grad_carry, stacks),
@@ -4764,27 +4775,31 @@ def _grads_of_xs(xs, stacked):
         len(xs[1]) + len(xs) - 2)
 
 
-def _backward_in_place(backward, trainable, at, given, outputs, carry, x):
-    """scan's backward of turn k (run from the last): its weights read from the stacks the carry holds, its gradients
-    written there in their place (a dynamic slice and update: XLA keeps the stack's buffer). A cache update's
-    gradient nobody gave is a zero made here, not a stack of them."""
-    (grad_carry, stacks), (rest, grad_ys, k) = carry, x
-    k = k.view(1)
-    weights, acts = [s.index_select(0, k).squeeze(0) for s in stacks], list(rest)
-    for position, w in sorted(((p, w) for p, w in zip(at, weights) if p is not None), key=lambda pw: pw[0]):
-        acts.insert(position, w)
-    grad_ys = iter(grad_ys)
-    grad_y = tuple(next(grad_ys) if g else torch.zeros(shape, dtype=dtype, device=k.device)
-                   for g, (shape, dtype) in zip(given, outputs))
-    grad_carry, (params, *_) = backward(grad_carry, (grad_y or None, acts))
-    grads = [params[j][name] for j, name in trainable]
-    # XLA updates a stack in place only where it sees every read of it come first, and a weight's own gradient does
-    # not read it (XLA copied each stack twice a block). A 0 made from the input's gradient and every weight's orders
-    # the reads that lead to them.
-    ends = [t for t in (torch.utils._pytree.tree_leaves(grad_carry)[0], *grads) if t.numel()]
-    zero = _zero_after(ends, torch.float32)
-    grads = [g + zero.to(g.dtype) for g in grads]
-    return (grad_carry, [s.index_copy(0, k, g.unsqueeze(0)) for s, g in zip(stacks, grads)]), None
+class _TurnBackward(collections.namedtuple("_TurnBackward", "graph trainable at given outputs")):
+    """scan's fn for _Loop's backward, one turn (from the last): its weights read from the stacks the carry holds,
+    its gradients written there in their place (a dynamic slice and update: XLA keeps the stack's buffer). `graph`
+    is the body's backward; `trainable`, the stacks it gives gradients ((position, name)); `at`, where among the
+    activations the forward saved the body reads each (None: it does not); `given`, which of a turn's outputs has a
+    gradient, and `outputs` their (shape, dtype): a cache update's gradient nobody gave is a zero made here."""
+
+    def __call__(self, carry, x):
+        (grad_carry, stacks), (rest, grad_ys, k) = carry, x
+        k = k.view(1)
+        weights, acts = [s.index_select(0, k).squeeze(0) for s in stacks], list(rest)
+        for position, w in sorted(((p, w) for p, w in zip(self.at, weights) if p is not None), key=lambda pw: pw[0]):
+            acts.insert(position, w)
+        grad_ys = iter(grad_ys)
+        grad_y = tuple(next(grad_ys) if g else torch.zeros(shape, dtype=dtype, device=k.device)
+                       for g, (shape, dtype) in zip(self.given, self.outputs))
+        grad_carry, (params, *_) = self.graph(grad_carry, (grad_y or None, acts))
+        grads = [params[j][name] for j, name in self.trainable]
+        # XLA updates a stack in place only where it sees every read of it come first, and a weight's own gradient
+        # does not read it (XLA copied each stack twice a block). A 0 made from the input's gradient and every
+        # weight's orders the reads that lead to them.
+        ends = [t for t in (torch.utils._pytree.tree_leaves(grad_carry)[0], *grads) if t.numel()]
+        zero = _zero_after(ends, torch.float32)
+        grads = [g + zero.to(g.dtype) for g in grads]
+        return (grad_carry, [s.index_copy(0, k, g.unsqueeze(0)) for s, g in zip(stacks, grads)]), None
 
 
 def _recomputed(run, init, xs, grads):
@@ -4960,33 +4975,42 @@ def _saving_primals(partition, carried, remat, given=None):
         results = next(iter(graph.find_nodes(op="output"))).args[0]
         if given is not None:
             given[:] = [g is not None for g in results[num_fwd_outputs:]]
-        outputs = torch.utils._pytree.arg_tree_leaves(*results)
-        forward, todo = set(), [n for n in outputs[:num_fwd_outputs] if isinstance(n, torch.fx.Node)]
-        while todo:  # what the forward's outputs need
-            node = todo.pop()
-            if node not in forward:
-                forward.add(node)
-                todo.extend(node.all_input_nodes)
         params = [n for n in graph.find_nodes(op="placeholder") if str(n.target).startswith("primals")][carried:]
-        made = dict(zip(params, params))  # a view of a parameter -> its copy for the backward
-
-        def remake(node):
-            if node not in made:
-                with graph.inserting_after(node):
-                    made[node] = graph.call_function(node.target, (remake(node.args[0]), *node.args[1:]), node.kwargs)
-                made[node].meta = dict(node.meta)
-            return made[node]
-        of_params = set(params)
-        for node in list(graph.nodes):
-            if (getattr(getattr(node.target, "overloadpacket", None), "__name__", None) in _REMADE
-                    and node.all_input_nodes == [node.args[0]] and node.args[0] in of_params):
-                of_params.add(node)
-                for user in [u for u in node.users if u not in forward] if node in forward else ():
-                    user.replace_input_with(node, remake(node))
+        _views_remade(graph, params, _needed(torch.utils._pytree.arg_tree_leaves(*results)[:num_fwd_outputs]))
         next(iter(graph.nodes)).meta["memory_budget"] = 0.0 if remat else None
         joint.recompile()
         return tuple(map(_dots_as_stored, partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)))
     return partition_fn
+
+
+def _needed(outputs):
+    """The nodes of a joint graph that its forward's outputs need."""
+    needed, todo = set(), [n for n in outputs if isinstance(n, torch.fx.Node)]
+    while todo:
+        node = todo.pop()
+        if node not in needed:
+            needed.add(node)
+            todo.extend(node.all_input_nodes)
+    return needed
+
+
+def _views_remade(graph, params, forward):
+    """Each view or cast of a parameter (_REMADE) that the `forward` computes, made again for its backward's users,
+    so that the partitioner saves the parameter rather than the forward's view of it."""
+    made, of_params = dict(zip(params, params)), set(params)  # a view of a parameter -> its copy for the backward
+
+    def remake(node):
+        if node not in made:
+            with graph.inserting_after(node):
+                made[node] = graph.call_function(node.target, (remake(node.args[0]), *node.args[1:]), node.kwargs)
+            made[node].meta = dict(node.meta)
+        return made[node]
+    for node in list(graph.nodes):
+        if (getattr(getattr(node.target, "overloadpacket", None), "__name__", None) in _REMADE
+                and node.all_input_nodes == [node.args[0]] and node.args[0] in of_params):
+            of_params.add(node)
+            for user in [u for u in node.users if u not in forward] if node in forward else ():
+                user.replace_input_with(node, remake(node))
 
 
 def _dots_as_stored(module):
