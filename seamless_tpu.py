@@ -4722,10 +4722,12 @@ def _fill(run, ys):
     """The empty cache given what eager's blocks would have put in it: each looped block's keys and values, under its
     own layer index (read from the block where the trace saw an attribute that differs, HF's layer_idx), in the
     encoder-decoder cache's self- or cross-attention part."""
-    per_turn = len(run.body.recorded)
+    if not ys:
+        return
+    per_turn, at = len(run.body.recorded), _indices(run.stack, len(ys[0]), ys[0].device)
     for n, (turn, target, index, kind) in enumerate(_cache_places(run)):
-        u = n % per_turn
-        target.update(ys[2 * u][turn], ys[2 * u + 1][turn], index)
+        u = n % per_turn  # a gather at an index held as device data: one kernel for every turn's (see _Stacked)
+        target.update(*(ys[2 * u + i].index_select(0, at[turn]).squeeze(0) for i in (0, 1)), index)
         if kind == "cross_attention_cache":
             run.args.cache.is_updated[index] = True
 
@@ -4908,9 +4910,7 @@ def _stacks(stack):
             params = [p[name] for p in per_block]
             if any(p.requires_grad for p in params) or not _device_data(params):
                 stack.frozen.pop((j, name), None)  # unfrozen since: not held for nothing
-                key = (len(params), params[0].device)  # N device scalars made once, where _Stacked's backward gathers
-                indices = stack.indices.setdefault(key, [torch.tensor([k]).to(key[1]) for k in range(key[0])])
-                stacked[name] = _Stacked.apply(indices, *params)
+                stacked[name] = _Stacked.apply(_indices(stack, len(params), params[0].device), *params)
                 continue
             key = [(id(p), p._version, xlac._xla_get_tensor_id(p)) for p in params]
             cached = stack.frozen.get((j, name))
@@ -4922,6 +4922,12 @@ def _stacks(stack):
     if new:  # without this, the first step's graph would make them and the second would read them: 2 compiles
         xlac._xla_sync_multi(new, devices=[], wait=False)
     return tuple(out)
+
+
+def _indices(stack, n, device):
+    """[0], [1], ... [n - 1] as device data, made once per stack: where _Stacked's backward and a cache's fill
+    gather."""
+    return stack.indices.setdefault((n, device), [torch.tensor([k]).to(device) for k in range(n)])
 
 
 def _device_data(tensors):
