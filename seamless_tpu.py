@@ -4118,19 +4118,22 @@ def _holds(state, written=()):
     return held and f"a block holds the tensor {held!r}, neither parameter nor buffer"
 
 
-def _difference(a, b, k, j, attr=None):
-    """What block k's state `b` holds apart from block j's `a`, in words; of module states, that attribute's values."""
-    if attr is not None:
-        return (f"block {k} differs from block {j} in {a.where(attr)} ({_shown(_raw(dict(b.attrs).get(attr)), 30)} "
-                f"against {_shown(_raw(dict(a.attrs).get(attr)), 30)})")
+def _difference(a, b, k, j):
+    """What block k's state `b` holds apart from block j's `a`, in words (None: nothing)."""
     if [(m.name, m.cls) for m in a] != [(m.name, m.cls) for m in b]:
         return f"block {k} differs from block {j} in its modules"
     for ma, mb in zip(a, b):
         if (ma.params, ma.buffers) != (mb.params, mb.buffers):
             return f"block {k} differs from block {j} in the parameters or buffers of module {ma.name!r}"
         for attr in ma.apart(mb)[:1]:
-            return _difference(ma, mb, k, j, attr)
+            return _attr_difference(ma, mb, k, j, attr)
     return None
+
+
+def _attr_difference(ma, mb, k, j, attr):
+    """How block k's module state `mb` holds `attr` apart from block j's `ma`, in words: both values."""
+    return (f"block {k} differs from block {j} in {ma.where(attr)} ({_shown(_raw(dict(mb.attrs).get(attr)), 30)} "
+            f"against {_shown(_raw(dict(ma.attrs).get(attr)), 30)})")
 
 
 def _raw(v):  # _plain's value, shown: a container's contents, an object's type
@@ -4316,8 +4319,8 @@ def _states_key(stack):
             raise _NotALoop(_holds(states[j], stack.written))
         for mine, theirs in zip(states[k], states[j]):
             for a in theirs.apart(mine):
-                marked.setdefault((j, mine.name, a),
-                                  _difference(theirs, mine, start + k, start + j, a) + ", which their forward reads")
+                why = _attr_difference(theirs, mine, start + k, start + j, a)
+                marked.setdefault((j, mine.name, a), why + ", which their forward reads")
     trainable = tuple(p.requires_grad for b in looped for p in b.parameters())
     return tuple(_unmarked(states[j], j, marked) for j in range(period)), trainable, frozenset(marked.items())
 
