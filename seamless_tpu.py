@@ -1135,6 +1135,68 @@ def _xla_addmm(self, mat1, mat2, *, beta=1, alpha=1):
     return out if beta == 0 else out + (self if beta == 1 else self * beta)  # beta 0: self ignored, NaNs too
 
 
+@_lowering("_grouped_mm", family="products", why="crash")
+def _xla_grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+    """transformers' MoE experts (grouped_mm, their default) multiply each expert's rows, split by `offs`, by its
+    weights: torch_xla 2.9 runs torch's CPU kernel, which reads offs from device memory (SIGSEGV). Here each group's
+    rows (columns, or K) are a mask made on the device, a place in two groups (offsets that decrease) the last's as
+    torch's, and the products one dot over (group, K): G x the rows' own FLOPs, static shapes; rows past offs[-1]
+    (undefined in torch's) are 0. Above autograd, so a loop's trace (where the meta kernel allows bf16 only) and
+    both derivatives go through these plain ops."""
+    a, b = self, mat2
+    _grouped_mm_checks(a, b, offs, bias, out_dtype)
+    if offs is None:  # 3-D x 3-D: a batch of products
+        return torch.bmm(a, b)
+    if _is_xla(a.device) and _once("grouped_mm"):
+        _log("seamless_tpu: torch._grouped_mm (MoE experts) runs as one masked dot, %d x the experts' FLOPs; with "
+             "transformers' sort of the batch's tokens by expert, which GSPMD cannot split, it runs whole on each "
+             "device (a 4-device Mixtral step: 0.47 of its dot FLOPs a device, a dense model's 0.25)", len(offs))
+    groups, split = len(offs), (a.shape[0] if a.dim() == 2 and b.dim() == 3 else b.shape[-1] if a.dim() == 3
+                                else a.shape[1])  # what offs splits: the rows of a, the columns of b, or K
+    at, ends = torch.arange(split, device=offs.device), torch.unsqueeze_copy(offs.long(), 1)
+    inside = (at >= torch.cat([ends.new_zeros(1, 1), ends[:-1]])) & (at < ends)  # (G, split)
+    later = torch.flip(torch.cumsum(torch.flip(inside, (0,)), 0), (0,)) > inside.long()  # a later group holds it too
+    member = torch.unsqueeze_copy(inside & ~later, -1)
+    k = a.shape[-1] if b.dim() == 3 else b.shape[0]
+    if a.dim() == 2 and b.dim() == 3:  # (S, K) rows by group, x (G, K, N): (S, N)
+        masked = torch.permute_copy(torch.where(member, a, 0), (1, 0, 2))  # (S, G, K)
+        return torch.mm(torch.reshape(masked, (split, groups * k)), torch.reshape(b, (groups * k, b.shape[-1])))
+    if a.dim() == 3:  # (G, M, K) x (K, N) columns by group: (M, N)
+        masked = torch.where(torch.permute_copy(member, (0, 2, 1)), b, 0)  # (G, K, N)
+        return torch.mm(torch.reshape(torch.permute_copy(a, (1, 0, 2)), (a.shape[1], groups * k)),
+                        torch.reshape(masked, (groups * k, split)))
+    masked = torch.where(torch.permute_copy(member, (0, 2, 1)), a, 0)  # (M, K) x (K, N), K by group: (G, M, N)
+    m = a.shape[0]
+    return torch.reshape(torch.mm(torch.reshape(masked, (groups * m, split)), b), (groups, m, b.shape[-1]))
+
+
+def _grouped_mm_checks(a, b, offs, bias, out_dtype):
+    """torch's own checks of _grouped_mm and their errors, as its CPU kernel makes them (its meta kernel holds CUDA's,
+    bf16 only). Strides as the tensors report them (XLA's: contiguous)."""
+    for name, t in (("mat_a", a), ("mat_b", b)):
+        torch._check(t.dtype in (torch.float32, torch.bfloat16, torch.float16), lambda: f"Expected {name} to be "
+                     f"Float32, BFloat16 or Float16 matrix, got {_dtype_name(t.dtype)}")
+    for name, t in (("mat_a", a), ("mat_b", b)):
+        torch._check(t.dim() in (2, 3), lambda: f"{name} has to be 2 or 3d")
+    torch._check(a.shape[-1] == b.shape[-2] or a.dim() == b.dim() == 2,
+                 lambda: "contraction dimension of mat_a and mat_b must match")
+    torch._check((offs is None) == (a.dim() == b.dim() == 3), lambda: "Have to provide offsets if there is a 2d "
+                 "matrix, or no offset if both matrices are 3d")
+    if offs is not None:
+        torch._check(offs.dim() == 1, lambda: "offs has to be 1D")
+        torch._check(offs.dtype == torch.int32, lambda: "Offsets have to be int32")
+    groups = [len(t) for t in (a, b) if t.dim() == 3] + ([] if offs is None else [len(offs)])
+    torch._check(len(set(groups)) <= 1, lambda: "matrix batch sizes have to match" if offs is not None else
+                 "batched dimension has to match")
+    torch._check(bias is None, lambda: "Bias not supported yet")
+    torch._check(out_dtype in (None, a.dtype), lambda: "Grouped gemm output dtype must match `mat_a` dtype")
+    torch._check(all(s * t.element_size() % 16 == 0 for t in (a, b) for s in t.stride() if s != 1),
+                 lambda: "strides should be multiple of 16 bytes")
+    torch._check(a.dtype == b.dtype, lambda: f"expected m1 and m2 to have the same dtype, but got: "
+                 f"{_dtype_name(a.dtype).lower() if a.dtype == torch.float32 else 'c10::' + _dtype_name(a.dtype)} "
+                 f"!= {_dtype_name(b.dtype).lower() if b.dtype == torch.float32 else 'c10::' + _dtype_name(b.dtype)}")
+
+
 def _norms(diff, p):
     """torch's p-norm (p >= 0) of each row of diff over its last dimension, as cdist's and pdist's kernels."""
     a = diff.abs()
@@ -2357,11 +2419,19 @@ def _xla_scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
 def _xla_histc(self, bins=100, min=0, max=0):
     """A scatter_add of ones at each in-range value's bin, bins as torch's CPU kernel computes them (in the input's
     dtype). min == max: the data's range, read on the device; its check (finite) would be a host read, so a range
-    of inf or NaN counts nothing rather than raising as torch does."""
-    if not self.is_floating_point():
-        raise NotImplementedError(f'"histogram_cpu" not implemented for \'{_dtype_name(self.dtype)}\'')
+    of inf or NaN counts nothing rather than raising as torch does. Integers, which torch's CUDA kernel counts and
+    its CPU kernel refuses, are counted as CUDA's (in int64; transformers' MoE routing counts so off the CPU)."""
+    if self.dtype == torch.bool or self.is_complex():  # torch's errors, from the kernels its CPU histc calls
+        kernel = "linspace_cpu" if self.dtype == torch.bool else "aminmax_cpu" if min == max else "histogram_cpu"
+        raise NotImplementedError(f'"{kernel}" not implemented for \'{_dtype_name(self.dtype)}\'')
     torch._check(bins > 0, lambda: f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
     torch._check(min <= max, lambda: "torch.histc: max must be larger than min")
+    if not self.is_floating_point():
+        x, low, high = self.reshape(-1).long(), int(min), int(max)  # CUDA's bounds: the Scalars as int64
+        low, high = (x.min(), x.max()) if low == high and x.numel() else (x.new_tensor(low), x.new_tensor(high))
+        low, high = torch.where(low == high, low - 1, low), torch.where(low == high, high + 1, high)
+        at = ((x - low) * bins).div(high - low, rounding_mode="trunc").clamp(0, bins - 1)
+        return self.new_zeros(bins).scatter_add(0, at, ((x >= low) & (x <= high)).to(self.dtype))
     x = self.reshape(-1)
     low, high = (x.min(), x.max()) if min == max and x.numel() else (x.new_tensor(min), x.new_tensor(max))
     low, high = torch.where(low == high, low - 1, low), torch.where(low == high, high + 1, high)

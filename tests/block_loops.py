@@ -84,6 +84,9 @@ def hf(arch, seed=0, **sizes):
         "phi3": (t.Phi3Config, dict(pad_token_id=0, **attention)),  # its default pad id is past a tiny vocabulary
         "gemma2": (t.Gemma2Config, dict(head_dim=8, **attention)), "gemma3": (t.Gemma3TextConfig, dict(head_dim=8,
                                                                                                          **attention)),
+        "mixtral": (t.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, **attention)),
+        "qwen3_moe": (t.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8,
+                                             **attention)),
         "gpt_neox": (t.GPTNeoXConfig, dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                            hidden_dropout=0.0, attention_dropout=0.0)),
         "gpt2": (t.GPT2Config, dict(n_embd=32, n_layer=3, n_head=4, n_positions=SEQ * 2, resid_pdrop=0.0,
@@ -133,13 +136,15 @@ def sequential(width=32, depth=3):
 # family -> (how many stacks loop, how its loss is computed, its depth: issue 61's table of transformers families,
 # with their defaults, at depths where their repeats show: Gemma2's sliding and global layers alternate, Gemma3 has
 # five sliding ones to a global one, ModernBERT a global one in three after a first layer of its own, T5 a first
-# block of its own in its encoder and its decoder); build() makes each
+# block of its own in its encoder and its decoder; Mixtral's and Qwen3-MoE's experts by transformers' default,
+# grouped_mm, whose routing counts tokens with an integer histc); build() makes each
 FAMILIES = {"qwen3": (1, "lm", 3), "llama": (1, "lm", 3), "gpt2": (1, "lm", 3), "bert": (1, "lm", 3),
             "qwen3_lora": (1, "lm", 3), "llama_checkpointed": (1, "lm", 3), "transformer_encoder": (1, "tokens", 3),
             "sequential": (1, "tokens", 3), "module_list": (1, "tokens", 3), "distillation": (2, "lm", 3),
             "qwen2": (1, "lm", 3), "phi3": (1, "lm", 3), "olmo2": (1, "lm", 3), "granite": (1, "lm", 3),
             "gpt_neox": (1, "lm", 3), "mistral": (1, "lm", 3), "gemma2": (1, "lm", 4), "gemma3": (1, "lm", 12),
-            "modernbert": (1, "lm", 7), "t5": (2, "lm", 4), "vit": (1, "image", 3)}
+            "modernbert": (1, "lm", 7), "t5": (2, "lm", 4), "vit": (1, "image", 3), "mixtral": (1, "lm", 3),
+            "qwen3_moe": (1, "lm", 3)}
 HOOKED = ("qwen3", "gpt2", "module_list", "distillation")  # a user's hook on block 1 keeps them unrolled
 # At 1e-2 AdamW took a 12-layer Gemma3's CPU and XLA runs 1.2e-5 apart by step 3 unrolled as looped (the loop and the
 # unrolled XLA run agree to 1e-7)
@@ -153,7 +158,7 @@ def build(family, depth=3, width=32):
     if family == "distillation":
         return lora(hf("qwen3", **sizes)), hf("qwen3", seed=1, **sizes).requires_grad_(False)
     if family in ("qwen2", "phi3", "olmo2", "granite", "gpt_neox", "mistral", "gemma2", "gemma3", "modernbert",
-                  "vit"):
+                  "vit", "mixtral", "qwen3_moe"):
         return hf(family, num_hidden_layers=depth), None
     model = {"gpt2": lambda: hf("gpt2", n_embd=width, n_layer=depth), "t5": lambda: hf("t5", num_layers=depth),
              "transformer_encoder": lambda: encoder(width, depth), "sequential": lambda: sequential(width, depth),
@@ -284,9 +289,11 @@ def families():
     for name, (stacks, _, _) in FAMILIES.items():
         losses, compiles, _, mine, kv = trained(name, spy)
         workloads.assert_close(losses, want[name][0], 1e-5, f"{name} looped vs eager")
-        # keys and values up to ~3, normed keys furthest from eager's: Gemma3's 1.2e-3, OLMo2's 1.5e-4, as far on XLA
-        # unrolled (the loop agrees with that run to 2e-7); the rest at most 1.2e-5
-        workloads.assert_close(kv, want[name][1], 2e-3, f"{name}: its cache's keys and values vs eager's")
+        # keys and values up to ~3, normed keys furthest from eager's: Gemma3's 1.2e-3, OLMo2's 1.5e-4, Qwen3-MoE's
+        # 6.2e-3 (9e-7 after one step: AdamW's step, +-lr by a gradient's sign, moves an expert weight whose gradient
+        # is near 0), each as far on XLA unrolled (the loop agrees with that run to 1e-6); the rest at most 1.2e-5
+        workloads.assert_close(kv, want[name][1], 1e-2 if name == "qwen3_moe" else 2e-3,
+                               f"{name}: its cache's keys and values vs eager's")
         bodies = {id(x): len(x.bodies) for s in mine for x in (s, *s.slices.values()) if x.bodies}  # slices: [:n]
         assert list(bodies.values()) == [1] * stacks, (name, "the loop's body traced once", bodies)
         workloads.assert_flat(compiles, 2, name)

@@ -113,6 +113,7 @@ OPINFO_NAMES = {
     "slice_copy.Tensor": ["slice", "narrow", "__getitem__"],
     "slice_scatter": ["slice_scatter"],
     "slice_backward": ["slice", "narrow", "__getitem__"],
+    "_grouped_mm": ["_grouped_mm"],  # op_db has none: OWN's
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
@@ -181,6 +182,31 @@ def _bag_max_last_offset(op):
 
 # Samples beyond SAMPLES of op_db's: torch_xla's own suite named them (issue 60). {OpInfo full name: op -> samples}
 EXTRA = {"mode": _mode_ties, "nn.functional.embedding_bag": _bag_max_last_offset}
+
+
+def _grouped_mm_samples(op, device, dtype, requires_grad, **kwargs):
+    """torch._grouped_mm's forms (transformers' MoE experts): rows, K or columns split by int32 offsets, one group
+    empty, and a batch of products (K and N of 8 and 16: torch's kernel asks 16-byte strides)."""
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_(requires_grad)
+
+    def ends(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+    return [SampleInput(t(12, 8), t(4, 8, 8), offs=ends(3, 3, 9, 12)),
+            SampleInput(t(8, 16), t(16, 8), offs=ends(3, 3, 9, 16)),
+            SampleInput(t(4, 8, 8), t(8, 16), offs=ends(4, 8, 12, 16)), SampleInput(t(4, 8, 8), t(4, 8, 8))]
+
+
+def own_entries():
+    """OpInfo entries of ops the trainer lowers that op_db lacks: {full name: OpInfo}."""
+    from torch.testing._internal.opinfo.core import OpInfo
+
+    return {"_grouped_mm": OpInfo("_grouped_mm", op=torch._grouped_mm, dtypes=(torch.float32, torch.bfloat16),
+                                  sample_inputs_func=_grouped_mm_samples, supports_out=False)}
 
 
 def fixed_like(t, seed):
@@ -289,7 +315,8 @@ def differ(stage, xs, refs):
 # torch_xla they are not run (their status says why), so that one sample does not cost its group.
 CRASHES = {"roll": (lambda sample: sample.input.numel() == 0, "crashes: SIGFPE (an empty tensor)"),
            "nn.functional.nll_loss": (lambda sample: sample.input.dim() == 1, "crashes: SIGSEGV (unbatched input)"),
-           "nn.functional.cross_entropy": (lambda sample: sample.input.dim() == 1, "crashes: SIGSEGV (unbatched)")}
+           "nn.functional.cross_entropy": (lambda sample: sample.input.dim() == 1, "crashes: SIGSEGV (unbatched)"),
+           "_grouped_mm": (lambda sample: True, "crashes: SIGSEGV (torch's CPU kernel reads XLA tensors' memory)")}
 
 
 def status(op, sample, device, mode="trainer"):
@@ -365,6 +392,6 @@ if __name__ == "__main__":
     device = xla_device(mode)
     from torch.testing._internal.common_methods_invocations import op_db
 
-    ops = {full_name(op): op for op in op_db}
+    ops = {**{full_name(op): op for op in op_db}, **own_entries()}
     child.report({name: [[i, summary(sample), status(ops[name], sample, device, mode)]
                          for i, sample in select(name, ops[name])] for name in names})

@@ -851,8 +851,77 @@ def test_histc_is_torch_s(bins, low, high):
         x[0, 0] = 0.0
     for t in (x, x.double(), x.bfloat16(), torch.full((4,), 3.0), x[:0]):
         assert torch.equal(kernel("histc")(t, bins, low, high), torch.histc(t, bins, low, high)), t
-    for bad in [(x, 0, low, high), (x, bins, 2, 1), (x.long(), bins, low, high)]:
+    for bad in [(x, 0, low, high), (x, bins, 2, 1), (x > 0, bins, low, high), (x.to(torch.complex64), bins, 1, 2)]:
         raises_as(lambda: torch.histc(*bad), lambda: kernel("histc")(*bad))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
+def test_histc_counts_integers_as_torch_s_cuda_kernel(dtype):
+    """transformers' MoE routing (grouped_mm experts, their default) counts tokens per expert with histc of int32
+    ids off the CPU, whose kernel refuses integers: the trainer counts them as torch's CUDA kernel does, its bounds
+    int64, bin (x - min) * bins // (max - min) with max in the last bin, out-of-range values left out, min == max the
+    data's range (widened by 1 if one value), in the input's dtype. Held to the float kernel on values where the
+    integer and float arithmetic agree, and to hand counts where they would not."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 8, (64,), generator=g, dtype=dtype)
+    for bins, low, high in [(8, 0, 7), (4, 0, 7), (8, 0, 0), (3, 2, 5), (16, 0, 15)]:
+        got = kernel("histc")(ids, bins, low, high)
+        assert got.dtype == dtype and torch.equal(got.long(), torch.histc(ids.double(), bins, low, high).long())
+    x = torch.tensor([0, 1, 1, 3, 3, 3, 5, 2], dtype=dtype)
+    assert kernel("histc")(x, 3).tolist() == [3, 4, 1]  # range [0, 5]: (x * 3) // 5
+    assert kernel("histc")(x, 6, 1.7, 4.2).tolist() == [2, 0, 1, 0, 3, 0]  # bounds 1 and 4, as int64
+    assert kernel("histc")(torch.full((3,), 2, dtype=dtype), 4).tolist() == [0, 0, 3, 0]  # one value: [1, 3]
+
+
+def _grouped(*shapes, offs=None, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes] + [
+        None if offs is None else torch.tensor(offs, dtype=torch.int32)]
+
+
+GROUPED = {"rows": ((12, 8), (4, 8, 8), [3, 3, 9, 12]), "k": ((8, 16), (16, 8), [3, 3, 9, 16]),
+           "columns": ((4, 8, 8), (8, 16), [4, 8, 12, 16]), "batch": ((4, 8, 8), (4, 8, 8), None),
+           "empty": ((0, 8), (4, 8, 8), [0, 0, 0, 0])}
+
+
+@pytest.mark.parametrize("form", list(GROUPED))
+def test_grouped_mm_is_torch_s_for_every_form_and_both_derivatives(form):
+    """torch._grouped_mm (transformers' MoE experts): its four forms (rows, K or columns split by offsets, a batch),
+    an empty group and no rows, fp32 and bf16, as torch's CPU kernel gives them; first and second derivatives
+    against torch's own formula; under torch.func.vmap."""
+    a_shape, b_shape, offs = GROUPED[form]
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b, o = _grouped(a_shape, b_shape, offs=offs, dtype=dtype)
+        assert torch.equal(kernel("_grouped_mm")(a, b, o), torch._grouped_mm(a, b, offs=o))
+    a, b, o = (t if t is None else t.requires_grad_(t.is_floating_point()) for t in _grouped(a_shape, b_shape,
+                                                                                             offs=offs))
+    outs = []
+    for f in (lambda a, b: torch._grouped_mm(a, b, offs=o), lambda a, b: kernel("_grouped_mm")(a, b, o)):
+        y = f(a, b)
+        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        grads = torch.autograd.grad(y, (a, b), cot, create_graph=True)
+        again = torch.autograd.grad([(g * g).sum() for g in grads], (a, b, cot), allow_unused=True)
+        outs.append([y, *grads, *(torch.zeros(()) if t is None else t for t in again)])
+    for ours, torchs in zip(outs[1], outs[0]):
+        torch.testing.assert_close(ours, torchs, rtol=1e-5, atol=1e-5)
+    batch = torch.stack([a.detach(), a.detach() + 1])
+    torch.testing.assert_close(torch.func.vmap(lambda a: kernel("_grouped_mm")(a, b.detach(), o))(batch),
+                               torch.stack([torch._grouped_mm(x, b.detach(), offs=o) for x in batch]))
+
+
+def test_grouped_mm_keeps_torch_s_errors_and_its_overlapping_offsets():
+    """Each input torch's CPU kernel refuses, refused with its error (its meta kernel holds CUDA's: bf16 only); offsets
+    that decrease, where two groups hold a row, give it the last group's product, as torch's kernel overwrites it."""
+    a, b, o = _grouped((12, 8), (4, 8, 8), offs=[3, 5, 9, 12])
+    bad = [(a.double(), b, o), (a, b.double(), o), (a, b.bfloat16(), o), (a[0], b, o), (a[None], b[None], o),
+           (a[:, :4], b, o), (a, b, None), (b, b, o), (b, b[:3], None), (a, b, o.long()), (a, b, o[None]),
+           (a, b, o[:3]), (a, torch.randn(4, 8, 6), o), (a[:, :6].contiguous(), b[:, :6].contiguous(), o)]
+    for args in bad:
+        raises_as(lambda: torch._grouped_mm(*args[:2], offs=args[2]), lambda: kernel("_grouped_mm")(*args))
+    for kwargs in (dict(bias=torch.randn(4, 8)), dict(out_dtype=torch.float16)):
+        raises_as(lambda: torch._grouped_mm(a, b, offs=o, **kwargs), lambda: kernel("_grouped_mm")(a, b, o, **kwargs))
+    o = torch.tensor([5, 3, 9, 12], dtype=torch.int32)
+    assert torch.equal(kernel("_grouped_mm")(a, b, o), torch._grouped_mm(a, b, offs=o))
 
 
 
