@@ -18,7 +18,7 @@ MASTER_*, RANK, *WORLD_SIZE, *_RANK, TPU_WORKER_*. Process-wide changes, none at
   in a first or pinned step a function mode, the lr tagged). Each trainer: forward and post-accumulate-grad hooks on
   its model, first-step FLOP modes; log(): a thread, step closures. A looped stack: its container's class; in its
   body's trace its blocks' differing attributes unreadable, gradient_checkpointing off; while its While is built
-  torch_xla's _xla_user_computation recorded.
+  torch_xla's _xla_user_computation recorded. A model to XLA: transformers' grouped_mm experts, dense there.
 - first trainer (main thread) or Ray backend start: a SIGTERM handler chaining the user's, an exit held for
   trainer.preempted's save (a daemon thread); processes: a gloo group (over process 0's TCPStore without
   torch.distributed), an atexit. save_checkpoint(blocking=False): a thread a save, an atexit report, a gloo group,
@@ -886,6 +886,7 @@ def _to_keeping_parameters(module_to):
                 moved = module_to(self, *args, **kwargs)
             finally:
                 torch.__future__.set_swap_module_params_on_conversion(False)
+        _moe_experts_dense()
         _loops_of_moved(moved)
         return moved
     to.keeps_parameters = True
@@ -1137,20 +1138,16 @@ def _xla_addmm(self, mat1, mat2, *, beta=1, alpha=1):
 
 @_lowering("_grouped_mm", family="products", why="crash")
 def _xla_grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
-    """transformers' MoE experts (grouped_mm, their default) multiply each expert's rows, split by `offs`, by its
-    weights: torch_xla 2.9 runs torch's CPU kernel, which reads offs from device memory (SIGSEGV). Here each group's
-    rows (columns, or K) are a mask made on the device, a place in two groups (offsets that decrease) the last's as
-    torch's, and the products one dot over (group, K): G x the rows' own FLOPs, static shapes; rows past offs[-1]
-    (undefined in torch's) are 0. Above autograd, so a loop's trace (where the meta kernel allows bf16 only) and
-    both derivatives go through these plain ops."""
+    """Each group's rows, split by `offs`, times its weights (MoE experts; transformers' run dense on XLA instead,
+    _dense_experts): torch_xla 2.9 runs torch's CPU kernel, which reads offs from device memory (SIGSEGV). Here each
+    group's rows (columns, or K) are a mask made on the device, a place in two groups (offsets that decrease) the
+    last's as torch's, and the products one dot over (group, K): G x the rows' own FLOPs, static shapes; rows past
+    offs[-1] (undefined in torch's) are 0. Above autograd, so a loop's trace (where the meta kernel allows bf16 only)
+    and both derivatives go through these plain ops."""
     a, b = self, mat2
     _grouped_mm_checks(a, b, offs, bias, out_dtype)
     if offs is None:  # 3-D x 3-D: a batch of products
         return torch.bmm(a, b)
-    if _is_xla(a.device) and _once("grouped_mm"):
-        _log("seamless_tpu: torch._grouped_mm (MoE experts) runs as one masked dot, %d x the experts' FLOPs; with "
-             "transformers' sort of the batch's tokens by expert, which GSPMD cannot split, it runs whole on each "
-             "device (a 4-device Mixtral step: 0.47 of its dot FLOPs a device, a dense model's 0.25)", len(offs))
     groups, split = len(offs), (a.shape[0] if a.dim() == 2 and b.dim() == 3 else b.shape[-1] if a.dim() == 3
                                 else a.shape[1])  # what offs splits: the rows of a, the columns of b, or K
     at, ends = torch.arange(split, device=offs.device), torch.unsqueeze_copy(offs.long(), 1)
@@ -1195,6 +1192,44 @@ def _grouped_mm_checks(a, b, offs, bias, out_dtype):
     torch._check(a.dtype == b.dtype, lambda: f"expected m1 and m2 to have the same dtype, but got: "
                  f"{_dtype_name(a.dtype).lower() if a.dtype == torch.float32 else 'c10::' + _dtype_name(a.dtype)} "
                  f"!= {_dtype_name(b.dtype).lower() if b.dtype == torch.float32 else 'c10::' + _dtype_name(b.dtype)}")
+
+
+def _moe_experts_dense():
+    """For XLA inputs, transformers' grouped_mm experts (its MoE default) run every expert on every token, weighted by
+    the routing's weight where chosen and 0 elsewhere (_dense_experts); others go to transformers' own. Once a process
+    whose transformers has them (checked at each placement: a model may be built after XLA's first use)."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    mapping = getattr(getattr(moe, "ExpertsInterface", None), "_global_mapping", {})
+    own = mapping.get("grouped_mm")
+    if own is None or getattr(own, "seamless_tpu", False):
+        return
+
+    def grouped_mm(self, hidden_states, top_k_index, top_k_weights):
+        if not _is_xla(hidden_states.device) or self._is_expert_parallel:
+            return own(self, hidden_states, top_k_index, top_k_weights)
+        return _dense_experts(self, hidden_states, top_k_index, top_k_weights)
+    grouped_mm.seamless_tpu = True
+    mapping["grouped_mm"] = grouped_mm
+    _STATE.torch_patches.append(lambda: mapping.__setitem__("grouped_mm", own))
+
+
+def _dense_experts(experts, x, top_k_index, top_k_weights):
+    """transformers' grouped_mm experts' math, (N, H) tokens to (N, H): each token's chosen experts' outputs times
+    their weights, summed. grouped_mm sorts the batch's tokens by expert, a sort GSPMD cannot split, so each device
+    ran the whole batch's experts (a 4-device Mixtral step: 0.47 of its dot FLOPs a device). Here every expert runs
+    on every token, which stays on its device: E/k x the experts' FLOPs, each device its share."""
+    e, transposed = experts.num_experts, experts.is_transposed
+    up, bias = ((experts.gate_up_proj, "gate_up_proj_bias") if experts.has_gate else (experts.up_proj, "up_proj_bias"))
+    h = torch.einsum("nh,ehi->eni" if transposed else "nh,eih->eni", x, up)  # (E, N, 2I or I)
+    h = h + getattr(experts, bias)[:, None] if experts.has_bias else h
+    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    y = torch.einsum("eni,eih->enh" if transposed else "eni,ehi->enh", h, experts.down_proj)
+    y = y + experts.down_proj_bias[:, None] if experts.has_bias else y
+    y = experts.post_expert_norm(y) if experts.has_post_expert_norm else y
+    chosen = torch.zeros((x.shape[0], e), dtype=torch.bool, device=x.device).scatter(1, top_k_index, True).T
+    weights = torch.zeros((x.shape[0], e), dtype=top_k_weights.dtype, device=x.device).scatter(
+        1, top_k_index, top_k_weights).T
+    return torch.where(chosen[..., None], y * weights[..., None], 0).sum(0).to(x.dtype)  # 0, not 0 x inf
 
 
 def _norms(diff, p):
@@ -3881,6 +3916,7 @@ def _place(model, layout):
         for t in itertools.chain(model.parameters(), model.buffers()):
             if not _import("torch_xla")._XLAC._get_xla_sharding_spec(t):
                 _mark_sharding(t, layout.mesh, (None,) * t.dim())
+        _moe_experts_dense()
         if model not in _STATE.cuts.models:  # a second trainer of the same model adds no second set of hooks
             if layout.scan and _private_apis():
                 _find_loops(model, layout)

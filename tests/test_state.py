@@ -909,6 +909,36 @@ def test_grouped_mm_is_torch_s_for_every_form_and_both_derivatives(form):
                                torch.stack([torch._grouped_mm(x, b.detach(), offs=o) for x in batch]))
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_experts_run_dense_with_transformers_numbers(family, cpu):
+    """transformers' grouped_mm experts (its MoE default) sort the batch's tokens by expert, which GSPMD cannot split:
+    on XLA inputs the trainer runs every expert on every token (_dense_experts), with grouped_mm's outputs and
+    gradients. Its swap of transformers' entry hands other tensors to transformers' own; _reset_caches puts it back."""
+    import transformers
+    from transformers.integrations import moe
+
+    config = {"mixtral": transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_local_experts=4),
+              "qwen3_moe": transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=32, num_experts=4)}[family]
+    torch.manual_seed(0)
+    experts = [m for m in transformers.AutoModelForCausalLM.from_config(config).modules()
+               if type(m).__name__.endswith("Experts")][0]
+    g = torch.Generator().manual_seed(0)
+    x, logits = torch.randn(24, 32, generator=g, requires_grad=True), torch.randn(24, 4, generator=g)
+    weights, index = torch.topk(logits.softmax(-1), 2, dim=-1)
+    weights.requires_grad_()
+    outs = [f(experts, x, index, weights) for f in (moe.grouped_mm_experts_forward, st._dense_experts)]
+    assert torch.equal(outs[0], outs[1])
+    cot, wrt = torch.randn(outs[0].shape, generator=g), [x, weights, *experts.parameters()]
+    for ours, theirs in zip(*(torch.autograd.grad(y, wrt, cot) for y in outs)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    own = moe.ExpertsInterface._global_mapping["grouped_mm"]
+    st._moe_experts_dense()
+    swapped = moe.ExpertsInterface._global_mapping["grouped_mm"]
+    assert swapped is not own and torch.equal(swapped(experts, x, index, weights), outs[0])  # CPU tensors: theirs
+    st._reset_caches()
+    assert moe.ExpertsInterface._global_mapping["grouped_mm"] is own
+
+
 def test_grouped_mm_keeps_torch_s_errors_and_its_overlapping_offsets():
     """Each input torch's CPU kernel refuses, refused with its error (its meta kernel holds CUDA's: bf16 only); offsets
     that decrease, where two groups hold a row, give it the last group's product, as torch's kernel overwrites it."""
