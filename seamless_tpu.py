@@ -1191,9 +1191,9 @@ def _grouped_mm_checks(a, b, offs, bias, out_dtype):
     torch._check(out_dtype in (None, a.dtype), lambda: "Grouped gemm output dtype must match `mat_a` dtype")
     torch._check(all(s * t.element_size() % 16 == 0 for t in (a, b) for s in t.stride() if s != 1),
                  lambda: "strides should be multiple of 16 bytes")
-    torch._check(a.dtype == b.dtype, lambda: f"expected m1 and m2 to have the same dtype, but got: "
-                 f"{_dtype_name(a.dtype).lower() if a.dtype == torch.float32 else 'c10::' + _dtype_name(a.dtype)} "
-                 f"!= {_dtype_name(b.dtype).lower() if b.dtype == torch.float32 else 'c10::' + _dtype_name(b.dtype)}")
+    cpp = lambda d: "float" if d == torch.float32 else f"c10::{_dtype_name(d)}"  # noqa: E731  C++'s names
+    torch._check(a.dtype == b.dtype, lambda: f"expected m1 and m2 to have the same dtype, but got: {cpp(a.dtype)} != "
+                 f"{cpp(b.dtype)}")
 
 
 def _moe_experts_dense():
@@ -2463,18 +2463,14 @@ def _xla_histc(self, bins=100, min=0, max=0):
         raise NotImplementedError(f'"{kernel}" not implemented for \'{_dtype_name(self.dtype)}\'')
     torch._check(bins > 0, lambda: f"torch.histogram(): bins must be > 0, but got {bins} for dimension 0")
     torch._check(min <= max, lambda: "torch.histc: max must be larger than min")
-    if not self.is_floating_point():
-        x, low, high = self.reshape(-1).long(), int(min), int(max)  # CUDA's bounds: the Scalars as int64
-        low, high = (x.min(), x.max()) if low == high and x.numel() else (x.new_tensor(low), x.new_tensor(high))
-        low, high = torch.where(low == high, low - 1, low), torch.where(low == high, high + 1, high)
-        at = ((x - low) * bins).div(high - low, rounding_mode="trunc").clamp(0, bins - 1)
-        return self.new_zeros(bins).scatter_add(0, at, ((x >= low) & (x <= high)).to(self.dtype))
-    x = self.reshape(-1)
+    integer = not self.is_floating_point()
+    x = self.reshape(-1).long() if integer else self.reshape(-1)
+    min, max = (int(min), int(max)) if integer else (min, max)  # CUDA's integer bounds: the Scalars as int64
     low, high = (x.min(), x.max()) if min == max and x.numel() else (x.new_tensor(min), x.new_tensor(max))
     low, high = torch.where(low == high, low - 1, low), torch.where(low == high, high + 1, high)
-    at = ((x - low) * bins / (high - low)).long().clamp(0, bins - 1)  # the last bin holds max
-    inside = ((x >= low) & (x <= high) & (high - low).isfinite()).to(self.dtype)  # NaN: outside
-    return x.new_zeros(bins).scatter_add(0, at, inside)
+    at = ((x - low) * bins).div(high - low, rounding_mode="trunc") if integer else ((x - low) * bins / (high - low))
+    inside = (x >= low) & (x <= high) & (high - low).isfinite()  # NaN: outside
+    return self.new_zeros(bins).scatter_add(0, at.long().clamp(0, bins - 1), inside.to(self.dtype))  # max: last bin
 
 
 @_lowering("norm.ScalarOpt_dim", family="reductions", why="cpu", key="XLA")
@@ -4427,8 +4423,9 @@ def _states_key(stack):
             raise _NotALoop(_holds(states[j], stack.written))
         for mine, theirs in zip(states[k], states[j]):
             for a in theirs.apart(mine):
-                why = _attr_difference(theirs, mine, start + k, start + j, a)
-                marked.setdefault((j, mine.name, a), why + ", which their forward reads")
+                if (j, mine.name, a) not in marked:  # said of the first block that differs
+                    marked[j, mine.name, a] = (_attr_difference(theirs, mine, start + k, start + j, a)
+                                               + ", which their forward reads")
     trainable = tuple(p.requires_grad for b in looped for p in b.parameters())
     return tuple(_unmarked(states[j], j, marked) for j in range(period)), trainable, frozenset(marked.items())
 

@@ -137,7 +137,7 @@ def sequential(width=32, depth=3):
 # with their defaults, at depths where their repeats show: Gemma2's sliding and global layers alternate, Gemma3 has
 # five sliding ones to a global one, ModernBERT a global one in three after a first layer of its own, T5 a first
 # block of its own in its encoder and its decoder; Mixtral's and Qwen3-MoE's experts by transformers' default,
-# grouped_mm, whose routing counts tokens with an integer histc); build() makes each
+# grouped_mm, which the trainer runs dense on XLA: moe_split); build() makes each
 FAMILIES = {"qwen3": (1, "lm", 3), "llama": (1, "lm", 3), "gpt2": (1, "lm", 3), "bert": (1, "lm", 3),
             "qwen3_lora": (1, "lm", 3), "llama_checkpointed": (1, "lm", 3), "transformer_encoder": (1, "tokens", 3),
             "sequential": (1, "tokens", 3), "module_list": (1, "tokens", 3), "distillation": (2, "lm", 3),

@@ -113,7 +113,7 @@ OPINFO_NAMES = {
     "slice_copy.Tensor": ["slice", "narrow", "__getitem__"],
     "slice_scatter": ["slice_scatter"],
     "slice_backward": ["slice", "narrow", "__getitem__"],
-    "_grouped_mm": ["_grouped_mm"],  # op_db has none: OWN's
+    "_grouped_mm": ["_grouped_mm"],  # op_db has none: own_entries()
 }
 NAMES = sorted({name for op in seamless_tpu._LOWERINGS for name in OPINFO_NAMES.get(op, ())})  # the table's
 N_GROUPS = 4  # every process pays ~10 s to import torch, torch_xla and op_db; round-robin spreads the heavy entries
